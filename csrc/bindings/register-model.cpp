@@ -1,0 +1,250 @@
+// moetier._core.Model: a llama.cpp model + context, with or without the expert cache.
+
+#include "bindings.h"
+
+#include "llama.h"
+#include "moetier.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+struct model_deleter   { void operator()(llama_model * m)   const { llama_model_free(m); } };
+struct context_deleter { void operator()(llama_context * c) const { llama_free(c); } };
+struct sampler_deleter { void operator()(llama_sampler * s) const { llama_sampler_free(s); } };
+
+class py_model {
+public:
+    py_model(const std::string & path, uint64_t cache_bytes, const std::string & store_dir, const std::string & policy,
+             bool direct_io, uint32_t n_ctx, int32_t n_threads, uint32_t n_batch, uint32_t n_ubatch)
+            : path_(path), store_(store_dir), policy_(policy) {
+        moetier_params mp = moetier_default_params();
+        mp.cache_bytes = cache_bytes;
+        mp.direct_io   = direct_io;
+        moetier_params_from_strings(&mp, store_.c_str(), policy_.c_str());
+
+        llama_model_params params = llama_model_default_params();
+        params.moetier = &mp;
+
+        llama_model * m = nullptr;
+        {
+            py::gil_scoped_release release;
+            moetier_py_clear_logged_error();
+            m = llama_model_load_from_file(path.c_str(), params);
+        }
+        if (!m) {
+            std::string why = moetier_last_error();
+            if (why.empty()) {
+                why = moetier_py_last_logged_error();
+            }
+            throw std::runtime_error(path + ": failed to load model: " + (why.empty() ? "unknown error (see the log)" : why));
+        }
+        model_.reset(m);
+        vocab_ = llama_model_get_vocab(m);
+
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx           = n_ctx;
+        cp.n_batch         = n_batch;
+        cp.n_ubatch        = n_ubatch;
+        cp.n_threads       = n_threads;
+        cp.n_threads_batch = n_threads;
+        cp.no_perf         = true;
+        llama_context * c = llama_init_from_model(m, cp);
+        if (!c) {
+            throw std::runtime_error(path + ": failed to create a context: " + moetier_py_last_logged_error());
+        }
+        ctx_.reset(c);
+        if (moetier_model_has_cache(m)) {
+            llama_set_abort_callback(c, moetier_abort_callback, m);
+        }
+    }
+
+    std::vector<llama_token> tokenize(const std::string & text, bool add_special) const {
+        std::vector<llama_token> out(text.size() + 8);
+        int32_t n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special, true);
+        if (n < 0) {
+            out.resize(-n);
+            n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special, true);
+        }
+        if (n < 0) {
+            throw std::runtime_error("tokenize failed");
+        }
+        out.resize(n);
+        return out;
+    }
+
+    py::bytes detokenize(const std::vector<llama_token> & tokens) const {
+        std::string out;
+        char buf[256];
+        for (llama_token t : tokens) {
+            check_token(t);
+            const int32_t n = llama_token_to_piece(vocab_, t, buf, sizeof(buf), 0, false);
+            if (n > 0) {
+                out.append(buf, n);
+            }
+        }
+        return py::bytes(out);
+    }
+
+    // last-position logits of tokens, from an empty context
+    py::array_t<float> logits(const std::vector<llama_token> & tokens) {
+        if (tokens.empty()) {
+            throw std::invalid_argument("logits: no tokens");
+        }
+        {
+            py::gil_scoped_release release;
+            start_sequence();
+            eval(tokens);
+        }
+        const int32_t n_vocab = llama_vocab_n_tokens(vocab_);
+        py::array_t<float> out(n_vocab);
+        const float * l = llama_get_logits_ith(ctx_.get(), -1);
+        std::copy(l, l + n_vocab, out.mutable_data());
+        return out;
+    }
+
+    // generated tokens after prompt; temperature 0 = greedy
+    std::vector<llama_token> generate(const std::vector<llama_token> & prompt, int32_t max_tokens, float temperature,
+                                      uint32_t seed) {
+        if (prompt.empty()) {
+            throw std::invalid_argument("generate: empty prompt");
+        }
+        std::vector<llama_token> out;
+        py::gil_scoped_release release;
+
+        std::unique_ptr<llama_sampler, sampler_deleter> smpl(llama_sampler_chain_init(llama_sampler_chain_default_params()));
+        if (temperature <= 0.0f) {
+            llama_sampler_chain_add(smpl.get(), llama_sampler_init_greedy());
+        } else {
+            llama_sampler_chain_add(smpl.get(), llama_sampler_init_temp(temperature));
+            llama_sampler_chain_add(smpl.get(), llama_sampler_init_dist(seed));
+        }
+
+        start_sequence();
+        eval(prompt);
+        for (int32_t i = 0; i < max_tokens; ++i) {
+            const llama_token t = llama_sampler_sample(smpl.get(), ctx_.get(), -1);
+            if (llama_vocab_is_eog(vocab_, t)) {
+                break;
+            }
+            out.push_back(t);
+            if (i + 1 < max_tokens) {
+                eval({ t });
+            }
+        }
+        return out;
+    }
+
+    py::dict stats() const {
+        py::dict d;
+        moetier_cache_info info;
+        if (moetier_model_cache_info(model_.get(), &info) != 0) {
+            return d;
+        }
+        std::vector<moetier_layer_stats> ls(info.n_layers);
+        moetier_model_layer_stats(model_.get(), ls.data(), (int32_t) ls.size());
+        py::list layers;
+        for (const auto & l : ls) {
+            py::dict x;
+            x["layer"]      = l.layer;
+            x["lookups"]    = l.n_lookups;
+            x["hits"]       = l.n_hits;
+            x["misses"]     = l.n_misses;
+            x["bytes_read"] = l.n_bytes_read;
+            x["read_seconds"] = l.read_us / 1e6;
+            layers.append(x);
+        }
+        d["layers"] = layers;
+        return d;
+    }
+
+    py::dict cache_info() const {
+        py::dict d;
+        moetier_cache_info info;
+        if (moetier_model_cache_info(model_.get(), &info) != 0) {
+            return d;
+        }
+        d["n_layers"]        = info.n_layers;
+        d["n_expert"]        = info.n_expert;
+        d["n_groups"]        = info.n_groups;
+        d["n_slots"]         = info.n_slots;
+        d["cache_bytes"]     = info.cache_bytes;
+        d["expert_bytes"]    = info.expert_bytes;
+        d["min_cache_bytes"] = info.min_cache_bytes;
+        d["from_store"]      = info.from_store;
+        d["direct_io"]       = info.direct_io;
+        return d;
+    }
+
+    void reset_stats() { moetier_model_reset_stats(model_.get()); }
+
+    int32_t n_vocab() const { return llama_vocab_n_tokens(vocab_); }
+    bool    has_cache() const { return moetier_model_has_cache(model_.get()); }
+
+private:
+    void check_token(llama_token t) const {
+        if (t < 0 || t >= llama_vocab_n_tokens(vocab_)) {
+            throw std::invalid_argument("token id " + std::to_string(t) + " is out of the vocabulary");
+        }
+    }
+
+    void start_sequence() {
+        llama_memory_clear(llama_get_memory(ctx_.get()), true);
+        moetier_model_reset_sequence(model_.get());
+    }
+
+    // decodes tokens in n_batch pieces, logits for the last one only
+    void eval(const std::vector<llama_token> & tokens) {
+        for (llama_token t : tokens) {
+            check_token(t);
+        }
+        const int32_t n_batch = (int32_t) llama_n_batch(ctx_.get());
+        for (size_t i = 0; i < tokens.size(); i += n_batch) {
+            const int32_t n = (int32_t) std::min<size_t>(n_batch, tokens.size() - i);
+            llama_batch batch = llama_batch_get_one(const_cast<llama_token *>(tokens.data() + i), n);
+            const int32_t rc = llama_decode(ctx_.get(), batch);
+            if (rc != 0) {
+                std::string why = moetier_model_error(model_.get());
+                moetier_model_clear_error(model_.get());
+                if (why.empty()) {
+                    why = "llama_decode returned " + std::to_string(rc);
+                }
+                throw std::runtime_error(path_ + ": decode failed: " + why);
+            }
+        }
+    }
+
+    std::string path_;
+    std::string store_;
+    std::string policy_;
+    std::unique_ptr<llama_model, model_deleter>     model_;
+    std::unique_ptr<llama_context, context_deleter> ctx_;
+    const llama_vocab * vocab_ = nullptr;
+};
+
+} // namespace
+
+void register_model(py::module_ & m) {
+    py::class_<py_model>(m, "Model")
+        .def(py::init<const std::string &, uint64_t, const std::string &, const std::string &, bool, uint32_t, int32_t, uint32_t, uint32_t>(),
+             py::arg("path"), py::arg("cache_bytes"), py::arg("store_dir"), py::arg("policy"), py::arg("direct_io"),
+             py::arg("n_ctx"), py::arg("n_threads"), py::arg("n_batch"), py::arg("n_ubatch"))
+        .def("tokenize", &py_model::tokenize, py::arg("text"), py::arg("add_special") = true)
+        .def("detokenize", &py_model::detokenize, py::arg("tokens"))
+        .def("logits", &py_model::logits, py::arg("tokens"))
+        .def("generate", &py_model::generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature") = 0.0f,
+             py::arg("seed") = 0)
+        .def("stats", &py_model::stats)
+        .def("cache_info", &py_model::cache_info)
+        .def("reset_stats", &py_model::reset_stats)
+        .def_property_readonly("n_vocab", &py_model::n_vocab)
+        .def_property_readonly("has_cache", &py_model::has_cache);
+}

@@ -1,0 +1,260 @@
+#include "moetier-hooks.h"
+
+#include "moetier-impl.h"
+#include "moetier-loader.h"
+
+#include "llama-model-loader.h"
+#include "llama-model.h"
+#include "llama.h"
+
+#include <cstring>
+
+void moetier_model_deleter::operator()(moetier_model * m) const {
+    delete m;
+}
+
+//
+// load hooks
+//
+
+moetier_model_ptr moetier_hook_model_init(const moetier_params * params, const std::string & fname,
+                                          const std::vector<std::string> & splits, int * load_mode) {
+    moetier_set_last_error("");
+    if (params == nullptr || params->cache_bytes == 0) {
+        if (params && params->store_dir && params->store_dir[0]) {
+            const std::string msg = format("expert store %s given without an expert cache budget", params->store_dir);
+            moetier_set_last_error(msg);
+            throw std::runtime_error(msg);
+        }
+        return nullptr;
+    }
+    try {
+        std::vector<std::string> paths = splits.empty() ? std::vector<std::string>{ fname } : splits;
+        moetier_model_ptr m(new moetier_model(*params, paths));
+        if (*load_mode == LLAMA_LOAD_MODE_MMAP || *load_mode == LLAMA_LOAD_MODE_AUTO) {
+            *load_mode = LLAMA_LOAD_MODE_NONE;
+        } else if (*load_mode == LLAMA_LOAD_MODE_MMAP_MLOCK) {
+            *load_mode = LLAMA_LOAD_MODE_MLOCK;
+        }
+        return m;
+    } catch (const std::exception & e) {
+        moetier_set_last_error(e.what());
+        throw;
+    }
+}
+
+ggml_tensor * moetier_hook_create_tensor(moetier_model * m, const std::string & name, const ggml_tensor * cur,
+                                         const llama_tensor_weight * w) {
+    if (m == nullptr || w == nullptr) {
+        return nullptr;
+    }
+    try {
+        return m->create_tensor(name, cur, w->idx, w->offs);
+    } catch (const std::exception & e) {
+        moetier_set_last_error(e.what());
+        throw;
+    }
+}
+
+void moetier_hook_model_loaded(moetier_model * m) {
+    if (m == nullptr) {
+        return;
+    }
+    try {
+        m->finish_load();
+    } catch (const std::exception & e) {
+        moetier_set_last_error(m->paths[0] + ": " + e.what());
+        throw std::runtime_error(moetier_last_error());
+    }
+}
+
+//
+// graph hook and custom ops
+//
+
+static void moetier_op_resolve_impl(ggml_tensor * dst, void * userdata, bool warmup) noexcept {
+    moetier_layer * l = (moetier_layer *) userdata;
+    const ggml_tensor * ids = dst->src[0];
+    l->cache->resolve(*l, (const int32_t *) ids->data, ids->ne[0], ids->ne[1], ids->nb[1], (int32_t *) dst->data, warmup);
+}
+
+static void moetier_op_resolve(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    GGML_UNUSED(ith);
+    GGML_UNUSED(nth);
+    moetier_op_resolve_impl(dst, userdata, false);
+}
+
+static void moetier_op_resolve_warmup(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    GGML_UNUSED(ith);
+    GGML_UNUSED(nth);
+    moetier_op_resolve_impl(dst, userdata, true);
+}
+
+static void moetier_op_load(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    moetier_layer * l = (moetier_layer *) userdata;
+    l->cache->load(ith, nth);
+
+    // pass the slots through: the mul_mat_ids depend on this op, so they run after the reads
+    const ggml_tensor * src = dst->src[0];
+    const int64_t n  = ggml_nelements(dst);
+    const int64_t i0 = n * ith / nth;
+    const int64_t i1 = n * (ith + 1) / nth;
+    memcpy((int32_t *) dst->data + i0, (const int32_t *) src->data + i0, (i1 - i0) * sizeof(int32_t));
+}
+
+ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_experts, bool warmup,
+                                   ggml_tensor ** up_exps, ggml_tensor ** gate_exps, ggml_tensor ** down_exps,
+                                   ggml_tensor ** gate_up_exps) noexcept {
+    moetier_layer * l = moetier_model::layer_of(*gate_up_exps ? *gate_up_exps : *up_exps);
+    if (l == nullptr) {
+        return selected_experts;
+    }
+    ggml_tensor * args[1] = { selected_experts };
+    ggml_tensor * slots = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1, 1,
+            args, 1, warmup ? moetier_op_resolve_warmup : moetier_op_resolve, 1, l);
+    ggml_format_name(slots, "moetier_resolve-%d", l->il);
+
+    args[0] = slots;
+    ggml_tensor * loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1, 1,
+            args, 1, moetier_op_load, GGML_N_TASKS_MAX, l);
+    ggml_format_name(loaded, "moetier_load-%d", l->il);
+
+    ggml_tensor ** targets[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
+    for (ggml_tensor ** t : targets) {
+        if (*t == nullptr) {
+            continue;
+        }
+        for (const auto & p : l->projs) {
+            if (p.meta == *t) {
+                *t = p.pool;
+            }
+        }
+        GGML_ASSERT(moetier_model::layer_of(*t) == nullptr && "expert tensor of a served layer has no pool");
+    }
+    return loaded;
+}
+
+//
+// C API
+//
+
+static moetier_model * moetier_of(const llama_model * model) {
+    return model ? model->moetier.get() : nullptr;
+}
+
+struct moetier_params moetier_default_params(void) {
+    moetier_params p = {
+        /*.cache_bytes =*/ 0,
+        /*.store_dir   =*/ nullptr,
+        /*.policy      =*/ "lru",
+        /*.direct_io   =*/ true,
+    };
+    return p;
+}
+
+bool moetier_model_has_cache(const struct llama_model * model) {
+    return moetier_of(model) != nullptr;
+}
+
+int32_t moetier_model_cache_info(const struct llama_model * model, struct moetier_cache_info * info) {
+    const moetier_model * m = moetier_of(model);
+    if (!m) {
+        return -1;
+    }
+    *info = {};
+    info->n_layers        = (int32_t) m->layers.size();
+    info->n_expert        = m->n_expert;
+    info->n_groups        = (int32_t) m->caches.size();
+    info->expert_bytes    = m->expert_bytes;
+    info->min_cache_bytes = m->min_cache_bytes;
+    info->from_store      = m->store != nullptr;
+    info->direct_io       = m->store ? m->store_file->direct() : m->files[0]->direct();
+    for (const auto & c : m->caches) {
+        info->n_slots     += c->n_slots();
+        info->cache_bytes += c->pool_bytes();
+    }
+    return 0;
+}
+
+int32_t moetier_model_layer_stats(const struct llama_model * model, struct moetier_layer_stats * out, int32_t n_max) {
+    moetier_model * m = moetier_of(model);
+    if (!m) {
+        return 0;
+    }
+    for (auto & c : m->caches) {
+        c->sync();
+    }
+    const int32_t n = (int32_t) m->layers.size();
+    for (int32_t i = 0; i < n && i < n_max; ++i) {
+        const moetier_layer & l = *m->layers[i];
+        out[i].layer        = l.il;
+        out[i].n_lookups    = l.counters.n_lookups;
+        out[i].n_hits       = l.counters.n_hits;
+        out[i].n_misses     = l.counters.n_misses;
+        out[i].n_bytes_read = l.counters.n_bytes_read;
+        out[i].read_us      = l.counters.read_us;
+    }
+    return n;
+}
+
+void moetier_model_reset_stats(struct llama_model * model) {
+    moetier_model * m = moetier_of(model);
+    if (!m) {
+        return;
+    }
+    for (auto & c : m->caches) {
+        c->sync();
+    }
+    for (auto & l : m->layers) {
+        l->counters = moetier_layer_counters{};
+    }
+}
+
+void moetier_model_reset_sequence(struct llama_model * model) {
+    moetier_model * m = moetier_of(model);
+    if (!m) {
+        return;
+    }
+    for (auto & c : m->caches) {
+        c->reset_sequence();
+    }
+}
+
+bool moetier_abort_callback(void * model) {
+    const moetier_model * m = moetier_of((const llama_model *) model);
+    if (!m) {
+        return false;
+    }
+    for (const auto & c : m->caches) {
+        if (c->failed()) {
+            return true;
+        }
+    }
+    return false;
+}
+
+const char * moetier_model_error(const struct llama_model * model) {
+    static thread_local std::string msg;
+    msg.clear();
+    const moetier_model * m = moetier_of(model);
+    if (m) {
+        for (const auto & c : m->caches) {
+            msg = c->error();
+            if (!msg.empty()) {
+                break;
+            }
+        }
+    }
+    return msg.c_str();
+}
+
+void moetier_model_clear_error(struct llama_model * model) {
+    moetier_model * m = moetier_of(model);
+    if (!m) {
+        return;
+    }
+    for (auto & c : m->caches) {
+        c->sync();
+        c->clear_error();
+    }
+}

@@ -1,0 +1,44 @@
+#pragma once
+
+// The only moetier header that the patched llama.cpp includes. Each hook is a thin adapter: the
+// patch passes upstream objects in and uses the result; the logic lives in csrc/.
+//
+// Load-time hooks throw std::runtime_error, as llama.cpp's loader does (llama_model_load catches
+// and reports it); graph hooks and custom-op bodies are noexcept.
+
+#include "moetier.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+struct ggml_context;
+struct ggml_tensor;
+struct llama_tensor_weight;
+struct moetier_model;
+
+struct moetier_model_deleter {
+    void operator()(moetier_model * m) const;
+};
+using moetier_model_ptr = std::unique_ptr<moetier_model, moetier_model_deleter>;
+
+// llama_model_load, before the loader: nullptr if params is NULL or the cache is off. Served experts
+// must not be faulted in by mmap's prefetch, so an mmap load mode becomes a plain read (*load_mode).
+moetier_model_ptr moetier_hook_model_init(const moetier_params * params, const std::string & fname,
+                                          const std::vector<std::string> & splits, int * load_mode);
+
+// llama_model_loader::create_tensor: the data-less tensor of a served expert tensor, or nullptr
+ggml_tensor * moetier_hook_create_tensor(moetier_model * m, const std::string & name, const ggml_tensor * cur,
+                                         const llama_tensor_weight * w);
+
+// llama_model_load, after load_tensors: allocates the slot pools from the budget
+void moetier_hook_model_loaded(moetier_model * m);
+
+// build_moe_ffn, after the top-k: if the layer's experts are served, inserts the resolve and load
+// ops, points the expert tensors at the slot pools and returns the slot ids that the mul_mat_ids
+// must use; otherwise returns selected_experts unchanged. warmup: cparams.warmup.
+ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_experts, bool warmup,
+                                   ggml_tensor ** up_exps, ggml_tensor ** gate_exps, ggml_tensor ** down_exps,
+                                   ggml_tensor ** gate_up_exps) noexcept;

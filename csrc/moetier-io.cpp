@@ -1,0 +1,150 @@
+#include "moetier-io.h"
+
+#include "moetier-impl.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <new>
+#include <stdexcept>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void moetier_aligned_deleter::operator()(void * p) const {
+    free(p);
+}
+
+void moetier_aligned_buffer::reserve(size_t n) {
+    if (n <= size) {
+        return;
+    }
+    n = moetier_align_up(n);
+    void * p = nullptr;
+    if (posix_memalign(&p, MOETIER_ALIGN, n) != 0) {
+        throw std::bad_alloc();
+    }
+    data.reset(p);
+    size = n;
+}
+
+moetier_file::moetier_file(const std::string & path, bool direct_io) : path_(path) {
+    fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) {
+        throw std::runtime_error(format("%s: cannot open: %s", path.c_str(), strerror(errno)));
+    }
+    struct stat st;
+    if (fstat(fd_, &st) != 0) {
+        const int e = errno;
+        close(fd_);
+        throw std::runtime_error(format("%s: cannot stat: %s", path.c_str(), strerror(e)));
+    }
+    size_ = (uint64_t) st.st_size;
+    if (direct_io) {
+#ifdef O_DIRECT
+        fd_direct_ = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (fd_direct_ < 0) {
+            MOETIER_LOG_WARN("%s: %s: O_DIRECT refused (%s); reading through the page cache and dropping the pages after each read\n",
+                    __func__, path.c_str(), strerror(errno));
+        }
+#else
+        MOETIER_LOG_WARN("%s: %s: O_DIRECT is not available on this platform; using buffered reads\n", __func__, path.c_str());
+#endif
+    }
+    direct_ = fd_direct_ >= 0;
+}
+
+moetier_file::~moetier_file() {
+    if (fd_direct_ >= 0) {
+        close(fd_direct_);
+    }
+    if (fd_ >= 0) {
+        close(fd_);
+    }
+}
+
+bool moetier_file::pread_full(int fd, void * dst, uint64_t offset, size_t n, std::string & err) const {
+    uint8_t * p = (uint8_t *) dst;
+    size_t done = 0;
+    while (done < n) {
+        const ssize_t r = pread(fd, p + done, n - done, (off_t) (offset + done));
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            err = format("%s: read of %zu bytes at offset %llu failed: %s", path_.c_str(), n,
+                    (unsigned long long) offset, strerror(errno));
+            return false;
+        }
+        if (r == 0) {
+            break;
+        }
+        done += (size_t) r;
+    }
+    if (done < n) {
+        err = format("%s: file is truncated: wanted %zu bytes at offset %llu, file has %llu bytes", path_.c_str(), n,
+                (unsigned long long) offset, (unsigned long long) size_);
+        return false;
+    }
+    return true;
+}
+
+bool moetier_file::read(void * dst, uint64_t offset, size_t n, moetier_aligned_buffer & bounce, std::string & err) const {
+    if (offset + n > size_) {
+        err = format("%s: file is truncated: wanted %zu bytes at offset %llu, file has %llu bytes", path_.c_str(), n,
+                (unsigned long long) offset, (unsigned long long) size_);
+        return false;
+    }
+    if (!direct_) {
+        if (!pread_full(fd_, dst, offset, n, err)) {
+            return false;
+        }
+#ifdef POSIX_FADV_DONTNEED
+        posix_fadvise(fd_, (off_t) offset, (off_t) n, POSIX_FADV_DONTNEED);
+#endif
+        return true;
+    }
+
+    // O_DIRECT: transfers must be block aligned in address, offset and length; the tail of the last
+    // block may lie past EOF, where pread returns short, which is fine as long as [offset, offset+n) came
+    const bool aligned = ((uintptr_t) dst % MOETIER_ALIGN) == 0 && offset % MOETIER_ALIGN == 0 && n % MOETIER_ALIGN == 0;
+    if (aligned) {
+        return pread_full(fd_direct_, dst, offset, n, err);
+    }
+
+    const uint64_t a_begin = offset / MOETIER_ALIGN * MOETIER_ALIGN;
+    const uint64_t a_end   = moetier_align_up(offset + n);
+    const size_t   chunk   = bounce.size;
+    GGML_ASSERT(chunk >= 2*MOETIER_ALIGN);
+
+    uint8_t * out = (uint8_t *) dst;
+    for (uint64_t pos = a_begin; pos < a_end; pos += chunk) {
+        const size_t want = (size_t) std::min<uint64_t>(chunk, a_end - pos);
+        // bytes of [offset, offset+n) inside [pos, pos+want)
+        const uint64_t lo = std::max<uint64_t>(pos, offset);
+        const uint64_t hi = std::min<uint64_t>(pos + want, offset + n);
+        size_t got = 0;
+        while (got < want) {
+            const ssize_t r = pread(fd_direct_, (uint8_t *) bounce.data.get() + got, want - got, (off_t) (pos + got));
+            if (r < 0) {
+                if (errno == EINTR) {
+                    continue;
+                }
+                err = format("%s: read of %zu bytes at offset %llu failed: %s", path_.c_str(), want,
+                        (unsigned long long) (pos + got), strerror(errno));
+                return false;
+            }
+            if (r == 0) {
+                break;
+            }
+            got += (size_t) r;
+        }
+        if (pos + got < hi) {
+            err = format("%s: file is truncated at offset %llu", path_.c_str(), (unsigned long long) (pos + got));
+            return false;
+        }
+        memcpy(out + (lo - offset), (uint8_t *) bounce.data.get() + (lo - pos), hi - lo);
+    }
+    return true;
+}

@@ -1,0 +1,53 @@
+#pragma once
+
+// How experts are read: files opened for O_DIRECT (buffered fallback), aligned buffers, pread.
+// Knows nothing of ggml graphs or the cache.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+struct moetier_aligned_deleter {
+    void operator()(void * p) const;
+};
+
+// page-aligned heap buffer, as O_DIRECT needs for its destination
+struct moetier_aligned_buffer {
+    std::unique_ptr<void, moetier_aligned_deleter> data;
+    size_t size = 0;
+
+    // throws std::bad_alloc
+    void reserve(size_t n);
+};
+
+// A read-only file for expert reads. With direct I/O requested and accepted by the file system,
+// reads bypass the page cache: an expert read once must not stay resident behind the cache's back
+// (that is what a memory cap counts). Otherwise reads are buffered and the pages are dropped after.
+class moetier_file {
+public:
+    // throws std::runtime_error naming the path
+    moetier_file(const std::string & path, bool direct_io);
+    ~moetier_file();
+
+    moetier_file(const moetier_file &) = delete;
+    moetier_file & operator=(const moetier_file &) = delete;
+
+    // Reads n bytes at offset into dst. Aligned transfers go straight into dst; others use bounce
+    // (grown once to the largest transfer, never per call in steady state). Returns false and sets
+    // err on failure or a short file. Thread-safe for distinct dst/bounce.
+    bool read(void * dst, uint64_t offset, size_t n, moetier_aligned_buffer & bounce, std::string & err) const;
+
+    const std::string & path() const { return path_; }
+    uint64_t size()   const { return size_; }
+    bool     direct() const { return direct_; }
+
+private:
+    bool pread_full(int fd, void * dst, uint64_t offset, size_t n, std::string & err) const;
+
+    std::string path_;
+    int      fd_        = -1; // buffered
+    int      fd_direct_ = -1; // O_DIRECT, -1 if refused
+    uint64_t size_      = 0;
+    bool     direct_    = false;
+};

@@ -1,0 +1,64 @@
+#pragma once
+
+// Which tensors the cache serves, where their bytes are, and how the byte budget becomes slot
+// pools. One moetier_model per llama_model, owned by it (llama_model::moetier).
+
+#include "moetier-cache.h"
+#include "moetier-io.h"
+#include "moetier-store.h"
+#include "moetier.h"
+
+#include "ggml.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+struct moetier_model {
+    // throws std::runtime_error: bad params, unreadable files, a store that does not match
+    moetier_model(const moetier_params & params, const std::vector<std::string> & paths);
+    ~moetier_model();
+
+    moetier_model(const moetier_model &) = delete;
+    moetier_model & operator=(const moetier_model &) = delete;
+
+    //
+    // load API (called by the patched loader, in order)
+    //
+
+    // Creates the data-less tensor of a served expert tensor, or returns nullptr if name is not one.
+    // file_idx/offs: where llama.cpp's loader found the tensor.
+    ggml_tensor * create_tensor(const std::string & name, const ggml_tensor * cur, uint16_t file_idx, size_t offs);
+
+    // after all tensors exist: forms pool groups and allocates the pools from the budget
+    void finish_load();
+
+    //
+    // graph API
+    //
+
+    // the served layer whose projection tensor t is, or nullptr
+    static moetier_layer * layer_of(const ggml_tensor * t);
+
+    //
+    // state
+    //
+
+    std::string policy_name;
+    uint64_t    cache_bytes = 0;
+    bool        direct_io   = true;
+
+    std::vector<std::string>                   paths;  // GGUF files, split order
+    std::vector<std::unique_ptr<moetier_file>> files;  // opened on demand for GGUF reads
+    std::unique_ptr<moetier_store>             store;
+    std::unique_ptr<moetier_file>              store_file;
+
+    ggml_context * meta_ctx = nullptr; // served tensors, no data
+
+    std::vector<std::unique_ptr<moetier_layer>> layers;  // served layers, in layer order after finish_load
+    std::vector<std::unique_ptr<moetier_cache>> caches;  // one per pool group
+
+    int32_t  n_expert        = 0;
+    uint64_t expert_bytes    = 0; // all served experts, unpadded
+    uint64_t min_cache_bytes = 0;
+};

@@ -1,0 +1,135 @@
+#pragma once
+
+// moetier: serve the experts of a llama.cpp MoE model from disk through a bounded expert cache.
+//
+// The cache is configured per model through llama_model_params.moetier (patched into llama.h):
+// with cache_bytes == 0 the model loads exactly as stock llama.cpp does. Otherwise the expert
+// tensors of MoE layers (blk.N.ffn_{gate,up,down,gate_up}_exps) are not loaded; they are read on
+// demand, with pread, into slot pools sized from cache_bytes, from the packed store in store_dir or
+// straight from the GGUF.
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef LLAMA_SHARED
+#    if defined(_WIN32) && !defined(__MINGW32__)
+#        ifdef LLAMA_BUILD
+#            define MOETIER_API __declspec(dllexport)
+#        else
+#            define MOETIER_API __declspec(dllimport)
+#        endif
+#    else
+#        define MOETIER_API __attribute__((visibility("default")))
+#    endif
+#else
+#    define MOETIER_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct llama_model;
+struct llama_context;
+
+// Expert cache configuration of one model.
+struct moetier_params {
+    uint64_t     cache_bytes; // expert cache budget in bytes; 0 = cache off (stock llama.cpp loading)
+    const char * store_dir;   // packed expert store (moetier pack); NULL = read experts from the GGUF
+    const char * policy;      // eviction policy: "lru"; NULL = default
+
+    // Keep the booleans together to avoid misalignment during copy-by-value.
+    bool direct_io;           // O_DIRECT reads; refused by the file system -> buffered reads + a warning
+};
+
+MOETIER_API struct moetier_params moetier_default_params(void);
+
+// Fills p's strings for use as llama_model_params.moetier: an empty store means none. The strings
+// must outlive the model load. Returns p.
+MOETIER_API const struct moetier_params * moetier_params_from_strings(struct moetier_params * p, const char * store_dir,
+                                                                      const char * policy);
+
+// Parses a byte size: a non-negative number with an optional K, M, G or T suffix (powers of 1024,
+// optional trailing B or iB), e.g. "512M", "1.5G", "4096". Returns false if text is not a size.
+MOETIER_API bool moetier_parse_size(const char * text, uint64_t * out);
+
+// Names of the available eviction policies, NULL-terminated.
+MOETIER_API const char * const * moetier_policy_names(void);
+
+// The message of the last moetier error on this thread ("" if none): set when a model load with a
+// cache configured fails, or when moetier_pack fails. Valid until the next moetier call.
+MOETIER_API const char * moetier_last_error(void);
+
+//
+// expert cache of a loaded model
+//
+
+// Per-layer counters. A lookup is one distinct expert needed by one layer in one ubatch.
+struct moetier_layer_stats {
+    int32_t  layer;
+    uint64_t n_lookups;
+    uint64_t n_hits;
+    uint64_t n_misses;
+    uint64_t n_bytes_read;
+    uint64_t read_us;      // wall time of this layer's expert reads
+};
+
+struct moetier_cache_info {
+    int32_t  n_layers;       // MoE layers served by the cache
+    int32_t  n_expert;       // experts per layer
+    int32_t  n_groups;       // slot pool groups (layers whose experts share types and shapes)
+    int32_t  n_slots;        // slots over all groups
+    uint64_t cache_bytes;    // bytes held by the slot pools
+    uint64_t expert_bytes;   // bytes of all served experts (what stock llama.cpp loads)
+    uint64_t min_cache_bytes;// smallest budget accepted: one layer's experts per group
+    bool     from_store;     // experts are read from a packed store, not from the GGUF
+    bool     direct_io;      // reads bypass the page cache
+};
+
+// true if the model serves its experts from the cache
+MOETIER_API bool moetier_model_has_cache(const struct llama_model * model);
+
+// 0 on success, -1 if the model has no expert cache
+MOETIER_API int32_t moetier_model_cache_info(const struct llama_model * model, struct moetier_cache_info * info);
+
+// Copies up to n_max per-layer counters into out; returns the number of served layers.
+MOETIER_API int32_t moetier_model_layer_stats(const struct llama_model * model, struct moetier_layer_stats * out, int32_t n_max);
+
+MOETIER_API void moetier_model_reset_stats(struct llama_model * model);
+
+// Marks the start of a new sequence for the eviction policy (sequence-level records reset).
+MOETIER_API void moetier_model_reset_sequence(struct llama_model * model);
+
+// An abort callback for llama_set_abort_callback(ctx, moetier_abort_callback, model): stops the
+// graph after a failed expert read, so that llama_decode returns 2 instead of computing with a
+// slot that holds no data. moetier_model_error() then tells why.
+MOETIER_API bool moetier_abort_callback(void * model);
+
+// The first expert read error since the last moetier_model_clear_error ("" if none).
+MOETIER_API const char * moetier_model_error(const struct llama_model * model);
+MOETIER_API void         moetier_model_clear_error(struct llama_model * model);
+
+//
+// expert store
+//
+
+// Called with bytes done / total; return false to cancel.
+typedef bool (*moetier_progress_callback)(uint64_t done, uint64_t total, void * user_data);
+
+struct moetier_pack_params {
+    const char * low_type;       // ggml type name of the low-precision copy, e.g. "q4_0"
+    moetier_progress_callback progress_callback;
+    void *       progress_callback_user_data;
+};
+
+MOETIER_API struct moetier_pack_params moetier_pack_default_params(void);
+
+// Writes the expert store of model_path into out_dir (created if missing): experts.bin holding each
+// expert's projections in the model's precision and in low_type at 4096-aligned offsets, and
+// manifest.json. Written to temporary names, fsynced, then renamed, so a failed pack never leaves a
+// store that looks complete. Returns 0 on success, -1 on error (moetier_last_error), -2 if cancelled.
+MOETIER_API int32_t moetier_pack(const char * model_path, const char * out_dir, struct moetier_pack_params params);
+
+#ifdef __cplusplus
+}
+#endif

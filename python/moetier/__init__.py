@@ -1,0 +1,27 @@
+"""moetier: run Mixture-of-Experts GGUF models whose experts do not fit in memory."""
+
+from __future__ import annotations
+
+from .config import CacheConfig, ContextConfig, PackConfig, parse_size
+from .errors import ConfigError, ModelError, MoetierError, StoreError
+from .model import CacheStats, GenerateResult, LayerStats, Model
+from .pack import pack
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheConfig",
+    "CacheStats",
+    "ConfigError",
+    "ContextConfig",
+    "GenerateResult",
+    "LayerStats",
+    "Model",
+    "ModelError",
+    "MoetierError",
+    "PackConfig",
+    "StoreError",
+    "__version__",
+    "pack",
+    "parse_size",
+]

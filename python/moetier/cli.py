@@ -1,0 +1,166 @@
+"""moetier command line: run, pack, serve, tool."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .config import CacheConfig, ContextConfig, PackConfig
+from .errors import MoetierError
+
+
+def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "") -> None:
+    """One option per config field, with the field's help and default (so --help explains every knob)."""
+    for f in dataclasses.fields(cls):
+        name = "--" + prefix + f.name.replace("_", "-")
+        help_text = f.metadata.get("help")
+        if not help_text:
+            msg = f"{cls.__name__}.{f.name} has no help text"
+            raise RuntimeError(msg)
+        if f.type in ("bool", bool):
+            p.add_argument(name, dest=prefix.replace("-", "_") + f.name, action=argparse.BooleanOptionalAction,
+                           default=f.default, help=f"{help_text} (default: {f.default})")
+        else:
+            typ = int if f.type in ("int", int) else str
+            p.add_argument(name, dest=prefix.replace("-", "_") + f.name, type=typ, default=f.default,
+                           help=f"{help_text} (default: {f.default})")
+
+
+def _fields_of(ns: argparse.Namespace, cls: Any, prefix: str = "") -> dict[str, Any]:
+    return {f.name: getattr(ns, prefix.replace("-", "_") + f.name) for f in dataclasses.fields(cls)}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from .model import Model
+
+    cache = None if ns.no_cache else CacheConfig(**_fields_of(ns, CacheConfig, "cache-"))
+    ctx = ContextConfig(**_fields_of(ns, ContextConfig))
+    m = Model(ns.model, store=ns.store, cache=cache, context=ctx)
+    r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
+    sys.stdout.write(r.text + "\n")
+    s = r.stats
+    rate = s.bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
+    line = (
+        f"moetier: {len(r.tokens)} tokens in {r.seconds:.2f} s ({r.tokens_per_second:.2f} tok/s)"
+        + (
+            f" | cache hit rate {100 * s.hit_rate:.1f}% ({s.hits}/{s.lookups} lookups, {s.misses} misses)"
+            f" | read {_fmt_bytes(s.bytes_read)} at {_fmt_bytes(rate)}/s"
+            if m.has_cache
+            else " | expert cache off"
+        )
+    )
+    sys.stderr.write(line + "\n")
+    return 0
+
+
+def cmd_pack(ns: argparse.Namespace) -> int:
+    from .pack import pack
+
+    out = pack(ns.model, ns.output, PackConfig(**_fields_of(ns, PackConfig)), progress=False if ns.quiet else None)
+    sys.stderr.write(f"moetier: store written to {out}\n")
+    return 0
+
+
+def _tool_args(ns: argparse.Namespace, extra: list[str]) -> list[str]:
+    from .config import parse_size
+    from .server import cache_flags
+
+    budget = parse_size(ns.cache, "--cache") if ns.cache else None
+    return ["-m", ns.model, *cache_flags(budget, ns.store, ns.policy), *extra]
+
+
+def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
+    from .server import exec_tool
+
+    exec_tool("llama-server", _tool_args(ns, extra))
+    return 0
+
+
+def cmd_tool(ns: argparse.Namespace, extra: list[str]) -> int:
+    from .server import exec_tool
+
+    exec_tool(ns.tool, extra)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moetier",
+        description="Run MoE GGUF models whose experts do not fit in memory: experts are read on demand "
+        "into a bounded expert cache.",
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks and llama.cpp's info log")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="generate text with the expert cache and print one stats line")
+    r.add_argument("-m", "--model", required=True, help="GGUF model file")
+    r.add_argument("-p", "--prompt", required=True, help="prompt text")
+    r.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default: 64)")
+    r.add_argument("--store", default=None, help="expert store written by `moetier pack` (default: read the GGUF)")
+    r.add_argument("--no-cache", action="store_true", help="stock llama.cpp: load every expert (the baseline)")
+    r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0)")
+    r.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    _add_dataclass_args(r, CacheConfig, "cache-")
+    r.add_argument("--cache", dest="cache_budget", default=CacheConfig.budget,
+                   help="alias of --cache-budget: expert cache size, e.g. 256M")
+    _add_dataclass_args(r, ContextConfig)
+    r.set_defaults(func=cmd_run)
+
+    k = sub.add_parser("pack", help="write a model's expert store (high + low precision copies, 4096-aligned)")
+    k.add_argument("model", help="GGUF MoE model file")
+    k.add_argument("-o", "--output", default=None, help="store directory (default: MODEL.experts)")
+    k.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_dataclass_args(k, PackConfig)
+    k.set_defaults(func=cmd_pack)
+
+    s = sub.add_parser(
+        "serve",
+        help="run the patched llama-server; unknown options pass through to it",
+        description="Runs llama-server with the expert cache. Every llama-server option passes through "
+        "(see `moetier tool llama-server --help`).",
+    )
+    s.add_argument("-m", "--model", required=True, help="GGUF model file")
+    s.add_argument("--cache", default=None, help="expert cache size, e.g. 256M (default: off)")
+    s.add_argument("--store", default=None, help="expert store written by `moetier pack`")
+    s.add_argument("--policy", default=None, help="eviction policy (default: lru)")
+    s.set_defaults(func=cmd_serve, passthrough=True)
+
+    t = sub.add_parser("tool", help="run a shipped llama.cpp binary (they accept --expert-cache/--expert-store)")
+    t.add_argument("tool", choices=["llama-server", "llama-cli", "llama-perplexity", "llama-bench"])
+    t.set_defaults(func=cmd_tool, passthrough=True)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = list(sys.argv[1:] if argv is None else argv)
+    ns, extra = parser.parse_known_args(args)
+    if extra and not getattr(ns, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from . import _core
+
+    _core.set_log_level(_core.LOG_INFO if ns.debug else _core.LOG_ERROR)
+    try:
+        if getattr(ns, "passthrough", False):
+            return int(ns.func(ns, extra))
+        return int(ns.func(ns))
+    except MoetierError as e:
+        if ns.debug:
+            raise
+        sys.stderr.write(f"moetier: error: {e}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

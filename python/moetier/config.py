@@ -1,0 +1,92 @@
+"""Typed configuration of moetier. Sizes are parsed here (by the C++ core's parser, so that the
+shipped llama.cpp binaries accept exactly the same sizes) and validated with clear errors."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from . import _core
+from .errors import ConfigError
+
+_DEFAULTS: dict[str, Any] = _core.default_params()
+
+
+def parse_size(value: int | str, what: str) -> int:
+    """Bytes of a size given as an int or a string like '512M', '1.5G', '4096'."""
+    if isinstance(value, bool):
+        msg = f"{what}: {value!r} is not a size; use e.g. 512M"
+        raise ConfigError(msg)
+    if isinstance(value, int):
+        if value < 0:
+            msg = f"{what}: {value} is negative"
+            raise ConfigError(msg)
+        return value
+    parsed = _core.parse_size(str(value))
+    if parsed is None:
+        msg = f"{what}: {value!r} is not a size; use e.g. 512M"
+        raise ConfigError(msg)
+    return int(parsed)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The expert cache of one model."""
+
+    budget: int | str = field(
+        default="256M",
+        metadata={"help": "expert cache size in bytes, e.g. 256M or 2G; at least one layer's experts"},
+    )
+    policy: str = field(
+        default=str(_DEFAULTS["policy"]),
+        metadata={"help": "eviction policy: " + ", ".join(_core.policy_names())},
+    )
+    direct_io: bool = field(
+        default=bool(_DEFAULTS["direct_io"]),
+        metadata={"help": "read experts with O_DIRECT (bypass the page cache); falls back with a warning"},
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget"))
+        if self.budget == 0:
+            msg = "cache.budget: 0 turns the cache off; pass cache=None instead"
+            raise ConfigError(msg)
+        names = _core.policy_names()
+        if self.policy not in names:
+            msg = f"cache.policy: unknown policy {self.policy!r}; available: {', '.join(names)}"
+            raise ConfigError(msg)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.budget)  # normalised to bytes in __post_init__
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """The llama.cpp context a Model runs in."""
+
+    n_ctx: int = field(default=2048, metadata={"help": "context length in tokens"})
+    n_threads: int = field(
+        default=max(1, min(8, os.cpu_count() or 1)),
+        metadata={"help": "compute threads (also the threads that read missed experts)"},
+    )
+    n_batch: int = field(default=512, metadata={"help": "logical batch size for prompt processing"})
+    n_ubatch: int = field(default=512, metadata={"help": "physical batch size (tokens per graph run)"})
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                msg = f"context.{f.name}: {v!r} must be a positive integer"
+                raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class PackConfig:
+    """How `moetier pack` writes an expert store."""
+
+    low_type: str = field(
+        default=str(_DEFAULTS["low_type"]),
+        metadata={"help": "ggml type of the low-precision copy of each expert, e.g. q4_0, q4_k, q8_0"},
+    )

@@ -1,0 +1,165 @@
+"""moetier.Model: a GGUF model run by the patched llama.cpp, its experts served by the cache."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _core
+from .config import CacheConfig, ContextConfig
+from .errors import ModelError, StoreError
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Counters of one MoE layer. A lookup is one distinct expert needed by a layer in one ubatch."""
+
+    layer: int
+    lookups: int
+    hits: int
+    misses: int
+    bytes_read: int
+    read_seconds: float
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Expert cache counters summed over layers, with the per-layer detail."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    layers: tuple[LayerStats, ...] = ()
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    text: str
+    tokens: list[int]
+    stats: CacheStats
+    prompt_tokens: int
+    seconds: float
+    decode_seconds: float = field(default=0.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+class Model:
+    """A GGUF model. With cache=None it is stock llama.cpp; with a CacheConfig the experts of its
+    MoE layers are read on demand (from `store` if given, else from the GGUF) into a bounded cache."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        store: str | os.PathLike[str] | None = None,
+        cache: CacheConfig | None = None,
+        context: ContextConfig | None = None,
+        *,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            msg = f"{self.path}: model file does not exist"
+            raise ModelError(msg)
+        if store is not None and cache is None:
+            msg = f"{store}: an expert store needs an expert cache; pass cache=CacheConfig(...)"
+            raise StoreError(msg)
+        ctx = context or ContextConfig()
+        if n_ctx is not None or n_threads is not None:
+            ctx = ContextConfig(
+                n_ctx=n_ctx if n_ctx is not None else ctx.n_ctx,
+                n_threads=n_threads if n_threads is not None else ctx.n_threads,
+                n_batch=ctx.n_batch,
+                n_ubatch=ctx.n_ubatch,
+            )
+        self.cache = cache
+        self.context = ctx
+        self.store = Path(store) if store is not None else None
+        try:
+            self._m = _core.Model(
+                str(self.path),
+                cache.budget_bytes if cache else 0,
+                str(self.store) if self.store else "",
+                cache.policy if cache else "lru",
+                cache.direct_io if cache else True,
+                ctx.n_ctx,
+                ctx.n_threads,
+                ctx.n_batch,
+                ctx.n_ubatch,
+            )
+        except RuntimeError as e:
+            text = str(e)
+            if self.store is not None and str(self.store) in text:
+                raise StoreError(text) from None
+            raise ModelError(text) from None
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self._m.n_vocab)
+
+    @property
+    def has_cache(self) -> bool:
+        return bool(self._m.has_cache)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return list(self._m.tokenize(text, add_special))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return bytes(self._m.detokenize(tokens)).decode("utf-8", errors="replace")
+
+    def logits(self, tokens: list[int]) -> npt.NDArray[np.float32]:
+        """Logits at the last position of tokens, evaluated from an empty context."""
+        try:
+            return np.asarray(self._m.logits(tokens), dtype=np.float32)
+        except RuntimeError as e:
+            raise ModelError(str(e)) from None
+
+    def generate(
+        self, prompt: str | list[int], max_tokens: int = 64, temperature: float = 0.0, seed: int = 0
+    ) -> GenerateResult:
+        """Generates up to max_tokens after prompt (greedy when temperature is 0)."""
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.reset_stats()
+        t0 = time.perf_counter()
+        try:
+            out = list(self._m.generate(tokens, max_tokens, temperature, seed))
+        except RuntimeError as e:
+            raise ModelError(str(e)) from None
+        dt = time.perf_counter() - t0
+        return GenerateResult(
+            text=self.detokenize(out), tokens=out, stats=self.stats(), prompt_tokens=len(tokens), seconds=dt
+        )
+
+    def stats(self) -> CacheStats:
+        """Expert cache counters since the last reset (all zero without a cache)."""
+        raw = self._m.stats()
+        layers = tuple(LayerStats(**d) for d in raw.get("layers", []))
+        return CacheStats(
+            lookups=sum(x.lookups for x in layers),
+            hits=sum(x.hits for x in layers),
+            misses=sum(x.misses for x in layers),
+            bytes_read=sum(x.bytes_read for x in layers),
+            read_seconds=sum(x.read_seconds for x in layers),
+            layers=layers,
+        )
+
+    def cache_info(self) -> dict[str, int | bool]:
+        """Pool sizes of the cache: n_layers, n_expert, n_slots, cache_bytes, expert_bytes, ..."""
+        return dict(self._m.cache_info())
+
+    def reset_stats(self) -> None:
+        self._m.reset_stats()

@@ -1,0 +1,43 @@
+"""Writes an expert store (the format and the writer live in the C++ core: csrc/moetier-store.*)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import _core
+from .config import PackConfig
+from .errors import StoreError
+
+
+def pack(
+    model: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | None = None,
+    config: PackConfig | None = None,
+    *,
+    progress: bool | None = None,
+) -> Path:
+    """Packs the experts of `model` into `out_dir` (default: MODEL.experts next to the model).
+    progress: show a bar (default: when stderr is a terminal)."""
+    cfg = config or PackConfig()
+    src = Path(model)
+    if not src.is_file():
+        msg = f"{src}: model file does not exist"
+        raise StoreError(msg)
+    dst = Path(out_dir) if out_dir is not None else src.with_suffix(".experts")
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=0, unit="B", unit_scale=True, desc=f"pack {src.name}", disable=not show) as bar:
+
+        def on_progress(done: int, total: int) -> bool:
+            bar.total = total
+            bar.update(done - bar.n)
+            return True
+
+        try:
+            _core.pack(str(src), str(dst), cfg.low_type, on_progress)
+        except RuntimeError as e:
+            raise StoreError(str(e)) from None
+    return dst
