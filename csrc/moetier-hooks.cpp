@@ -3,7 +3,6 @@
 #include "moetier-impl.h"
 #include "moetier-loader.h"
 
-#include "llama-model-loader.h"
 #include "llama-model.h"
 #include "llama.h"
 
@@ -44,12 +43,12 @@ moetier_model_ptr moetier_hook_model_init(const moetier_params * params, const s
 }
 
 ggml_tensor * moetier_hook_create_tensor(moetier_model * m, const std::string & name, const ggml_tensor * cur,
-                                         const llama_tensor_weight * w) {
-    if (m == nullptr || w == nullptr) {
+                                         uint16_t file_idx, size_t offs) {
+    if (m == nullptr) {
         return nullptr;
     }
     try {
-        return m->create_tensor(name, cur, w->idx, w->offs);
+        return m->create_tensor(name, cur, file_idx, offs);
     } catch (const std::exception & e) {
         moetier_set_last_error(e.what());
         throw;
@@ -78,16 +77,20 @@ static void moetier_op_resolve_impl(ggml_tensor * dst, void * userdata, bool war
     l->cache->resolve(*l, (const int32_t *) ids->data, ids->ne[0], ids->ne[1], ids->nb[1], (int32_t *) dst->data, warmup);
 }
 
+// note: the CPU backend calls a custom op on every thread whatever its n_tasks, so the serial
+// resolve runs on thread 0 only; the barrier after the node orders it before the load op
 static void moetier_op_resolve(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
-    GGML_UNUSED(ith);
     GGML_UNUSED(nth);
-    moetier_op_resolve_impl(dst, userdata, false);
+    if (ith == 0) {
+        moetier_op_resolve_impl(dst, userdata, false);
+    }
 }
 
 static void moetier_op_resolve_warmup(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
-    GGML_UNUSED(ith);
     GGML_UNUSED(nth);
-    moetier_op_resolve_impl(dst, userdata, true);
+    if (ith == 0) {
+        moetier_op_resolve_impl(dst, userdata, true);
+    }
 }
 
 static void moetier_op_load(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {

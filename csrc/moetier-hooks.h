@@ -16,7 +16,6 @@
 
 struct ggml_context;
 struct ggml_tensor;
-struct llama_tensor_weight;
 struct moetier_model;
 
 struct moetier_model_deleter {
@@ -31,7 +30,7 @@ moetier_model_ptr moetier_hook_model_init(const moetier_params * params, const s
 
 // llama_model_loader::create_tensor: the data-less tensor of a served expert tensor, or nullptr
 ggml_tensor * moetier_hook_create_tensor(moetier_model * m, const std::string & name, const ggml_tensor * cur,
-                                         const llama_tensor_weight * w);
+                                         uint16_t file_idx, size_t offs);
 
 // llama_model_load, after load_tensors: allocates the slot pools from the budget
 void moetier_hook_model_loaded(moetier_model * m);

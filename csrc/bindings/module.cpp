@@ -10,4 +10,5 @@ PYBIND11_MODULE(_core, m) {
     register_log(m);
     register_model(m);
     register_store(m);
+    register_ops(m);
 }

@@ -1,5 +1,6 @@
 // llama.cpp and moetier share one log stream (llama_log_set). Messages at or above the chosen
-// level go to stderr; the last ERROR line is kept so a failed load can say why.
+// level go to stderr; the last ERROR line is kept so a failed load can say why (and is printed only
+// at INFO or DEBUG level, since the exception already carries it).
 
 #include "bindings.h"
 
@@ -47,7 +48,12 @@ void log_callback(ggml_log_level level, const char * text, void * /*user_data*/)
             g_log.last_error = msg;
         }
     }
-    if (lvl != GGML_LOG_LEVEL_NONE && lvl >= g_log.min_level.load()) {
+    // errors reach Python as exceptions carrying the message; print them only when debugging
+    const int min_level = g_log.min_level.load();
+    if (lvl == GGML_LOG_LEVEL_ERROR && min_level > GGML_LOG_LEVEL_INFO) {
+        return;
+    }
+    if (lvl != GGML_LOG_LEVEL_NONE && lvl >= min_level) {
         fputs(text, stderr);
         fflush(stderr);
     }

@@ -39,47 +39,10 @@ CHAT_TEMPLATE = (
 )
 
 _ASCII_BYTES = (0x09, 0x0A, 0x0D, *range(0x20, 0x7F))
-_COMMON_BIGRAMS = [
-    "Ġt",
-    "he",
-    "in",
-    "er",
-    "an",
-    "Ġa",
-    "re",
-    "on",
-    "Ġs",
-    "en",
-    "at",
-    "or",
-    "Ġw",
-    "es",
-    "is",
-    "Ġo",
-    "it",
-    "Ġc",
-    "nd",
-    "ed",
-    "ar",
-    "Ġb",
-    "ou",
-    "Ġf",
-    "Ġp",
-    "al",
-    "Ġm",
-    "le",
-    "st",
-    "io",
-    "ng",
-    "Ġi",
-    "ll",
-    "ro",
-    "Ġd",
-    "ic",
-    "as",
-    "ve",
-    "ly",
-]
+_COMMON_BIGRAMS = (
+    "Ġt he in er an Ġa re on Ġs en at or Ġw es is Ġo it Ġc nd ed ar "
+    "Ġb ou Ġf Ġp al Ġm le st io ng Ġi ll ro Ġd ic as ve ly"
+).split()
 _LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
 
 
@@ -119,7 +82,8 @@ def tiny_vocab(n_vocab: int = 128) -> tuple[list[str], list[int], list[str]]:
     n_special = len(SPECIAL_TOKENS)
     base = range(256) if n_vocab >= 256 + n_special else _ASCII_BYTES
     if n_vocab < len(base) + n_special:
-        raise ValueError(f"n_vocab must be >= {len(base) + n_special}, got {n_vocab}")
+        msg = f"n_vocab must be >= {len(base) + n_special}, got {n_vocab}"
+        raise ValueError(msg)
     tokens = [b2u[b] for b in base]
     types = [int(gguf.TokenType.NORMAL)] * len(tokens)
     merges: list[str] = []
@@ -169,20 +133,21 @@ def write_tiny_model(
     Output is byte-identical for identical arguments.
     """
     if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+        msg = f"arch must be one of {ARCHS}, got {arch!r}"
+        raise ValueError(msg)
     if expert_type not in EXPERT_TYPES:
-        raise ValueError(
-            f"expert_type must be one of {tuple(EXPERT_TYPES)}, got {expert_type!r}"
-        )
+        msg = f"expert_type must be one of {tuple(EXPERT_TYPES)}, got {expert_type!r}"
+        raise ValueError(msg)
     if n_embd % n_head or n_head % n_head_kv or (n_embd // n_head) % 2:
-        raise ValueError(
-            "need n_embd % n_head == 0, n_head % n_head_kv == 0 and an even head size"
-        )
+        msg = "need n_embd % n_head == 0, n_head % n_head_kv == 0 and an even head size"
+        raise ValueError(msg)
     moe = arch != "qwen2"
     if moe and not 0 < n_expert_used <= n_expert:
-        raise ValueError("need 0 < n_expert_used <= n_expert")
+        msg = "need 0 < n_expert_used <= n_expert"
+        raise ValueError(msg)
     if moe and expert_type == "q8_0" and (n_embd % 32 or n_ff_exp % 32):
-        raise ValueError("q8_0 experts need n_embd and n_ff_exp to be multiples of 32")
+        msg = "q8_0 experts need n_embd and n_ff_exp to be multiples of 32"
+        raise ValueError(msg)
 
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -193,9 +158,7 @@ def write_tiny_model(
 
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"moetier-tiny-{arch}")
-    w.add_file_type(
-        int(_FILE_TYPES[expert_type] if moe else gguf.LlamaFileType.MOSTLY_F16)
-    )
+    w.add_file_type(int(_FILE_TYPES[expert_type] if moe else gguf.LlamaFileType.MOSTLY_F16))
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)

@@ -1,0 +1,34 @@
+"""Fixture models are generated (never downloaded): tiny qwen2moe/qwen3moe GGUFs, a few MB each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from moetier.tiny import write_tiny_model
+
+ModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
+    """tiny_model(arch, n_expert=8, n_expert_used=2, seed=1, **kw) -> path, cached per session."""
+    cache: dict[tuple[object, ...], Path] = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def make(arch: str = "qwen2moe", **kw: object) -> Path:
+        key = (arch, *sorted(kw.items()))
+        if key not in cache:
+            name = arch + "".join(f"-{k}{v}" for k, v in sorted(kw.items())) + ".gguf"
+            cache[key] = write_tiny_model(root / name, arch, **kw)  # type: ignore[arg-type]
+        return cache[key]
+
+    return make
+
+
+LONG_PROMPT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow."
+)

@@ -1,0 +1,54 @@
+"""Cache counters: hits + misses = lookups, bytes read = missed experts' bytes, and with a budget
+that holds every expert each expert is read at most once."""
+
+from __future__ import annotations
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, Model
+
+
+def expert_bytes(m: Model) -> int:
+    info = m.cache_info()
+    n = int(info["n_layers"]) * int(info["n_expert"])
+    assert int(info["expert_bytes"]) % n == 0
+    return int(info["expert_bytes"]) // n
+
+
+def test_counters_add_up(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    probe = Model(path, cache=CacheConfig(budget="64M"))
+    lo = int(probe.cache_info()["min_cache_bytes"])
+    m = Model(path, cache=CacheConfig(budget=lo))
+    r = m.generate(LONG_PROMPT, max_tokens=32)
+    s = r.stats
+    assert s.lookups > 0
+    assert s.misses > 0 and s.hits > 0, "a one-layer budget over 3 layers must both hit and miss"
+    assert s.hits + s.misses == s.lookups
+    assert s.bytes_read == s.misses * expert_bytes(m)
+    for layer in s.layers:
+        assert layer.hits + layer.misses == layer.lookups
+        assert layer.bytes_read == layer.misses * expert_bytes(m)
+    assert s.read_seconds > 0
+
+    m.reset_stats()
+    z = m.stats()
+    assert (z.lookups, z.hits, z.misses, z.bytes_read) == (0, 0, 0, 0)
+
+
+def test_full_budget_reads_each_expert_once(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen3moe", n_expert=16, n_expert_used=4, n_layer=3)
+    probe = Model(path, cache=CacheConfig(budget="64M"))
+    info = probe.cache_info()
+    m = Model(path, cache=CacheConfig(budget=int(info["min_cache_bytes"]) * int(info["n_layers"])))
+    assert m.cache_info()["n_slots"] == int(info["n_layers"]) * int(info["n_expert"])
+    total_misses = 0
+    for prompt in [LONG_PROMPT, "hello world", LONG_PROMPT[::-1]]:
+        r = m.generate(prompt, max_tokens=32)
+        total_misses += r.stats.misses
+        for layer in r.stats.layers:
+            assert layer.misses <= int(info["n_expert"])
+    # every expert read at most once over all three generations
+    assert total_misses <= int(info["n_layers"]) * int(info["n_expert"])
+    r = m.generate(LONG_PROMPT, max_tokens=8)
+    assert r.stats.misses == 0, "a repeated prompt with every expert cached reads nothing"
+    assert r.stats.hits == r.stats.lookups > 0

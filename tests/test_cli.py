@@ -1,0 +1,108 @@
+"""The moetier CLI and the shipped llama.cpp binaries with the expert cache flags."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, Model
+
+
+def moetier(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "moetier.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_run_matches_stock_at_quarter_budget(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    info = Model(path, cache=CacheConfig(budget="64M")).cache_info()
+    budget = max(int(info["min_cache_bytes"]), int(info["expert_bytes"]) // 4)
+    stock = moetier("run", "-m", str(path), "-p", LONG_PROMPT, "-n", "24", "--no-cache")
+    cached = moetier("run", "-m", str(path), "-p", LONG_PROMPT, "-n", "24", "--cache", str(budget))
+    assert stock.returncode == 0, stock.stderr
+    assert cached.returncode == 0, cached.stderr
+    assert cached.stdout == stock.stdout and stock.stdout.strip()
+    assert "hit rate" in cached.stderr and "tok/s" in cached.stderr and "MB" in cached.stderr
+    assert "expert cache off" in stock.stderr
+
+
+def test_run_error_is_one_line(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    r = moetier("run", "-m", str(path), "-p", "hi", "--cache", "1K")
+    assert r.returncode == 1
+    assert r.stderr.startswith("moetier: error: ") and "below the minimum" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_explains_every_option() -> None:
+    for cmd in (["run"], ["pack"], ["serve"]):
+        r = moetier(*cmd, "--help")
+        assert r.returncode == 0
+        lines = r.stdout.splitlines()
+        for i, line in enumerate(lines):
+            s = line.strip()
+            if s.startswith("--") and "  " not in s:
+                # a flag whose help wraps onto the next line
+                assert i + 1 < len(lines) and lines[i + 1].strip(), f"{cmd}: {s} has no help"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _complete(port: int, prompt: str) -> dict[str, object]:
+    body = json.dumps({"prompt": prompt, "n_predict": 16, "temperature": 0, "cache_prompt": False}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return dict(json.loads(r.read()))
+
+
+def _serve(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = _free_port()
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "moetier.cli", "serve", *args, "--port", str(port),
+                                 "-t", "2", "-c", "512"],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    pytest.fail("server did not become healthy")
+
+
+def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """The real llama-server, with and without --expert-cache, hit by a real HTTP client."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    info = Model(path, cache=CacheConfig(budget="64M")).cache_info()
+    results = []
+    for i, extra in enumerate(([], ["--cache", str(int(info["min_cache_bytes"]))])):
+        proc, port = _serve(["-m", str(path), *extra], tmp_path / f"server{i}.log")
+        try:
+            results.append(_complete(port, LONG_PROMPT)["content"])
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    assert results[0] == results[1] and results[0]
+
+    # the flag reaches the engine: a budget below one layer's experts stops the server at load
+    r = subprocess.run([sys.executable, "-m", "moetier.cli", "serve", "-m", str(path), "--cache", "1K",
+                        "--port", str(_free_port())], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert f"{path}: expert cache budget 1.00 KiB is below the minimum" in r.stderr

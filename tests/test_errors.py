@@ -1,0 +1,127 @@
+"""Bad input gets a clear error naming the file and the problem, never a crash."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, ConfigError, Model, ModelError, StoreError, pack
+
+
+def min_budget(path: Path) -> int:
+    return int(Model(path, cache=CacheConfig(budget="64M")).cache_info()["min_cache_bytes"])
+
+
+def test_budget_below_minimum(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    lo = min_budget(path)
+    with pytest.raises(ModelError, match=rf"{path.name}.*below the minimum.*at least {lo} bytes"):
+        Model(path, cache=CacheConfig(budget=lo - 1))
+
+
+def test_dense_model_with_cache(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2")
+    with pytest.raises(ModelError, match=rf"{path.name}.*no expert tensors"):
+        Model(path, cache=CacheConfig(budget="16M"))
+    # without a cache it is just a model
+    assert len(Model(path).generate("hi", max_tokens=4).tokens) <= 4
+
+
+@pytest.mark.parametrize("bad", ["12Q", "-1M", "lots", ""])
+def test_bad_size(bad: str) -> None:
+    with pytest.raises(ConfigError, match="cache.budget"):
+        CacheConfig(budget=bad)
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(ConfigError, match="unknown policy 'nope'.*lru"):
+        CacheConfig(budget="1M", policy="nope")
+
+
+def test_missing_model(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="does not exist"):
+        Model(tmp_path / "nope.gguf")
+
+
+@pytest.fixture
+def packed(tiny_model: ModelFactory, tmp_path: Path) -> tuple[Path, Path]:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    store = pack(path, tmp_path / "store", progress=False)
+    return path, store
+
+
+def test_missing_store(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    with pytest.raises(StoreError, match=rf"{tmp_path / 'absent'}.*does not exist"):
+        Model(path, store=tmp_path / "absent", cache=CacheConfig(budget="16M"))
+
+
+def test_store_without_manifest(packed: tuple[Path, Path]) -> None:
+    path, store = packed
+    (store / "manifest.json").unlink()
+    with pytest.raises(StoreError, match=r"manifest.json.*missing"):
+        Model(path, store=store, cache=CacheConfig(budget="16M"))
+
+
+def test_truncated_store(packed: tuple[Path, Path]) -> None:
+    path, store = packed
+    data = store / "experts.bin"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 4096)
+    with pytest.raises(StoreError, match=r"experts.bin.*truncated"):
+        Model(path, store=store, cache=CacheConfig(budget="16M"))
+
+
+def test_corrupt_manifest(packed: tuple[Path, Path]) -> None:
+    path, store = packed
+    (store / "manifest.json").write_text('{"format": "moetier-store", "version": 1, "layers": [')
+    with pytest.raises(StoreError, match=r"manifest.json.*corrupt"):
+        Model(path, store=store, cache=CacheConfig(budget="16M"))
+
+    m = json.loads("{}")
+    assert m == {}
+
+
+def test_manifest_of_another_store(packed: tuple[Path, Path], tmp_path: Path) -> None:
+    path, store = packed
+    other = pack(path, tmp_path / "other", progress=False)
+    shutil.copy(other / "manifest.json", store / "manifest.json")
+    with pytest.raises(StoreError, match=r"experts.bin.*does not belong"):
+        Model(path, store=store, cache=CacheConfig(budget="16M"))
+
+
+def test_store_of_another_model(packed: tuple[Path, Path], tiny_model: ModelFactory) -> None:
+    _, store = packed
+    other = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, seed=7)
+    with pytest.raises(StoreError, match=r"manifest.json.*different model"):
+        Model(other, store=store, cache=CacheConfig(budget="16M"))
+
+
+def test_corrupt_expert_data_fails_decode(packed: tuple[Path, Path]) -> None:
+    path, store = packed
+    manifest = json.loads((store / "manifest.json").read_text())
+    off = manifest["layers"][0]["projections"][0]["offset_high"]
+    data = store / "experts.bin"
+    raw = bytearray(data.read_bytes())
+    for o in off:  # every expert of layer 0, first projection: whatever is routed is corrupt
+        raw[o + 5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    m = Model(path, store=store, cache=CacheConfig(budget="16M"))
+    with pytest.raises(ModelError, match=r"experts.bin.*checksum mismatch"):
+        m.generate(LONG_PROMPT, max_tokens=4)
+    # the failed slots are dropped, not cached: the next decode reads (and fails) again
+    with pytest.raises(ModelError, match="checksum mismatch"):
+        m.generate(LONG_PROMPT, max_tokens=4)
+
+
+def test_bad_low_type(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    from moetier import PackConfig
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    with pytest.raises(StoreError, match="unknown low-precision type 'q9_9'"):
+        pack(path, tmp_path / "s", PackConfig(low_type="q9_9"), progress=False)
+    assert not (tmp_path / "s" / "manifest.json").exists()
