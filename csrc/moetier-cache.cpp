@@ -19,9 +19,9 @@ moetier_cache::moetier_cache(int32_t n_expert, int32_t n_slots, moetier_policy_p
         total += slot_stride.back() * (uint64_t) n_slots;
     }
     buf_size = total;
+    // not touched here: pages become resident as slots fill (and the memory-fit pass of
+    // common_fit_params, which loads the model with no_alloc, costs no RSS)
     mem.reserve(buf_size);
-    // untouched slots are never read by a mul_mat_id, but zero them so a bug shows as zeros, not noise
-    memset(mem.data.get(), 0, buf_size);
 
     buf = ggml_backend_cpu_buffer_from_ptr(mem.data.get(), buf_size);
     if (!buf) {

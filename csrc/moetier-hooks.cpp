@@ -7,6 +7,7 @@
 #include "llama.h"
 
 #include <cstring>
+#include <vector>
 
 void moetier_model_deleter::operator()(moetier_model * m) const {
     delete m;
@@ -198,6 +199,25 @@ int32_t moetier_model_layer_stats(const struct llama_model * model, struct moeti
         out[i].read_us      = l.counters.read_us;
     }
     return n;
+}
+
+struct moetier_layer_stats moetier_model_stats_total(const struct llama_model * model) {
+    moetier_layer_stats total = {};
+    total.layer = -1;
+    moetier_cache_info info;
+    if (moetier_model_cache_info(model, &info) != 0) {
+        return total;
+    }
+    std::vector<moetier_layer_stats> ls(info.n_layers);
+    moetier_model_layer_stats(model, ls.data(), (int32_t) ls.size());
+    for (const auto & l : ls) {
+        total.n_lookups    += l.n_lookups;
+        total.n_hits       += l.n_hits;
+        total.n_misses     += l.n_misses;
+        total.n_bytes_read += l.n_bytes_read;
+        total.read_us      += l.read_us;
+    }
+    return total;
 }
 
 void moetier_model_reset_stats(struct llama_model * model) {

@@ -95,6 +95,9 @@ MOETIER_API int32_t moetier_model_cache_info(const struct llama_model * model, s
 // Copies up to n_max per-layer counters into out; returns the number of served layers.
 MOETIER_API int32_t moetier_model_layer_stats(const struct llama_model * model, struct moetier_layer_stats * out, int32_t n_max);
 
+// The counters summed over layers (layer = -1); all zero if the model has no expert cache.
+MOETIER_API struct moetier_layer_stats moetier_model_stats_total(const struct llama_model * model);
+
 MOETIER_API void moetier_model_reset_stats(struct llama_model * model);
 
 // Marks the start of a new sequence for the eviction policy (sequence-level records reset).

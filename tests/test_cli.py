@@ -61,18 +61,42 @@ def _free_port() -> int:
 
 def _complete(port: int, prompt: str) -> dict[str, object]:
     body = json.dumps({"prompt": prompt, "n_predict": 16, "temperature": 0, "cache_prompt": False}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/completion", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return dict(json.loads(r.read()))
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(f"llamacpp:{name} "):
+                return float(line.split()[1])
+    pytest.fail(f"/metrics has no {name}")
 
 
 def _serve(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
     port = _free_port()
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "moetier.cli", "serve", *args, "--port", str(port),
-                                 "-t", "2", "-c", "512"],
-                                stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moetier.cli",
+                "serve",
+                *args,
+                "--port",
+                str(port),
+                "-t",
+                "2",
+                "-c",
+                "512",
+                "--metrics",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     deadline = time.time() + 60
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -96,13 +120,24 @@ def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_pa
         proc, port = _serve(["-m", str(path), *extra], tmp_path / f"server{i}.log")
         try:
             results.append(_complete(port, LONG_PROMPT)["content"])
+            lookups = _metric(port, "expert_cache_lookups_total")
+            hits, misses = _metric(port, "expert_cache_hits_total"), _metric(port, "expert_cache_misses_total")
+            if extra:
+                assert lookups > 0 and hits + misses == lookups and misses > 0
+                assert _metric(port, "expert_cache_bytes_read_total") > 0
+            else:
+                assert lookups == 0
         finally:
             proc.terminate()
             proc.wait(timeout=30)
     assert results[0] == results[1] and results[0]
 
     # the flag reaches the engine: a budget below one layer's experts stops the server at load
-    r = subprocess.run([sys.executable, "-m", "moetier.cli", "serve", "-m", str(path), "--cache", "1K",
-                        "--port", str(_free_port())], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "moetier.cli", "serve", "-m", str(path), "--cache", "1K", "--port", str(_free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0
     assert f"{path}: expert cache budget 1.00 KiB is below the minimum" in r.stderr

@@ -33,12 +33,12 @@ def test_dense_model_with_cache(tiny_model: ModelFactory) -> None:
 
 @pytest.mark.parametrize("bad", ["12Q", "-1M", "lots", ""])
 def test_bad_size(bad: str) -> None:
-    with pytest.raises(ConfigError, match="cache.budget"):
+    with pytest.raises(ConfigError, match=r"cache\.budget"):
         CacheConfig(budget=bad)
 
 
 def test_unknown_policy() -> None:
-    with pytest.raises(ConfigError, match="unknown policy 'nope'.*lru"):
+    with pytest.raises(ConfigError, match=r"unknown policy 'nope'.*lru"):
         CacheConfig(budget="1M", policy="nope")
 
 
@@ -81,9 +81,6 @@ def test_corrupt_manifest(packed: tuple[Path, Path]) -> None:
     (store / "manifest.json").write_text('{"format": "moetier-store", "version": 1, "layers": [')
     with pytest.raises(StoreError, match=r"manifest.json.*corrupt"):
         Model(path, store=store, cache=CacheConfig(budget="16M"))
-
-    m = json.loads("{}")
-    assert m == {}
 
 
 def test_manifest_of_another_store(packed: tuple[Path, Path], tmp_path: Path) -> None:

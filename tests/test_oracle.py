@@ -39,7 +39,7 @@ def test_cache_matches_stock(tiny_model: ModelFactory, arch: str, n_expert: int,
     for name, budget in budgets(probe).items():
         m = Model(path, cache=CacheConfig(budget=budget), n_threads=n_threads)
         assert m.has_cache
-        for p, (logits, tokens) in zip(prompts, ref):
+        for p, (logits, tokens) in zip(prompts, ref, strict=True):
             got = m.logits(p)
             np.testing.assert_allclose(got, logits, rtol=0, atol=1e-5, err_msg=f"{arch} budget {name}")
             assert m.generate(p, max_tokens=24).tokens == tokens, f"{arch} budget {name} prompt {len(p)}"
@@ -55,7 +55,6 @@ def test_prefill_larger_than_ubatch(tiny_model: ModelFactory) -> None:
     ctx = ContextConfig(n_ctx=512, n_threads=2, n_batch=32, n_ubatch=16)
     stock = Model(path, context=ctx)
     tokens = stock.tokenize(LONG_PROMPT * 3)
-    cached = Model(path, cache=CacheConfig(budget=1), context=ctx) if False else None
     probe = Model(path, cache=CacheConfig(budget="64M"), context=ctx)
     lo = int(probe.cache_info()["min_cache_bytes"])
     cached = Model(path, cache=CacheConfig(budget=lo), context=ctx)

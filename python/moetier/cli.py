@@ -21,12 +21,22 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "") 
             msg = f"{cls.__name__}.{f.name} has no help text"
             raise RuntimeError(msg)
         if f.type in ("bool", bool):
-            p.add_argument(name, dest=prefix.replace("-", "_") + f.name, action=argparse.BooleanOptionalAction,
-                           default=f.default, help=f"{help_text} (default: {f.default})")
+            p.add_argument(
+                name,
+                dest=prefix.replace("-", "_") + f.name,
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=f"{help_text} (default: {f.default})",
+            )
         else:
             typ = int if f.type in ("int", int) else str
-            p.add_argument(name, dest=prefix.replace("-", "_") + f.name, type=typ, default=f.default,
-                           help=f"{help_text} (default: {f.default})")
+            p.add_argument(
+                name,
+                dest=prefix.replace("-", "_") + f.name,
+                type=typ,
+                default=f.default,
+                help=f"{help_text} (default: {f.default})",
+            )
 
 
 def _fields_of(ns: argparse.Namespace, cls: Any, prefix: str = "") -> dict[str, Any]:
@@ -51,14 +61,11 @@ def cmd_run(ns: argparse.Namespace) -> int:
     sys.stdout.write(r.text + "\n")
     s = r.stats
     rate = s.bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
-    line = (
-        f"moetier: {len(r.tokens)} tokens in {r.seconds:.2f} s ({r.tokens_per_second:.2f} tok/s)"
-        + (
-            f" | cache hit rate {100 * s.hit_rate:.1f}% ({s.hits}/{s.lookups} lookups, {s.misses} misses)"
-            f" | read {_fmt_bytes(s.bytes_read)} at {_fmt_bytes(rate)}/s"
-            if m.has_cache
-            else " | expert cache off"
-        )
+    line = f"moetier: {len(r.tokens)} tokens in {r.seconds:.2f} s ({r.tokens_per_second:.2f} tok/s)" + (
+        f" | cache hit rate {100 * s.hit_rate:.1f}% ({s.hits}/{s.lookups} lookups, {s.misses} misses)"
+        f" | read {_fmt_bytes(s.bytes_read)} at {_fmt_bytes(rate)}/s"
+        if m.has_cache
+        else " | expert cache off"
     )
     sys.stderr.write(line + "\n")
     return 0
@@ -104,8 +111,16 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
     cache_dir = Path(os.environ.get("MOETIER_CACHE", Path.home() / ".cache" / "moetier"))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    path = write_tiny_model(cache_dir / "demo-tiny-qwen3moe.gguf", "qwen3moe", n_layer=8, n_expert=16,
-                            n_expert_used=4, n_embd=128, n_ff_exp=256, seed=42)
+    path = write_tiny_model(
+        cache_dir / "demo-tiny-qwen3moe.gguf",
+        "qwen3moe",
+        n_layer=8,
+        n_expert=16,
+        n_expert_used=4,
+        n_embd=128,
+        n_ff_exp=256,
+        seed=42,
+    )
     sys.stderr.write(f"moetier demo: generated {path} (random weights: the text is gibberish by design)\n")
     probe = Model(path, cache=CacheConfig(budget="1G"))
     info = probe.cache_info()
@@ -144,8 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     _add_dataclass_args(r, CacheConfig, "cache-")
-    r.add_argument("--cache", dest="cache_budget", default=CacheConfig.budget,
-                   help="alias of --cache-budget: expert cache size, e.g. 256M")
+    r.add_argument(
+        "--cache",
+        dest="cache_budget",
+        default=CacheConfig.budget,
+        help="alias of --cache-budget: expert cache size, e.g. 256M",
+    )
     _add_dataclass_args(r, ContextConfig)
     r.set_defaults(func=cmd_run)
 

@@ -1,4 +1,4 @@
-"""Tiny, deterministic GGUF models (qwen2moe, qwen3moe, dense qwen2) for tests.
+"""Tiny, deterministic GGUF models (several MoE architectures and dense qwen2) for tests.
 
 The files load in llama.cpp: a 2-layer transformer with random weights and a
 tiny byte-level BPE vocab ("gpt2" model, "qwen2" pre-tokenizer) in which every
@@ -16,9 +16,12 @@ from collections.abc import Iterator
 import gguf
 import numpy as np
 
-__all__ = ["ARCHS", "EXPERT_TYPES", "tiny_vocab", "write_tiny_model"]
+__all__ = ["ARCHS", "EXPERT_TYPES", "MOE_ARCHS", "tiny_vocab", "write_tiny_model"]
 
-ARCHS = ("qwen2moe", "qwen3moe", "qwen2")
+ARCHS = ("qwen2moe", "qwen3moe", "qwen2", "mixtral", "olmoe", "granitemoe", "phimoe", "deepseek", "dbrx")
+MOE_ARCHS = tuple(a for a in ARCHS if a != "qwen2")
+# general.architecture where it differs from the name used here
+_GGUF_ARCH = {"mixtral": "llama"}
 EXPERT_TYPES = {
     "f32": gguf.GGMLQuantizationType.F32,
     "f16": gguf.GGMLQuantizationType.F16,
@@ -127,10 +130,20 @@ def write_tiny_model(
 ) -> pathlib.Path:
     """Write a tiny random-weight GGUF model and return its path.
 
-    arch is "qwen2moe" (with shared expert), "qwen3moe" or "qwen2" (dense; its
-    FFN size is n_ff_exp and the expert arguments are ignored). expert_type
-    ("f32", "f16", "q8_0") applies to the three ffn_*_exps tensors only.
-    Output is byte-identical for identical arguments.
+    arch is one of ARCHS:
+
+    - "qwen2moe" (with a gated shared expert of n_ff_shexp), "qwen3moe";
+    - "mixtral" (GGUF arch "llama" with experts), "olmoe" (its q/k norms span
+      all heads, so n_head_kv is ignored and equals n_head), "granitemoe" (with
+      logit/residual/embedding/attention scales), "phimoe" (norm and output
+      biases, NeoX rope), "deepseek" (DeepSeek-V1: layer 0 is a dense FFN, the
+      others have experts plus one always-on shared expert of n_ff_exp;
+      needs n_layer >= 2), "dbrx" (fused QKV, LayerNorm, clamped QKV);
+    - "qwen2" (dense; its FFN size is n_ff_exp and the expert arguments are ignored).
+
+    Every dense FFN is n_ff_exp wide. expert_type ("f32", "f16", "q8_0")
+    applies to the three ffn_*_exps tensors only. Output is byte-identical
+    for identical arguments.
     """
     if arch not in ARCHS:
         msg = f"arch must be one of {ARCHS}, got {arch!r}"
@@ -148,6 +161,11 @@ def write_tiny_model(
     if moe and expert_type == "q8_0" and (n_embd % 32 or n_ff_exp % 32):
         msg = "q8_0 experts need n_embd and n_ff_exp to be multiples of 32"
         raise ValueError(msg)
+    if arch == "deepseek" and n_layer < 2:
+        msg = "deepseek needs n_layer >= 2 (layer 0 is dense)"
+        raise ValueError(msg)
+    if arch == "olmoe":
+        n_head_kv = n_head  # its k norm weight is n_embd wide
 
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,7 +174,7 @@ def write_tiny_model(
     n_embd_kv = head_dim * n_head_kv
     n_ff = n_ff_exp
 
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, _GGUF_ARCH.get(arch, arch))
     w.add_name(f"moetier-tiny-{arch}")
     w.add_file_type(int(_FILE_TYPES[expert_type] if moe else gguf.LlamaFileType.MOSTLY_F16))
     w.add_context_length(n_ctx_train)
@@ -173,6 +191,18 @@ def write_tiny_model(
         w.add_expert_feed_forward_length(n_ff_exp)
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(n_ff_shexp)
+    if arch == "granitemoe":
+        w.add_logit_scale(0.5)
+        w.add_residual_scale(0.5)
+        w.add_embedding_scale(2.0)
+        w.add_attention_scale(1.0 / head_dim)
+    elif arch == "deepseek":
+        w.add_leading_dense_block_count(1)
+        w.add_expert_shared_count(1)
+        w.add_expert_weights_scale(1.0)
+    elif arch == "dbrx":
+        w.add_layer_norm_eps(1e-5)
+        w.add_clamp_kqv(8.0)
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -197,7 +227,7 @@ def write_tiny_model(
         data = _randn(seed, name, shape, std)
         if mean:
             data += np.float32(mean)
-        if name == "output.weight":
+        if name in ("output.weight", "output.bias"):
             # zero logits for special/extra tokens so that greedy decoding never stops early
             data[types.index(int(gguf.TokenType.CONTROL)) :] = 0.0
         if qtype == gguf.GGMLQuantizationType.F32:
@@ -214,23 +244,38 @@ def write_tiny_model(
 
     add("token_embd.weight", (n_vocab, n_embd), 1.0, f16)
     add("output_norm.weight", (n_embd,), 0.1, f32, mean=1.0)
+    if arch == "phimoe":
+        add("output_norm.bias", (n_embd,), 0.1, f32)
     add("output.weight", (n_vocab, n_embd), 2.0 * s_in, f16)
+    if arch == "phimoe":
+        add("output.bias", (n_vocab,), 0.1, f32)
     for i in range(n_layer):
         b = f"blk.{i}."
         add(b + "attn_norm.weight", (n_embd,), 0.1, f32, mean=1.0)
-        add(b + "attn_q.weight", (n_embd, n_embd), s_in, f16)
-        add(b + "attn_k.weight", (n_embd_kv, n_embd), s_in, f16)
-        add(b + "attn_v.weight", (n_embd_kv, n_embd), s_in, f16)
+        if arch == "phimoe":
+            add(b + "attn_norm.bias", (n_embd,), 0.1, f32)
+        if arch == "dbrx":
+            add(b + "attn_qkv.weight", (n_embd + 2 * n_embd_kv, n_embd), s_in, f16)
+        else:
+            add(b + "attn_q.weight", (n_embd, n_embd), s_in, f16)
+            add(b + "attn_k.weight", (n_embd_kv, n_embd), s_in, f16)
+            add(b + "attn_v.weight", (n_embd_kv, n_embd), s_in, f16)
         if arch in ("qwen2", "qwen2moe"):
             add(b + "attn_q.bias", (n_embd,), 0.1, f32)
             add(b + "attn_k.bias", (n_embd_kv,), 0.1, f32)
             add(b + "attn_v.bias", (n_embd_kv,), 0.1, f32)
-        else:
-            add(b + "attn_q_norm.weight", (head_dim,), 0.1, f32, mean=1.0)
-            add(b + "attn_k_norm.weight", (head_dim,), 0.1, f32, mean=1.0)
+        elif arch in ("qwen3moe", "olmoe"):
+            n_qk_norm = head_dim if arch == "qwen3moe" else n_embd
+            add(b + "attn_q_norm.weight", (n_qk_norm,), 0.1, f32, mean=1.0)
+            add(b + "attn_k_norm.weight", (n_qk_norm,), 0.1, f32, mean=1.0)
         add(b + "attn_output.weight", (n_embd, n_embd), s_in, f16)
-        add(b + "ffn_norm.weight", (n_embd,), 0.1, f32, mean=1.0)
-        if not moe:
+        if arch == "phimoe":
+            add(b + "attn_output.bias", (n_embd,), 0.1, f32)
+        # dbrx normalizes the FFN input with attn_output_norm and has no ffn_norm
+        add(b + ("attn_output_norm" if arch == "dbrx" else "ffn_norm") + ".weight", (n_embd,), 0.1, f32, mean=1.0)
+        if arch == "phimoe":
+            add(b + "ffn_norm.bias", (n_embd,), 0.1, f32)
+        if not moe or (arch == "deepseek" and i == 0):
             add(b + "ffn_gate.weight", (n_ff, n_embd), s_in, f16)
             add(b + "ffn_up.weight", (n_ff, n_embd), s_in, f16)
             add(b + "ffn_down.weight", (n_embd, n_ff), 1.0 / np.sqrt(n_ff), f16)
@@ -255,6 +300,10 @@ def write_tiny_model(
                 1.0 / np.sqrt(n_ff_shexp),
                 f16,
             )
+        elif arch == "deepseek":
+            add(b + "ffn_gate_shexp.weight", (n_ff_exp, n_embd), s_in, f16)
+            add(b + "ffn_up_shexp.weight", (n_ff_exp, n_embd), s_in, f16)
+            add(b + "ffn_down_shexp.weight", (n_embd, n_ff_exp), 1.0 / np.sqrt(n_ff_exp), f16)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
