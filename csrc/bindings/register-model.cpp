@@ -2,12 +2,14 @@
 
 #include "bindings.h"
 
+#include "ggml-backend.h"
 #include "llama.h"
 #include "moetier.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -25,7 +27,7 @@ class py_model {
 public:
     py_model(const std::string & path, uint64_t cache_bytes, const std::string & store_dir, const std::string & policy,
              bool direct_io, uint32_t n_ctx, int32_t n_threads, uint32_t n_batch, uint32_t n_ubatch)
-            : path_(path), store_(store_dir), policy_(policy) {
+            : path_(path), store_(store_dir), policy_(policy), n_threads_(n_threads) {
         moetier_params mp = moetier_default_params();
         mp.cache_bytes = cache_bytes;
         mp.direct_io   = direct_io;
@@ -143,6 +145,90 @@ public:
         return out;
     }
 
+    // Runs tokens through a fresh context in chunks of n_chunk (each chunk from an empty KV cache)
+    // and returns, for each graph tensor named in names (e.g. "ffn_norm-3"), its rows for every
+    // token: {name: float32 [n_tokens, ne0]}. For calibration tools (moefy, routers).
+    py::dict collect(const std::vector<llama_token> & tokens, const std::vector<std::string> & names, int32_t n_chunk) {
+        for (llama_token t : tokens) {
+            check_token(t);
+        }
+        if (n_chunk < 1) {
+            throw std::invalid_argument("collect: n_chunk must be positive");
+        }
+        struct collector {
+            std::map<std::string, std::vector<float>> rows;
+            std::map<std::string, int64_t>            width;
+            std::vector<float>                        tmp;
+        } col;
+        for (const auto & n : names) {
+            col.rows[n];
+        }
+        auto cb = [](ggml_tensor * t, bool ask, void * ud) -> bool {
+            collector * c = (collector *) ud;
+            auto it = c->rows.find(ggml_get_name(t));
+            if (it == c->rows.end()) {
+                return false;
+            }
+            if (ask) {
+                return true;
+            }
+            if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t)) {
+                return true;
+            }
+            const int64_t n = ggml_nelements(t);
+            c->tmp.resize(n);
+            ggml_backend_tensor_get(t, c->tmp.data(), 0, n * sizeof(float));
+            it->second.insert(it->second.end(), c->tmp.begin(), c->tmp.end());
+            c->width[it->first] = t->ne[0];
+            return true;
+        };
+        {
+            py::gil_scoped_release release;
+            llama_context_params cp = llama_context_default_params();
+            cp.n_ctx             = (uint32_t) n_chunk;
+            cp.n_batch           = (uint32_t) n_chunk;
+            cp.n_ubatch          = (uint32_t) std::min(n_chunk, 512);
+            cp.n_threads         = n_threads_;
+            cp.n_threads_batch   = n_threads_;
+            cp.no_perf           = true;
+            cp.cb_eval           = cb;
+            cp.cb_eval_user_data = &col;
+            std::unique_ptr<llama_context, context_deleter> c(llama_init_from_model(model_.get(), cp));
+            if (!c) {
+                throw std::runtime_error(path_ + ": collect: failed to create a context");
+            }
+            llama_batch batch = llama_batch_init(n_chunk, 0, 1);
+            for (size_t i = 0; i < tokens.size(); i += n_chunk) {
+                const int32_t n = (int32_t) std::min<size_t>(n_chunk, tokens.size() - i);
+                llama_memory_clear(llama_get_memory(c.get()), true);
+                batch.n_tokens = n;
+                for (int32_t j = 0; j < n; ++j) {
+                    batch.token[j]     = tokens[i + j];
+                    batch.pos[j]       = j;
+                    batch.n_seq_id[j]  = 1;
+                    batch.seq_id[j][0] = 0;
+                    batch.logits[j]    = 1; // every row survives to the last layer
+                }
+                if (llama_decode(c.get(), batch) != 0) {
+                    llama_batch_free(batch);
+                    throw std::runtime_error(path_ + ": collect: decode failed");
+                }
+            }
+            llama_batch_free(batch);
+        }
+        py::dict out;
+        for (auto & [name, rows] : col.rows) {
+            const int64_t w = col.width.count(name) ? col.width[name] : 0;
+            if (w == 0) {
+                throw std::invalid_argument("collect: no tensor named '" + name + "' in the graph");
+            }
+            py::array_t<float> a({ (int64_t) rows.size() / w, w });
+            std::copy(rows.begin(), rows.end(), a.mutable_data());
+            out[py::str(name)] = a;
+        }
+        return out;
+    }
+
     py::dict stats() const {
         py::dict d;
         moetier_cache_info info;
@@ -225,6 +311,7 @@ private:
     std::string path_;
     std::string store_;
     std::string policy_;
+    int32_t     n_threads_ = 1;
     std::unique_ptr<llama_model, model_deleter>     model_;
     std::unique_ptr<llama_context, context_deleter> ctx_;
     const llama_vocab * vocab_ = nullptr;
@@ -242,6 +329,7 @@ void register_model(py::module_ & m) {
         .def("logits", &py_model::logits, py::arg("tokens"))
         .def("generate", &py_model::generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature") = 0.0f,
              py::arg("seed") = 0)
+        .def("collect", &py_model::collect, py::arg("tokens"), py::arg("names"), py::arg("n_chunk") = 512)
         .def("stats", &py_model::stats)
         .def("cache_info", &py_model::cache_info)
         .def("reset_stats", &py_model::reset_stats)

@@ -29,7 +29,7 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "") 
                 help=f"{help_text} (default: {f.default})",
             )
         else:
-            typ = int if f.type in ("int", int) else str
+            typ = {"int": int, "float": float}.get(str(f.type), str)
             p.add_argument(
                 name,
                 dest=prefix.replace("-", "_") + f.name,
@@ -76,6 +76,21 @@ def cmd_pack(ns: argparse.Namespace) -> int:
 
     out = pack(ns.model, ns.output, PackConfig(**_fields_of(ns, PackConfig)), progress=False if ns.quiet else None)
     sys.stderr.write(f"moetier: store written to {out}\n")
+    return 0
+
+
+def cmd_moefy(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .moefy import MoefyConfig, moefy
+
+    cfg = MoefyConfig(**_fields_of(ns, MoefyConfig))
+    text = "".join(Path(f).read_text(errors="replace") for f in ns.calib)
+    errs = moefy(ns.model, ns.output, text, cfg, n_threads=ns.threads, progress=False if ns.quiet else None)
+    sys.stderr.write(
+        f"moetier: wrote {ns.output}: {cfg.n_expert} experts, top-{cfg.n_expert_used}; FFN calibration error "
+        f"mean {sum(errs) / len(errs):.3f}, max {max(errs):.3f}\n"
+    )
     return 0
 
 
@@ -186,6 +201,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--store", default=None, help="expert store written by `moetier pack`")
     s.add_argument("--policy", default=None, help="eviction policy (default: lru)")
     s.set_defaults(func=cmd_serve, passthrough=True)
+
+    f = sub.add_parser(
+        "moefy",
+        help="turn a dense qwen2 GGUF into a qwen2moe GGUF (training-free: clustering, fitted routers, refit)",
+    )
+    f.add_argument("model", help="dense qwen2 GGUF")
+    f.add_argument("-o", "--output", required=True, help="qwen2moe GGUF to write")
+    f.add_argument("--calib", nargs="+", required=True, help="calibration text file(s): real text, not the eval set")
+    f.add_argument("-t", "--threads", type=int, default=None, help="threads for the calibration run")
+    f.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    from .moefy import MoefyConfig
+
+    _add_dataclass_args(f, MoefyConfig)
+    f.set_defaults(func=cmd_moefy)
 
     d = sub.add_parser("demo", help="generate a tiny MoE and run it with 25%% of its experts cached, against stock")
     d.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: 32)")

@@ -1,0 +1,304 @@
+"""moefy: turn a dense qwen2 GGUF into a qwen2moe GGUF that stock llama.cpp runs.
+
+Training-free MoEfication of each FFN (see ../shared/notes/moefy-probe.md for what this reached
+before, and why):
+
+1. Calibration: run the dense model (through llama.cpp) on real text and record every layer's
+   normalised FFN input x (graph tensor ffn_norm-N).
+2. Shared expert: the neurons with the largest mean |activation| x ||down column||, always on.
+3. Routed experts: the other neurons, clustered into E balanced groups by co-activation.
+4. Router: ridge regression from x to the centred log output norm of each group, so that the
+   softmax of the router's logits is proportional to the predicted output norms: the gate weights
+   carry each expert's importance (HOBBIT ranks experts by them).
+5. Down projections: refit by ridge least squares given the router's top-k masks and its softmax
+   weights (qwen2moe does not renormalise over the top-k), so the sparse layer reproduces the dense
+   output as closely as a linear refit can.
+
+gate/up rows are neurons, so they are split without touching their quantized bytes; the down
+projections are re-quantized (q8_0 by default) because their blocks run along the FFN dimension.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+from tqdm import tqdm
+
+from .errors import ConfigError, ModelError
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class MoefyConfig:
+    """How a dense FFN becomes a MoE layer."""
+
+    n_expert: int = field(default=8, metadata={"help": "routed experts per layer"})
+    n_expert_used: int = field(default=4, metadata={"help": "routed experts per token (top-k)"})
+    shared_frac: float = field(
+        default=0.25, metadata={"help": "fraction of each FFN's neurons in the always-active shared expert"}
+    )
+    calib_tokens: int = field(default=8192, metadata={"help": "calibration tokens used for clustering and fits"})
+    router_ridge: float = field(default=1e-1, metadata={"help": "ridge strength of the router fit"})
+    router_scale: float = field(
+        default=1.0,
+        metadata={"help": "multiplies the router logits (inverse temperature); 0 = flat weights 1/E (no importance)"},
+    )
+    refit: bool = field(default=True, metadata={"help": "refit the down projections for the sparse routing"})
+    refit_ridge: float = field(default=1e-1, metadata={"help": "ridge strength of the down-projection refit"})
+    down_type: str = field(default="q8_0", metadata={"help": "type of the re-split down projections: q8_0 or f16"})
+    seed: int = field(default=0, metadata={"help": "seed of the clustering"})
+
+    def __post_init__(self) -> None:
+        if self.n_expert < 2:
+            msg = f"moefy.n_expert: {self.n_expert} must be >= 2"
+            raise ConfigError(msg)
+        if not 1 <= self.n_expert_used <= self.n_expert:
+            msg = f"moefy.n_expert_used: {self.n_expert_used} must be in [1, n_expert={self.n_expert}]"
+            raise ConfigError(msg)
+        if not 0.0 <= self.shared_frac < 1.0:
+            msg = f"moefy.shared_frac: {self.shared_frac} must be in [0, 1)"
+            raise ConfigError(msg)
+        if self.down_type not in ("q8_0", "f16"):
+            msg = f"moefy.down_type: {self.down_type!r} must be q8_0 or f16"
+            raise ConfigError(msg)
+
+
+@dataclass
+class LayerPlan:
+    """The conversion of one FFN: which neurons go where, the router and the new down weights."""
+
+    shared: npt.NDArray[np.int64]  # [n_sh] neuron indices
+    groups: npt.NDArray[np.int64]  # [E, ff_e] neuron indices
+    router: F32  # [E, d]
+    down_shared: F32  # [d, n_sh]
+    down_experts: F32  # [E, d, ff_e]
+    rel_error: float  # calibration ||y - y_moe|| / ||y||, mean over tokens
+
+
+def _silu(x: F32) -> F32:
+    return (x / (1.0 + np.exp(-x))).astype(np.float32, copy=False)
+
+
+def _tensor_f32(t: Any) -> F32:
+    """Dequantized float32 of a reader tensor, numpy shape = reversed ggml ne."""
+    shape = tuple(int(v) for v in reversed(t.shape))
+    data = np.asarray(t.data)
+    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return data.astype(np.float32).reshape(shape)
+    return np.asarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
+
+
+def _rows_raw(t: Any) -> npt.NDArray[np.uint8]:
+    """The bytes of a 2-D tensor, one row (ggml ne[0] values) per numpy row."""
+    n_rows = int(t.shape[1])
+    return np.asarray(t.data).view(np.uint8).reshape(n_rows, -1)
+
+
+def _balanced_kmeans(feats: F32, k: int, size: int, rng: np.random.Generator, iters: int = 12) -> npt.NDArray[np.int64]:
+    """Partitions the rows of feats into k groups of exactly `size` rows (k * size == len(feats))."""
+    n = feats.shape[0]
+    centers = feats[rng.choice(n, size=k, replace=False)].copy()
+    assign = np.zeros(n, dtype=np.int64)
+    for _ in range(iters):
+        # cosine similarity; greedy balanced assignment by descending affinity
+        sim = feats @ centers.T  # [n, k]
+        order = np.argsort(-sim, axis=None)
+        taken = np.zeros(n, dtype=bool)
+        fill = np.zeros(k, dtype=np.int64)
+        for flat in order:
+            i, c = divmod(int(flat), k)
+            if taken[i] or fill[c] >= size:
+                continue
+            assign[i] = c
+            taken[i] = True
+            fill[c] += 1
+            if fill.sum() == n:
+                break
+        for c in range(k):
+            m = feats[assign == c].mean(axis=0)
+            centers[c] = m / (np.linalg.norm(m) + 1e-8)
+    return np.stack([np.flatnonzero(assign == c) for c in range(k)])
+
+
+def _ridge(a: F32, b: F32, lam: float, prior: F32 | None = None) -> F32:
+    """argmin_W ||a W - b||^2 + lam ||W - prior||^2, scaled to a's mean diagonal."""
+    g = a.T @ a
+    scale = float(np.mean(np.diag(g))) or 1.0
+    rhs = a.T @ b
+    if prior is not None:
+        rhs = rhs + lam * scale * prior
+    g[np.diag_indices_from(g)] += lam * scale
+    return np.linalg.solve(g, rhs).astype(np.float32)
+
+
+def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rng: np.random.Generator) -> LayerPlan:
+    """x [N, d] ffn inputs; w_gate/w_up [ff, d]; w_down [d, ff]."""
+    ff = w_gate.shape[0]
+    E, k = cfg.n_expert, cfg.n_expert_used
+    h = _silu(x @ w_gate.T) * (x @ w_up.T)  # [N, ff]
+    y = h @ w_down.T  # [N, d]
+
+    # shared expert: the most important neurons; the routed rest must split into E equal groups
+    # whose size is a multiple of 32 (q8_0 blocks run along it in the down projection)
+    ff_e = int(ff * (1.0 - cfg.shared_frac)) // E // 32 * 32
+    if ff_e == 0:
+        msg = f"moefy: FFN of {ff} neurons is too small for {E} experts with shared_frac {cfg.shared_frac}"
+        raise ConfigError(msg)
+    n_sh = ff - E * ff_e
+    score = np.abs(h).mean(axis=0) * np.linalg.norm(w_down, axis=0)
+    order = np.argsort(-score)
+    shared = np.sort(order[:n_sh])
+    routed = np.sort(order[n_sh:])
+
+    # co-activation features: each routed neuron's |activation| over the calibration tokens
+    act = np.abs(h[:, routed]).T  # [n_routed, N]
+    act = act / (np.linalg.norm(act, axis=1, keepdims=True) + 1e-8)
+    groups = routed[_balanced_kmeans(act.astype(np.float32), E, ff_e, rng)]
+
+    # router: softmax(logits) ~ predicted group output norms [HOBBIT needs importance in the weights]
+    norms = np.stack([np.linalg.norm(h[:, g] @ w_down[:, g].T, axis=1) for g in groups], axis=1)  # [N, E]
+    target = np.log(norms + 1e-6)
+    target -= target.mean(axis=1, keepdims=True)
+    router = _ridge(x, target.astype(np.float32), cfg.router_ridge).T * np.float32(cfg.router_scale)  # [E, d]
+
+    logits = x @ router.T
+    if cfg.router_scale == 0.0:
+        # flat weights: rank by the unscaled fit so top-k routing stays real
+        logits_rank = x @ _ridge(x, target.astype(np.float32), cfg.router_ridge)
+    else:
+        logits_rank = logits
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    top = np.argsort(-logits_rank, axis=1)[:, :k]
+    mask = np.zeros_like(p)
+    np.put_along_axis(mask, top, 1.0, axis=1)
+    w = (p * mask).astype(np.float32)  # [N, E] weight of each expert, 0 if not selected
+
+    # the shared gate is sigmoid(z) with z ~ 0 (see write): a constant 1/2, compensated in down
+    sh_gate = 0.5
+    mean_w = np.array([w[:, e][mask[:, e] > 0].mean() if mask[:, e].any() else 1.0 for e in range(E)])
+    prior = np.concatenate(
+        [w_down[:, shared] / sh_gate] + [w_down[:, g] / mean_w[e] for e, g in enumerate(groups)], axis=1
+    ).astype(np.float32)  # [d, ff]
+    feats = np.concatenate([h[:, shared] * sh_gate] + [h[:, g] * w[:, e : e + 1] for e, g in enumerate(groups)], axis=1)
+    down = _ridge(feats.astype(np.float32), y, cfg.refit_ridge, prior.T).T if cfg.refit else prior
+
+    y_moe = feats @ down.T
+    rel = float(np.mean(np.linalg.norm(y - y_moe, axis=1) / (np.linalg.norm(y, axis=1) + 1e-8)))
+    down_shared = down[:, :n_sh]
+    down_experts = np.stack([down[:, n_sh + e * ff_e : n_sh + (e + 1) * ff_e] for e in range(E)])
+    return LayerPlan(shared, groups, router.astype(np.float32), down_shared, down_experts, rel)
+
+
+def _kv_copy(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, arch_from: str, arch_to: str) -> None:
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        name = arch_to + f.name[len(arch_from) :] if f.name.startswith(arch_from + ".") else f.name
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            sub = f.types[-1]
+            if sub == gguf.GGUFValueType.STRING:
+                vals: Any = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+            else:
+                vals = [f.parts[i].tolist()[0] for i in f.data]
+            writer.add_key_value(name, vals, vtype, sub_type=sub)
+        elif vtype == gguf.GGUFValueType.STRING:
+            writer.add_key_value(name, bytes(f.parts[f.data[0]]).decode("utf-8"), vtype)
+        else:
+            writer.add_key_value(name, f.parts[f.data[0]].tolist()[0], vtype)
+
+
+def _quantize(a: F32, qtype: str) -> tuple[np.ndarray[Any, Any], gguf.GGMLQuantizationType]:
+    if qtype == "f16":
+        return a.astype(np.float16), gguf.GGMLQuantizationType.F16
+    return gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+
+
+def moefy(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    calib_text: str,
+    cfg: MoefyConfig | None = None,
+    *,
+    n_threads: int | None = None,
+    progress: bool | None = None,
+) -> list[float]:
+    """Converts the dense qwen2 GGUF src into the qwen2moe GGUF dst (written to a temp name, then
+    renamed). Returns each layer's relative calibration error of the FFN output."""
+    from .model import Model
+
+    cfg = cfg or MoefyConfig()
+    src, dst = Path(src), Path(dst)
+    show = sys.stderr.isatty() if progress is None else progress
+    reader = gguf.GGUFReader(src)
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    if arch != "qwen2":
+        msg = f"{src}: moefy converts qwen2 models, this one is {arch!r}"
+        raise ModelError(msg)
+    n_layer = int(reader.fields["qwen2.block_count"].parts[-1][0])
+    tensors = {t.name: t for t in reader.tensors}
+
+    dense = Model(src, n_ctx=512, n_threads=n_threads)
+    tokens = dense.tokenize(calib_text)[: cfg.calib_tokens]
+    if len(tokens) < 512:
+        msg = f"moefy: calibration text gives {len(tokens)} tokens; need at least 512"
+        raise ConfigError(msg)
+    xs = dense._m.collect(tokens, [f"ffn_norm-{i}" for i in range(n_layer)], 512)
+    del dense
+
+    rng = np.random.default_rng(cfg.seed)
+    plans: list[LayerPlan] = []
+    for il in tqdm(range(n_layer), desc="moefy layers", disable=not show):
+        w_gate = _tensor_f32(tensors[f"blk.{il}.ffn_gate.weight"])
+        w_up = _tensor_f32(tensors[f"blk.{il}.ffn_up.weight"])
+        w_down = _tensor_f32(tensors[f"blk.{il}.ffn_down.weight"])
+        plans.append(plan_layer(xs[f"ffn_norm-{il}"], w_gate, w_up, w_down, cfg, rng))
+
+    tmp = dst.with_name(dst.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, "qwen2moe")
+    _kv_copy(reader, writer, "qwen2", "qwen2moe")
+    ff_e = plans[0].groups.shape[1]
+    n_sh = plans[0].shared.shape[0]
+    writer.add_expert_count(cfg.n_expert)
+    writer.add_expert_used_count(cfg.n_expert_used)
+    writer.add_expert_feed_forward_length(ff_e)
+    writer.add_expert_shared_feed_forward_length(n_sh)
+    if "output.weight" not in tensors:
+        t = tensors["token_embd.weight"]
+        writer.add_tensor("output.weight", np.asarray(t.data), raw_dtype=t.tensor_type)
+    for t in reader.tensors:
+        if any(t.name.endswith(s) for s in (".ffn_gate.weight", ".ffn_up.weight", ".ffn_down.weight")):
+            continue
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    d = int(tensors["blk.0.ffn_gate.weight"].shape[0])
+    for il, pl in enumerate(plans):
+        for proj in ("gate", "up"):
+            t = tensors[f"blk.{il}.ffn_{proj}.weight"]
+            raw = _rows_raw(t)
+            # uint8 arrays carry byte shapes; the writer derives the element shape from the type
+            exps = np.stack([raw[g] for g in pl.groups])  # [E, ff_e, row bytes]
+            writer.add_tensor(f"blk.{il}.ffn_{proj}_exps.weight", exps, raw_dtype=t.tensor_type)
+            writer.add_tensor(f"blk.{il}.ffn_{proj}_shexp.weight", raw[pl.shared], raw_dtype=t.tensor_type)
+        q, qt = _quantize(pl.down_experts.reshape(-1, ff_e), cfg.down_type)
+        writer.add_tensor(f"blk.{il}.ffn_down_exps.weight", q.reshape(cfg.n_expert, d, -1), raw_dtype=qt)
+        q, qt = _quantize(pl.down_shared, cfg.down_type)
+        writer.add_tensor(f"blk.{il}.ffn_down_shexp.weight", q, raw_dtype=qt)
+        writer.add_tensor(f"blk.{il}.ffn_gate_inp.weight", pl.router)
+        # shared gate sigmoid(z) must not see z == 0 exactly (computed as silu(z)/z): a tiny constant
+        # direction keeps z small, so the gate is 1/2 (compensated in the refit), never NaN
+        writer.add_tensor(f"blk.{il}.ffn_gate_inp_shexp.weight", np.full(d, 1e-4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=show)
+    writer.close()
+    os.replace(tmp, dst)
+    return [pl.rel_error for pl in plans]
