@@ -3,6 +3,7 @@
 #include "bindings.h"
 
 #include "ggml-backend.h"
+#include "ggml.h"
 #include "llama.h"
 #include "moetier.h"
 
@@ -113,36 +114,49 @@ public:
         return out;
     }
 
-    // generated tokens after prompt; temperature 0 = greedy
-    std::vector<llama_token> generate(const std::vector<llama_token> & prompt, int32_t max_tokens, float temperature,
-                                      uint32_t seed) {
+    // generated tokens after prompt (temperature 0 = greedy), with the prompt-processing time (up
+    // to the first sampled token) and the decode time of the rest
+    py::dict generate(const std::vector<llama_token> & prompt, int32_t max_tokens, float temperature, uint32_t seed) {
         if (prompt.empty()) {
             throw std::invalid_argument("generate: empty prompt");
         }
         std::vector<llama_token> out;
-        py::gil_scoped_release release;
+        int64_t t0 = 0, t1 = 0, t2 = 0;
+        {
+            py::gil_scoped_release release;
 
-        std::unique_ptr<llama_sampler, sampler_deleter> smpl(llama_sampler_chain_init(llama_sampler_chain_default_params()));
-        if (temperature <= 0.0f) {
-            llama_sampler_chain_add(smpl.get(), llama_sampler_init_greedy());
-        } else {
-            llama_sampler_chain_add(smpl.get(), llama_sampler_init_temp(temperature));
-            llama_sampler_chain_add(smpl.get(), llama_sampler_init_dist(seed));
-        }
+            std::unique_ptr<llama_sampler, sampler_deleter> smpl(llama_sampler_chain_init(llama_sampler_chain_default_params()));
+            if (temperature <= 0.0f) {
+                llama_sampler_chain_add(smpl.get(), llama_sampler_init_greedy());
+            } else {
+                llama_sampler_chain_add(smpl.get(), llama_sampler_init_temp(temperature));
+                llama_sampler_chain_add(smpl.get(), llama_sampler_init_dist(seed));
+            }
 
-        start_sequence();
-        eval(prompt);
-        for (int32_t i = 0; i < max_tokens; ++i) {
-            const llama_token t = llama_sampler_sample(smpl.get(), ctx_.get(), -1);
-            if (llama_vocab_is_eog(vocab_, t)) {
-                break;
+            t0 = ggml_time_us();
+            start_sequence();
+            eval(prompt);
+            t1 = ggml_time_us();
+            for (int32_t i = 0; i < max_tokens; ++i) {
+                const llama_token t = llama_sampler_sample(smpl.get(), ctx_.get(), -1);
+                if (i == 0) {
+                    t1 = ggml_time_us(); // time to first token includes its sampling
+                }
+                if (llama_vocab_is_eog(vocab_, t)) {
+                    break;
+                }
+                out.push_back(t);
+                if (i + 1 < max_tokens) {
+                    eval({ t });
+                }
             }
-            out.push_back(t);
-            if (i + 1 < max_tokens) {
-                eval({ t });
-            }
+            t2 = ggml_time_us();
         }
-        return out;
+        py::dict d;
+        d["tokens"]    = out;
+        d["prefill_s"] = (t1 - t0) / 1e6;
+        d["decode_s"]  = (t2 - t1) / 1e6;
+        return d;
     }
 
     // Runs tokens through a fresh context in chunks of n_chunk (each chunk from an empty KV cache)

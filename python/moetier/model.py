@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,16 +45,31 @@ class CacheStats:
 
 @dataclass(frozen=True)
 class GenerateResult:
+    """Generated text and tokens, the cache counters of this call, and its timing: prefill_seconds
+    runs to the first generated token (time to first token), decode_seconds covers the rest."""
+
     text: str
     tokens: list[int]
     stats: CacheStats
     prompt_tokens: int
     seconds: float
-    decode_seconds: float = field(default=0.0)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
+        """Generated tokens per second of the whole call."""
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first per second of decode."""
+        n = len(self.tokens) - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
 
 class Model:
@@ -136,12 +151,19 @@ class Model:
         self.reset_stats()
         t0 = time.perf_counter()
         try:
-            out = list(self._m.generate(tokens, max_tokens, temperature, seed))
+            res = self._m.generate(tokens, max_tokens, temperature, seed)
         except RuntimeError as e:
             raise ModelError(str(e)) from None
         dt = time.perf_counter() - t0
+        out = [int(t) for t in res["tokens"]]
         return GenerateResult(
-            text=self.detokenize(out), tokens=out, stats=self.stats(), prompt_tokens=len(tokens), seconds=dt
+            text=self.detokenize(out),
+            tokens=out,
+            stats=self.stats(),
+            prompt_tokens=len(tokens),
+            seconds=dt,
+            prefill_seconds=float(res["prefill_s"]),
+            decode_seconds=float(res["decode_s"]),
         )
 
     def stats(self) -> CacheStats:
