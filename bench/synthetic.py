@@ -54,23 +54,38 @@ def main() -> None:
     p.add_argument("-n", type=int, default=32, help="tokens generated per run (default: 32)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default: 3)")
     p.add_argument("--threads", type=int, default=2, help="threads (default: 2)")
-    p.add_argument("--dir", default=os.environ.get("MOETIER_CACHE", str(Path.home() / ".cache" / "moetier")),
-                   help="where the generated model is kept (default: $MOETIER_CACHE or ~/.cache/moetier)")
+    p.add_argument(
+        "--dir",
+        default=os.environ.get("MOETIER_CACHE", str(Path.home() / ".cache" / "moetier")),
+        help="where the generated model is kept (default: $MOETIER_CACHE or ~/.cache/moetier)",
+    )
     a = p.parse_args()
 
     path = Path(a.dir) / f"synthetic-L{a.layers}-E{a.experts}-k{a.used}-d{a.embd}-f{a.ff}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_tiny_model(path, "qwen3moe", n_layer=a.layers, n_expert=a.experts, n_expert_used=a.used,
-                         n_embd=a.embd, n_ff_exp=a.ff, n_head=8, n_head_kv=4, seed=3)
+        write_tiny_model(
+            path,
+            "qwen3moe",
+            n_layer=a.layers,
+            n_expert=a.experts,
+            n_expert_used=a.used,
+            n_embd=a.embd,
+            n_ff_exp=a.ff,
+            n_head=8,
+            n_head_kv=4,
+            seed=3,
+        )
     ctx = ContextConfig(n_ctx=1024, n_threads=a.threads)
     stock = Model(path, context=ctx)
     base, _, _ = run(stock, a.n, a.repeats)
     del stock
     info = Model(path, cache=CacheConfig(budget="16G"), context=ctx).cache_info()
     expert_bytes = int(info["expert_bytes"])
-    print(f"model: {path.name}, {path.stat().st_size / 2**20:.0f} MiB, experts {expert_bytes / 2**20:.0f} MiB, "
-          f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"model: {path.name}, {path.stat().st_size / 2**20:.0f} MiB, experts {expert_bytes / 2**20:.0f} MiB, "
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}"
+    )
     print("| config | decode tok/s | vs stock | hit rate | MB read/token | read MB/s |")
     print("|---|---|---|---|---|---|")
     print(f"| stock llama.cpp (all in RAM) | {base:.2f} | 1.00 | - | - | - |")
@@ -86,8 +101,10 @@ def main() -> None:
         assert s is not None
         mb_tok = s.bytes_read / 1e6 / a.n  # type: ignore[attr-defined]
         bw = s.bytes_read / 1e6 / s.read_seconds if s.read_seconds else 0.0  # type: ignore[attr-defined]
-        print(f"| moetier {pct}% ({budget / 2**20:.0f} MiB) | {rate:.2f} | {rate / base:.2f} | {100 * hit:.1f}% "
-              f"| {mb_tok:.2f} | {bw:.0f} |")
+        print(
+            f"| moetier {pct}% ({budget / 2**20:.0f} MiB) | {rate:.2f} | {rate / base:.2f} | {100 * hit:.1f}% "
+            f"| {mb_tok:.2f} | {bw:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,288 @@
+"""The benchmark harness: stock llama.cpp and moetier on the same model and prompts, in ONE run.
+
+For each budget (percent of expert bytes) it measures, each configuration in its own process:
+  - stock llama.cpp fully in RAM (once: the in-RAM reference),
+  - stock llama.cpp under a memory cap that counts page cache (cgroup v1): non-expert bytes +
+    budget + the KV/compute headroom measured on the in-RAM run,
+  - moetier under the same cap with the budget as its expert cache.
+Pages of the model and store are dropped before every run; every process warms up once. It reports
+prefill and decode tok/s, time to first token, bytes read per token, hit rate and peak memory, with
+ratios to the capped stock run and to in-RAM, as JSON + markdown + PNG, plus the disk's O_DIRECT
+bandwidth at the expert size and the I/O bound it implies.
+
+    python bench/run.py --model ~/.cache/moetier/models/x.gguf --budgets 10,25,50,100 --out bench/results/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cgroup import MemoryCap, available
+from moetier import CacheConfig, Model
+
+MiB = 1 << 20
+DEFAULT_PROMPTS = [
+    'def quicksort(items):\n    """Sort a list of numbers."""\n',
+    "The Python tutorial explains that lists are mutable sequences, and that",
+    "In the Linux kernel, a memory cgroup limits the page cache and anonymous memory of",
+    "Write a function that parses an ISO 8601 date string and returns a datetime object.\n",
+]
+
+
+def drop_pages(paths: list[Path]) -> None:
+    """Evicts the files' pages so no run reads another run's page cache."""
+    for p in paths:
+        files = [p] if p.is_file() else sorted(x for x in p.iterdir() if x.is_file())
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def disk_bandwidth(path: Path, chunk: int, seconds: float = 3.0) -> float:
+    """O_DIRECT random reads of `chunk` bytes (rounded to 4096) from path: bytes per second."""
+    import mmap
+    import random
+
+    chunk = max(4096, (chunk + 4095) // 4096 * 4096)
+    size = path.stat().st_size
+    buf = mmap.mmap(-1, chunk)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    rng = random.Random(0)
+    done, t0 = 0, time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            off = rng.randrange(0, max(1, size - chunk)) // 4096 * 4096
+            done += os.preadv(fd, [buf], off)
+    finally:
+        os.close(fd)
+        buf.close()
+    return done / (time.perf_counter() - t0)
+
+
+def run_worker(args: list[str], cap: MemoryCap | None, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).with_name("worker.py")), *args]
+    try:
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap.preexec if cap else None
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:.0f} s"}
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1]}
+    out: dict[str, Any] = json.loads(r.stdout)
+    if cap:
+        out["cgroup_peak_bytes"] = cap.max_usage()
+    return out
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and spread over repeats of the per-repeat means over prompts."""
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return {"error": results[0].get("error", "failed") if results else "no runs"}
+
+    def per_repeat(key: str) -> list[float]:
+        return [statistics.mean(run[key] for run in r["runs"]) for r in ok]
+
+    def stat(xs: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+    tokens = sum(run["tokens"] + run["prompt_tokens"] for run in ok[-1]["runs"])
+    lookups = sum(run["lookups"] for run in ok[-1]["runs"])
+    hits = sum(run["hits"] for run in ok[-1]["runs"])
+    return {
+        "repeats": len(ok),
+        "decode_tok_s": stat(per_repeat("decode_tok_s")),
+        "prefill_tok_s": stat(per_repeat("prefill_tok_s")),
+        "ttft_s": stat(per_repeat("ttft_s")),
+        "hit_rate": hits / lookups if lookups else None,
+        "bytes_read_per_token": sum(run["bytes_read"] for run in ok[-1]["runs"]) / tokens,
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
+        "cgroup_peak_bytes": max((r.get("cgroup_peak_bytes", 0) for r in ok), default=0),
+        "token_ids": [run["token_ids"] for run in ok[-1]["runs"]],
+        "errors": [r["error"] for r in results if "error" in r],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="GGUF MoE model")
+    p.add_argument("--store", default=None, help="expert store for moetier (default: read the GGUF)")
+    p.add_argument("--budgets", default="10,25,50,100", help="expert cache budgets in %% of expert bytes")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration (median and spread reported)")
+    p.add_argument("-n", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("--prompts", default=None, help="JSON file with a list of prompts (default: a small built-in set)")
+    p.add_argument("--threads", type=int, default=2, help="threads per run")
+    p.add_argument("--ctx", type=int, default=1024, help="context length")
+    p.add_argument("--policy", default="lru", help="moetier eviction policy")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before a run is abandoned (thrashing)")
+    p.add_argument(
+        "--headroom-mib",
+        type=float,
+        default=None,
+        help="KV/compute headroom in the cap (default: measured in-RAM RSS minus the model file, +64 MiB)",
+    )
+    p.add_argument("--out", required=True, help="output prefix: writes OUT.json, OUT.md, OUT.png")
+    a = p.parse_args()
+
+    model = Path(a.model).expanduser()
+    info = Model(model, cache=CacheConfig(budget="64G")).cache_info()
+    expert_bytes = int(info["expert_bytes"])
+    non_expert = model.stat().st_size - expert_bytes
+    n_experts = int(info["n_layers"]) * int(info["n_expert"])
+    files = [model] + ([Path(a.store)] if a.store else [])
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(json.loads(Path(a.prompts).read_text()) if a.prompts else DEFAULT_PROMPTS, f)
+        prompts_file = f.name
+    common = [
+        "--model",
+        str(model),
+        "--prompts",
+        prompts_file,
+        "-n",
+        str(a.n),
+        "--threads",
+        str(a.threads),
+        "--ctx",
+        str(a.ctx),
+    ]
+
+    bw = disk_bandwidth(model, expert_bytes // n_experts)
+    report: dict[str, Any] = {
+        "model": str(model),
+        "model_bytes": model.stat().st_size,
+        "expert_bytes": expert_bytes,
+        "non_expert_bytes": non_expert,
+        "min_cache_bytes": int(info["min_cache_bytes"]),
+        "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg(), "platform": platform.platform()},
+        "disk_odirect_bytes_per_s": bw,
+        "config": vars(a),
+        "runs": {},
+    }
+    print(f"disk O_DIRECT at {expert_bytes // n_experts / 1024:.0f} KiB: {bw / 1e6:.0f} MB/s", file=sys.stderr)
+
+    def measure(name: str, extra: list[str], cap_bytes: int | None) -> dict[str, Any]:
+        results = []
+        for i in range(a.repeats):
+            drop_pages(files)
+            cap = MemoryCap(f"moetier-bench-{os.getpid()}", cap_bytes) if cap_bytes else None
+            try:
+                results.append(run_worker(common + extra, cap, a.timeout))
+            finally:
+                if cap:
+                    cap.close()
+            print(f"  {name} #{i + 1}: " + (results[-1].get("error") or "ok"), file=sys.stderr)
+        s = summarize(results)
+        s["cap_bytes"] = cap_bytes
+        report["runs"][name] = s
+        return s
+
+    ram = measure("stock-ram", [], None)
+    if "error" in ram:
+        msg = f"stock in-RAM run failed: {ram['error']}"
+        raise SystemExit(msg)
+    headroom = (
+        int(a.headroom_mib * MiB)
+        if a.headroom_mib is not None
+        else max(64 * MiB, ram["peak_rss_bytes"] - model.stat().st_size + 64 * MiB)
+    )
+    report["headroom_bytes"] = headroom
+    if not available():
+        msg = "cgroup v1 memory is not available: the capped runs need it"
+        raise SystemExit(msg)
+
+    for pct in [int(x) for x in a.budgets.split(",")]:
+        budget = max(int(info["min_cache_bytes"]), expert_bytes * pct // 100)
+        cap = non_expert + budget + headroom
+        measure(f"stock-capped-{pct}", [], cap)
+        measure(
+            f"moetier-{pct}",
+            ["--cache", str(budget), "--policy", a.policy] + (["--store", a.store] if a.store else []),
+            cap,
+        )
+        report["runs"][f"moetier-{pct}"]["budget_bytes"] = budget
+
+    write_outputs(report, Path(a.out))
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs = report["runs"]
+    ram = runs["stock-ram"]
+    rows = [
+        "| config | cap MiB | decode tok/s (min-max) | vs capped stock | vs in-RAM | prefill tok/s | TTFT s "
+        "| hit rate | MB read/token | peak MiB | same tokens as in-RAM |",
+        "|" + "---|" * 11,
+    ]
+    pcts = sorted({int(k.rsplit("-", 1)[1]) for k in runs if k.startswith("moetier-")})
+    bound_bytes = report["disk_odirect_bytes_per_s"]
+    for name in ["stock-ram"] + [f"{k}-{p}" for p in pcts for k in ("stock-capped", "moetier")]:
+        s = runs[name]
+        if "error" in s:
+            rows.append(f"| {name} | | failed: {s['error']} | | | | | | | | |")
+            continue
+        base = runs.get("stock-capped-" + name.rsplit("-", 1)[-1], {}) if name.startswith("moetier") else {}
+        d = s["decode_tok_s"]
+        vs_cap = f"{d['median'] / base['decode_tok_s']['median']:.2f}x" if base.get("decode_tok_s") else "-"
+        same = s["token_ids"] == ram["token_ids"]
+        hit = "" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
+        rows.append(
+            f"| {name} | {(s['cap_bytes'] or 0) / MiB:.0f} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {vs_cap} "
+            f"| {d['median'] / ram['decode_tok_s']['median']:.2f}x | {s['prefill_tok_s']['median']:.1f} "
+            f"| {s['ttft_s']['median']:.2f} | {hit} "
+            f"| {s['bytes_read_per_token'] / 1e6:.2f} | {max(s['peak_rss_bytes'], s['cgroup_peak_bytes']) / MiB:.0f} "
+            f"| {same} |"
+        )
+        if name.startswith("moetier") and s["bytes_read_per_token"] > 0:
+            s["io_bound_tok_s"] = bound_bytes / s["bytes_read_per_token"]
+    text = (
+        f"model `{Path(report['model']).name}`: {report['model_bytes'] / MiB:.0f} MiB, experts "
+        f"{report['expert_bytes'] / MiB:.0f} MiB; disk O_DIRECT {bound_bytes / 1e6:.0f} MB/s; "
+        f"{report['machine']['cores']} cores, load {report['machine']['loadavg'][0]:.2f}\n\n" + "\n".join(rows) + "\n"
+    )
+    for r in runs.values():
+        r.pop("token_ids", None)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for kind in ("stock-capped", "moetier"):
+        xs = [p for p in pcts if "error" not in runs[f"{kind}-{p}"]]
+        ax[0].plot(xs, [runs[f"{kind}-{p}"]["decode_tok_s"]["median"] for p in xs], "o-", label=kind)
+    ax[0].axhline(ram["decode_tok_s"]["median"], ls="--", c="gray", label="stock in RAM")
+    ax[0].set(xlabel="expert budget (% of expert bytes)", ylabel="decode tok/s", title="decode speed")
+    ax[0].legend()
+    xs = [p for p in pcts if "error" not in runs[f"moetier-{p}"]]
+    ax[1].plot(xs, [100 * (runs[f"moetier-{p}"]["hit_rate"] or 0) for p in xs], "o-")
+    ax[1].set(xlabel="expert budget (% of expert bytes)", ylabel="hit rate %", title="moetier expert cache hit rate")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=100)
+
+
+if __name__ == "__main__":
+    main()
