@@ -84,7 +84,7 @@ def run_worker(args: list[str], cap: MemoryCap | None, timeout: float) -> dict[s
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {timeout:.0f} s"}
     if r.returncode != 0:
-        return {"error": (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1]}
+        return {"error": (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]}
     out: dict[str, Any] = json.loads(r.stdout)
     if cap:
         out["cgroup_peak_bytes"] = cap.max_usage()
@@ -244,7 +244,8 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         same = s["token_ids"] == ram["token_ids"]
         hit = "" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
         rows.append(
-            f"| {name} | {(s['cap_bytes'] or 0) / MiB:.0f} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {vs_cap} "
+            f"| {name} | {(s['cap_bytes'] or 0) / MiB:.0f} "
+            f"| {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {vs_cap} "
             f"| {d['median'] / ram['decode_tok_s']['median']:.2f}x | {s['prefill_tok_s']['median']:.1f} "
             f"| {s['ttft_s']['median']:.2f} | {hit} "
             f"| {s['bytes_read_per_token'] / 1e6:.2f} | {max(s['peak_rss_bytes'], s['cgroup_peak_bytes']) / MiB:.0f} "
