@@ -110,6 +110,7 @@ class _TextExtractor(HTMLParser):
         self.pending = 0  # newlines owed before the next text
         self.line_start = True
         self.pre = 0
+        self.cell = 0  # inside a table cell: blocks are run together
         self.skip: tuple[str, int] | None = None  # tag being skipped, nesting depth of that tag
         self.main: tuple[str, int] | None = None  # tag of the main region while inside it
         self.main_only = main_only
@@ -118,6 +119,8 @@ class _TextExtractor(HTMLParser):
         return self.skip is None and (not self.main_only or self.main is not None)
 
     def _break(self, n: int) -> None:
+        if self.out and self.out[-1] == "- " and not self.pending:
+            return  # the first block of a list item starts on the item's line
         self.pending = max(self.pending, n)
 
     def _emit(self, s: str) -> None:
@@ -129,6 +132,10 @@ class _TextExtractor(HTMLParser):
         self.pending = 0
         self.out.append(s)
         self.line_start = s.endswith("\n")
+
+    def _space(self) -> None:
+        if not (self.line_start or self.pending or (self.out and self.out[-1].endswith(" "))):
+            self._emit(" ")
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if self.skip is not None:
@@ -154,10 +161,13 @@ class _TextExtractor(HTMLParser):
             self._break(1)
             if tag == "li":
                 self._emit("- ")
+        elif tag in ("td", "th"):
+            self.cell += 1
+            self._space()
+        elif tag in _BLOCK and self.cell:
+            self._space()
         elif tag in _BLOCK:
             self._break(2)
-        elif tag in ("td", "th") and not self.line_start:
-            self._emit(" ")
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if self._active() and tag in ("br", "hr"):
@@ -174,7 +184,9 @@ class _TextExtractor(HTMLParser):
         if tag == "pre":
             self.pre = max(0, self.pre - 1)
             self._break(2)
-        elif tag in _BLOCK:
+        elif tag in ("td", "th"):
+            self.cell = max(0, self.cell - 1)
+        elif tag in _BLOCK and not self.cell:
             self._break(1 if tag in _LINE else 2)
         if self.main is not None and tag == self.main[0]:
             depth = self.main[1] - 1
@@ -187,7 +199,7 @@ class _TextExtractor(HTMLParser):
             self._emit(data)
             return
         s = _WS.sub(" ", data)
-        if self.line_start or self.pending:
+        if self.line_start or self.pending or (self.out and self.out[-1].endswith(" ")):
             s = s.lstrip(" ")
         self._emit(s)
 

