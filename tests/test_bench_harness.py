@@ -1,0 +1,98 @@
+"""bench/run.py accounting: medians over repeats, hit rate and bytes per token from the worker's
+counters, ratios against the capped stock run; and one end-to-end run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ModelFactory
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import cgroup
+import run
+
+
+def _worker(decode: list[float], hits: int, lookups: int, bytes_read: int) -> dict[str, object]:
+    return {
+        "peak_rss_bytes": 100 << 20,
+        "runs": [
+            {
+                "prompt_tokens": 10,
+                "tokens": 5,
+                "ttft_s": 0.1,
+                "prefill_tok_s": 100.0,
+                "decode_tok_s": d,
+                "decode_s": 1.0,
+                "lookups": lookups,
+                "hits": hits,
+                "bytes_read": bytes_read,
+                "read_s": 0.1,
+                "token_ids": [1, 2, 3],
+            }
+            for d in decode
+        ],
+    }
+
+
+def test_summarize_medians_and_counters() -> None:
+    s = run.summarize(
+        [
+            _worker([10.0, 20.0], 3, 4, 300),
+            _worker([30.0, 30.0], 3, 4, 300),
+            _worker([1.0, 3.0], 3, 4, 300),
+            {"error": "timeout after 5 s"},
+        ]
+    )
+    assert s["repeats"] == 3
+    assert s["decode_tok_s"] == {"median": 15.0, "min": 2.0, "max": 30.0}
+    assert s["hit_rate"] == pytest.approx(6 / 8)
+    assert s["bytes_read_per_token"] == pytest.approx(600 / 30)  # 2 prompts x (10 + 5) tokens
+    assert s["errors"] == ["timeout after 5 s"]
+
+
+def test_summarize_all_failed() -> None:
+    assert run.summarize([{"error": "boom"}]) == {"error": "boom"}
+
+
+def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    if not cgroup.available():
+        pytest.skip("cgroup v1 memory controller not writable: capped runs cannot be measured here")
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=8)
+    out = tmp_path / "res"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(Path(run.__file__)),
+            "--model",
+            str(path),
+            "--budgets",
+            "25,100",
+            "--repeats",
+            "1",
+            "-n",
+            "4",
+            "--out",
+            str(out),
+            "--headroom-mib",
+            "512",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.with_suffix(".json").read_text())
+    assert set(rep["runs"]) == {"stock-ram", "stock-capped-25", "moetier-25", "stock-capped-100", "moetier-100"}
+    m25 = rep["runs"]["moetier-25"]
+    assert m25["budget_bytes"] == rep["expert_bytes"] // 4
+    assert m25["cap_bytes"] == rep["non_expert_bytes"] + m25["budget_bytes"] + rep["headroom_bytes"]
+    assert 0 < m25["hit_rate"] < 1 and m25["bytes_read_per_token"] > 0
+    assert rep["runs"]["stock-capped-25"]["hit_rate"] is None
+    md = out.with_suffix(".md").read_text()
+    assert "| moetier-25 |" in md and "True |" in md, "moetier tokens equal the in-RAM stock tokens"
