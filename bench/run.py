@@ -260,8 +260,8 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     )
     for r in runs.values():
         r.pop("token_ids", None)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(text)
+    out.with_name(out.name + ".json").write_text(json.dumps(report, indent=1))
+    out.with_name(out.name + ".md").write_text(text)
     print(text)
     try:
         import matplotlib
@@ -282,7 +282,7 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     ax[1].plot(xs, [100 * (runs[f"moetier-{p}"]["hit_rate"] or 0) for p in xs], "o-")
     ax[1].set(xlabel="expert budget (% of expert bytes)", ylabel="hit rate %", title="moetier expert cache hit rate")
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=100)
+    fig.savefig(out.with_name(out.name + ".png"), dpi=100)
 
 
 if __name__ == "__main__":

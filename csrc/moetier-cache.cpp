@@ -63,6 +63,7 @@ moetier_cache::moetier_cache(int32_t n_expert, int32_t n_slots, moetier_policy_p
     policy->init(n_slots);
 
     tasks.resize((size_t) n_expert * shapes.size());
+    mask.assign(n_slots, 0);
     bounce.resize(MOETIER_MAX_THREADS);
 }
 
@@ -80,6 +81,8 @@ void moetier_cache::add_layer(moetier_layer * layer) {
         layers.resize(layer->il + 1, nullptr);
     }
     layers[layer->il] = layer;
+    held.resize(layers.size(), 0);
+    ++n_layers;
     layer->cache = this;
     layer->slot_of.assign(n_expert_, -1);
 }
@@ -141,6 +144,7 @@ void moetier_cache::finish_previous() noexcept {
         if (l && slot_key[t.slot].expert >= 0) {
             l->slot_of[slot_key[t.slot].expert] = -1;
         }
+        --held[slot_key[t.slot].layer];
         slot_key[t.slot] = moetier_key{};
         free_slots.push_back(t.slot);
         t.failed = false;
@@ -155,14 +159,39 @@ int32_t moetier_cache::take_slot(const moetier_key & key) noexcept {
         s = free_slots.back();
         free_slots.pop_back();
     } else {
-        s = policy->victim(pinned, tick);
-        GGML_ASSERT(s >= 0 && !pinned[s] && "expert cache: no unpinned slot; the pool is smaller than one layer's experts");
-        const moetier_key old = slot_key[s];
-        if (old.layer >= 0 && layers[old.layer]) {
-            layers[old.layer]->slot_of[old.expert] = -1;
+        // donor layer: the most slots above the fair share among layers with an unpinned slot
+        // (pins belong to the layer being resolved only)
+        const int32_t n_slots = (int32_t) slot_key.size();
+        int32_t pinned_cur = 0;
+        for (int32_t i = 0; i < n_slots; ++i) {
+            pinned_cur += pinned[i];
         }
+        const double quota = (double) n_slots / std::max(1, n_layers);
+        int32_t donor = -1;
+        double  best  = 0.0;
+        for (int32_t l = 0; l < (int32_t) held.size(); ++l) {
+            const int32_t avail = held[l] - (l == key.layer ? pinned_cur : 0);
+            if (avail <= 0) {
+                continue;
+            }
+            const double excess = held[l] - quota;
+            if (donor < 0 || excess > best) {
+                donor = l;
+                best  = excess;
+            }
+        }
+        GGML_ASSERT(donor >= 0 && "expert cache: no unpinned slot; the pool is smaller than one layer's experts");
+        for (int32_t i = 0; i < n_slots; ++i) {
+            mask[i] = pinned[i] || slot_key[i].layer != donor;
+        }
+        s = policy->victim(mask, tick);
+        GGML_ASSERT(s >= 0 && !mask[s]);
+        const moetier_key old = slot_key[s];
+        layers[old.layer]->slot_of[old.expert] = -1;
+        --held[old.layer];
     }
     slot_key[s] = key;
+    ++held[key.layer];
     return s;
 }
 

@@ -10,6 +10,12 @@
 //
 // Slots are pinned from their layer's resolve until the next resolve of the same group: layers run
 // in order, so by then the previous layer's mul_mat_ids are done.
+//
+// Slots are shared by the group's layers but softly partitioned: a miss evicts from the layer that
+// holds the most slots above its fair share (n_slots / n_layers), and the policy picks the victim
+// among that layer's slots. Layers are visited in a fixed cycle, so a plain global recency order
+// would evict exactly the layer that runs next (0% hits whenever one token's experts exceed the
+// cache); a prefill ubatch may still borrow slots beyond its share.
 
 #include "moetier-io.h"
 #include "moetier-store.h"
@@ -138,6 +144,9 @@ private:
     std::vector<uint8_t>         pinned;     // [n_slots]
     std::vector<int32_t>         free_slots; // never used yet
     std::vector<moetier_layer *> layers;     // by model layer index, nullptr if not in this group
+    std::vector<int32_t>         held;       // by model layer index: slots holding that layer's experts
+    int32_t                      n_layers = 0;
+    std::vector<uint8_t>         mask;       // scratch for victim(): 1 = not a candidate
 
     uint64_t tick = 0;
 

@@ -52,3 +52,16 @@ def test_full_budget_reads_each_expert_once(tiny_model: ModelFactory) -> None:
     r = m.generate(LONG_PROMPT, max_tokens=8)
     assert r.stats.misses == 0, "a repeated prompt with every expert cached reads nothing"
     assert r.stats.hits == r.stats.lookups > 0
+
+
+def test_layers_keep_a_share_of_the_cache(tiny_model: ModelFactory) -> None:
+    """One token needs more experts than the cache holds: a global recency order would evict each
+    layer's experts right before that layer runs again (0% hits); the per-layer share keeps hits."""
+    path = tiny_model("qwen3moe", n_expert=16, n_expert_used=8, n_layer=8)
+    info = Model(path, cache=CacheConfig(budget="64M")).cache_info()
+    per_token = int(info["n_layers"]) * 8
+    budget = int(info["expert_bytes"]) // 4  # 32 of 128 experts, a quarter of one token's 64
+    m = Model(path, cache=CacheConfig(budget=budget))
+    assert int(m.cache_info()["n_slots"]) < per_token
+    r = m.generate("x", max_tokens=48)
+    assert r.stats.hit_rate > 0.15, r.stats

@@ -87,12 +87,12 @@ def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.loads(out.with_suffix(".json").read_text())
+    rep = json.loads(out.with_name(out.name + ".json").read_text())
     assert set(rep["runs"]) == {"stock-ram", "stock-capped-25", "moetier-25", "stock-capped-100", "moetier-100"}
     m25 = rep["runs"]["moetier-25"]
     assert m25["budget_bytes"] == rep["expert_bytes"] // 4
     assert m25["cap_bytes"] == rep["non_expert_bytes"] + m25["budget_bytes"] + rep["headroom_bytes"]
     assert 0 < m25["hit_rate"] < 1 and m25["bytes_read_per_token"] > 0
     assert rep["runs"]["stock-capped-25"]["hit_rate"] is None
-    md = out.with_suffix(".md").read_text()
+    md = out.with_name(out.name + ".md").read_text()
     assert "| moetier-25 |" in md and "True |" in md, "moetier tokens equal the in-RAM stock tokens"

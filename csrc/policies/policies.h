@@ -27,8 +27,9 @@ struct moetier_policy_i {
     // slot was just filled with key
     virtual void on_load(int32_t slot, const moetier_key & key, uint64_t tick) = 0;
 
-    // choose the slot to evict among those with pinned[slot] == 0 (at least one exists)
-    virtual int32_t victim(const std::vector<uint8_t> & pinned, uint64_t tick) = 0;
+    // choose the slot to evict among those with excluded[slot] == 0 (at least one exists); the cache
+    // excludes pinned slots and the slots of layers other than the one it evicts from
+    virtual int32_t victim(const std::vector<uint8_t> & excluded, uint64_t tick) = 0;
 
     // a new sequence starts: forget sequence-level records
     virtual void reset_sequence() = 0;

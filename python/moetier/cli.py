@@ -144,9 +144,9 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
     quiet = not sys.stderr.isatty()
     src = models.fetch("qwen2.5-coder-0.5b", quiet=quiet, log=note)
-    moe = src.with_name(src.stem + "-moe-e8k4.gguf")
+    moe = src.with_name(src.stem + "-moe-demo.gguf")
     if not moe.exists():
-        sys.stderr.write(f"moetier demo: converting {src.name} into a MoE (8 experts, top-4): a few minutes\n")
+        sys.stderr.write(f"moetier demo: converting {src.name} into a MoE (16 experts, top-8): a few minutes\n")
         moefy(src, moe, _stdlib_text(200_000), MoefyConfig(calib_tokens=ns.calib_tokens), progress=not quiet)
     probe = Model(moe, cache=CacheConfig(budget="64G"))
     info = probe.cache_info()
