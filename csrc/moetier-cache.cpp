@@ -233,20 +233,36 @@ void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, int64_t 
                 s = take_slot(key);
                 layer.slot_of[e] = s;
                 policy->on_load(s, key, tick);
-                for (size_t p = 0; p < layer.projs.size(); ++p) {
+                const bool whole = !layer.file_order.empty();
+                for (size_t p = 0; p < (whole ? 1 : layer.projs.size()); ++p) {
                     moetier_read_task & task = tasks[n_tasks++];
                     task.layer  = &layer;
-                    task.proj   = (int32_t) p;
+                    task.proj   = whole ? -1 : (int32_t) p;
                     task.expert = e;
                     task.slot   = s;
                     task.failed = false;
-                    layer.counters.n_bytes_read += layer.projs[p].bytes;
+                }
+                for (const auto & p : layer.projs) {
+                    layer.counters.n_bytes_read += p.bytes;
                 }
             }
             pinned[s] = 1;
             out[t * n_used + k] = s;
         }
     }
+}
+
+bool moetier_cache::verify(const moetier_proj & p, const moetier_read_task & t, std::string & err) const noexcept {
+    if (!p.store) {
+        return true;
+    }
+    const uint8_t * dst = (const uint8_t *) p.pool->data + (uint64_t) t.slot * p.pool->nb[2];
+    if (moetier_checksum(dst, p.bytes) != p.store->checksum_high[t.expert]) {
+        err = format("%s: checksum mismatch for %s expert %d: the store is corrupt; re-run `moetier pack`",
+                p.file->path().c_str(), p.meta->name, t.expert);
+        return false;
+    }
+    return true;
 }
 
 void moetier_cache::load(int ith, int nth) noexcept {
@@ -258,27 +274,37 @@ void moetier_cache::load(int ith, int nth) noexcept {
     std::string err;
     for (int32_t i = ith; i < n_tasks; i += nth) {
         moetier_read_task & t = tasks[i];
-        const moetier_proj & p = t.layer->projs[t.proj];
-        uint8_t * dst = (uint8_t *) p.pool->data + (uint64_t) t.slot * p.pool->nb[2];
+        const moetier_layer & l = *t.layer;
         bool ok = true;
-        try {
-            // one-time growth per thread; bounded by the largest projection
-            bb.reserve(std::max<size_t>(2 * MOETIER_ALIGN, moetier_align_up(p.bytes) + 2 * MOETIER_ALIGN));
-        } catch (...) {
-            err = "out of memory for the read buffer";
-            ok = false;
-        }
-        if (ok) {
-            // a store's slices are padded: read whole blocks straight into the slot
-            const size_t n = p.store ? (size_t) moetier_align_up(p.bytes) : (size_t) p.bytes;
-            ok = p.file->read(dst, p.expert_offset(t.expert), n, bb, err);
-        }
-        if (ok && p.store) {
-            const uint64_t sum = moetier_checksum(dst, p.bytes);
-            if (sum != p.store->checksum_high[t.expert]) {
-                err = format("%s: checksum mismatch for %s expert %d: the store is corrupt; re-run `moetier pack`",
-                        p.file->path().c_str(), p.meta->name, t.expert);
+        if (t.proj < 0) {
+            // a store keeps an expert's projections back to back and padded: one vectored O_DIRECT
+            // read straight into the slots of the projection pools
+            moetier_iovec iov[8];
+            const int n = (int) l.file_order.size();
+            for (int k = 0; k < n; ++k) {
+                const moetier_proj & p = l.projs[l.file_order[k]];
+                iov[k].base = (uint8_t *) p.pool->data + (uint64_t) t.slot * p.pool->nb[2];
+                iov[k].len  = moetier_align_up(p.bytes);
+            }
+            const moetier_proj & first = l.projs[l.file_order[0]];
+            ok = first.file->readv(iov, n, first.expert_offset(t.expert), err);
+            for (int k = 0; ok && k < n; ++k) {
+                ok = verify(l.projs[l.file_order[k]], t, err);
+            }
+        } else {
+            const moetier_proj & p = l.projs[t.proj];
+            uint8_t * dst = (uint8_t *) p.pool->data + (uint64_t) t.slot * p.pool->nb[2];
+            try {
+                // one-time growth per thread; bounded by the largest projection
+                bb.reserve(std::max<size_t>(2 * MOETIER_ALIGN, moetier_align_up(p.bytes) + 2 * MOETIER_ALIGN));
+            } catch (...) {
+                err = "out of memory for the read buffer";
                 ok = false;
+            }
+            if (ok) {
+                // a store's slices are padded: read whole blocks straight into the slot
+                const size_t n = p.store ? (size_t) moetier_align_up(p.bytes) : (size_t) p.bytes;
+                ok = p.file->read(dst, p.expert_offset(t.expert), n, bb, err) && verify(p, t, err);
             }
         }
         if (!ok) {

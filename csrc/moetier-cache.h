@@ -61,6 +61,8 @@ struct moetier_layer {
     int32_t         il    = -1;
     moetier_cache * cache = nullptr;
     std::vector<moetier_proj> projs;   // in the group's projection order
+    std::vector<int32_t>      file_order; // projs in file order when, for every expert, they lie back to back
+                                          // in one file (a store): one vectored read per expert; else empty
     std::vector<int32_t>      slot_of; // [n_expert] slot holding the expert, -1 if not cached
     moetier_layer_counters    counters;
 };
@@ -68,7 +70,7 @@ struct moetier_layer {
 // one queued read: a projection of one expert into one slot
 struct moetier_read_task {
     const moetier_layer * layer = nullptr;
-    int32_t proj   = 0;
+    int32_t proj   = 0;  // -1: every projection of the expert in one vectored read (file_order)
     int32_t expert = 0;
     int32_t slot   = 0;
     bool    failed = false;
@@ -126,6 +128,7 @@ private:
     void    finish_previous() noexcept; // accounts the last load and drops slots whose read failed
     int32_t take_slot(const moetier_key & key) noexcept;
     void    set_error(const std::string & msg) noexcept;
+    bool    verify(const moetier_proj & p, const moetier_read_task & t, std::string & err) const noexcept;
 
     const int32_t n_expert_;
 

@@ -10,6 +10,7 @@
 #include <new>
 #include <stdexcept>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 void moetier_aligned_deleter::operator()(void * p) const {
@@ -145,6 +146,49 @@ bool moetier_file::read(void * dst, uint64_t offset, size_t n, moetier_aligned_b
             return false;
         }
         memcpy(out + (lo - offset), (uint8_t *) bounce.data.get() + (lo - pos), hi - lo);
+    }
+    return true;
+}
+
+bool moetier_file::readv(const moetier_iovec * iov, int n, uint64_t offset, std::string & err) const {
+    GGML_ASSERT(n > 0 && n <= 8);
+    struct iovec v[8];
+    size_t total = 0;
+    for (int i = 0; i < n; ++i) {
+        v[i].iov_base = iov[i].base;
+        v[i].iov_len  = iov[i].len;
+        total += iov[i].len;
+    }
+    if (offset + total > size_) {
+        err = format("%s: file is truncated: wanted %zu bytes at offset %llu, file has %llu bytes", path_.c_str(), total,
+                (unsigned long long) offset, (unsigned long long) size_);
+        return false;
+    }
+    const int fd = direct_ ? fd_direct_ : fd_;
+    ssize_t r;
+    do {
+        r = preadv(fd, v, n, (off_t) offset);
+    } while (r < 0 && errno == EINTR);
+    if (r == (ssize_t) total) {
+        if (!direct_) {
+#ifdef POSIX_FADV_DONTNEED
+            posix_fadvise(fd_, (off_t) offset, (off_t) total, POSIX_FADV_DONTNEED);
+#endif
+        }
+        return true;
+    }
+    if (r < 0) {
+        err = format("%s: read of %zu bytes at offset %llu failed: %s", path_.c_str(), total,
+                (unsigned long long) offset, strerror(errno));
+        return false;
+    }
+    // short read: finish destination by destination
+    uint64_t pos = offset;
+    for (int i = 0; i < n; ++i) {
+        if (!pread_full(fd, iov[i].base, pos, iov[i].len, err)) {
+            return false;
+        }
+        pos += iov[i].len;
     }
     return true;
 }

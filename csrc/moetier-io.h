@@ -8,6 +8,12 @@
 #include <memory>
 #include <string>
 
+// one destination of a vectored read
+struct moetier_iovec {
+    void * base = nullptr;
+    size_t len  = 0;
+};
+
 struct moetier_aligned_deleter {
     void operator()(void * p) const;
 };
@@ -37,6 +43,10 @@ public:
     // (grown once to the largest transfer, never per call in steady state). Returns false and sets
     // err on failure or a short file. Thread-safe for distinct dst/bounce.
     bool read(void * dst, uint64_t offset, size_t n, moetier_aligned_buffer & bounce, std::string & err) const;
+
+    // Reads consecutive file bytes at offset into n destinations (preadv): all must be 4096-aligned in
+    // address and length for O_DIRECT. Returns false and sets err on failure or a short file.
+    bool readv(const moetier_iovec * iov, int n, uint64_t offset, std::string & err) const;
 
     const std::string & path() const { return path_; }
     uint64_t size()   const { return size_; }

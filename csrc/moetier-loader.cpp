@@ -178,6 +178,34 @@ void moetier_model::finish_load() {
         pl.n_slots = std::min<int64_t>(max_slots, n_expert + (int64_t) (share / pl.slot_bytes));
     }
 
+    // store reads: one vectored read per expert when its projections lie back to back in the file
+    for (auto & l : layers) {
+        if (!store || l->projs.size() > 8) {
+            continue;
+        }
+        std::vector<int32_t> order(l->projs.size());
+        for (size_t k = 0; k < order.size(); ++k) {
+            order[k] = (int32_t) k;
+        }
+        std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+            return l->projs[a].store->offset_high[0] < l->projs[b].store->offset_high[0];
+        });
+        bool contiguous = true;
+        for (int32_t e = 0; e < n_expert && contiguous; ++e) {
+            for (size_t k = 1; k < order.size(); ++k) {
+                const moetier_proj & a = l->projs[order[k - 1]];
+                const moetier_proj & b = l->projs[order[k]];
+                if (b.store->offset_high[e] != a.store->offset_high[e] + moetier_align_up(a.bytes)) {
+                    contiguous = false;
+                    break;
+                }
+            }
+        }
+        if (contiguous) {
+            l->file_order = order;
+        }
+    }
+
     for (auto & pl : plans) {
         std::vector<moetier_proj> shapes = pl.layers[0]->projs;
         caches.push_back(std::make_unique<moetier_cache>(n_expert, (int32_t) pl.n_slots, moetier_policy_create(policy_name), shapes));
