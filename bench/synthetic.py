@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from pathlib import Path
 
 from moetier import CacheConfig, ContextConfig, Model
@@ -95,9 +94,7 @@ def main() -> None:
             budget = int(info["min_cache_bytes"]) * int(info["n_layers"])
         drop_page_cache(path)
         m = Model(path, cache=CacheConfig(budget=budget), context=ctx)
-        t0 = time.perf_counter()
         rate, hit, s = run(m, a.n, a.repeats)
-        del t0
         assert s is not None
         mb_tok = s.bytes_read / 1e6 / a.n  # type: ignore[attr-defined]
         bw = s.bytes_read / 1e6 / s.read_seconds if s.read_seconds else 0.0  # type: ignore[attr-defined]
