@@ -162,10 +162,7 @@ int32_t moetier_cache::take_slot(const moetier_key & key) noexcept {
         // donor layer: the most slots above the fair share among layers with an unpinned slot
         // (pins belong to the layer being resolved only)
         const int32_t n_slots = (int32_t) slot_key.size();
-        int32_t pinned_cur = 0;
-        for (int32_t i = 0; i < n_slots; ++i) {
-            pinned_cur += pinned[i];
-        }
+        const int32_t pinned_cur = n_pinned;
         const double quota = (double) n_slots / std::max(1, n_layers);
         int32_t donor = -1;
         double  best  = 0.0;
@@ -202,6 +199,7 @@ void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, int64_t 
 
     // the previous layer of this group is done: its slots may be evicted again
     std::fill(pinned.begin(), pinned.end(), 0);
+    n_pinned = 0;
 
     task_layer = &layer;
     t_resolve_us = moetier_time_us();
@@ -246,6 +244,7 @@ void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, int64_t 
                     layer.counters.n_bytes_read += p.bytes;
                 }
             }
+            n_pinned += !pinned[s];
             pinned[s] = 1;
             out[t * n_used + k] = s;
         }

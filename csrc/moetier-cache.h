@@ -145,6 +145,7 @@ private:
 
     std::vector<moetier_key>     slot_key;   // [n_slots] what each slot holds
     std::vector<uint8_t>         pinned;     // [n_slots]
+    int32_t                      n_pinned = 0; // slots pinned by the layer being resolved
     std::vector<int32_t>         free_slots; // never used yet
     std::vector<moetier_layer *> layers;     // by model layer index, nullptr if not in this group
     std::vector<int32_t>         held;       // by model layer index: slots holding that layer's experts

@@ -10,6 +10,7 @@ from typing import Any
 
 from .config import CacheConfig, ContextConfig, PackConfig
 from .errors import MoetierError
+from .moefy import MoefyConfig
 
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "") -> None:
@@ -82,7 +83,7 @@ def cmd_pack(ns: argparse.Namespace) -> int:
 def cmd_moefy(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .moefy import MoefyConfig, moefy
+    from .moefy import moefy
 
     cfg = MoefyConfig(**_fields_of(ns, MoefyConfig))
     text = "".join(Path(f).read_text(errors="replace") for f in ns.calib)
@@ -229,8 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--calib", nargs="+", required=True, help="calibration text file(s): real text, not the eval set")
     f.add_argument("-t", "--threads", type=int, default=None, help="threads for the calibration run")
     f.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    from .moefy import MoefyConfig
-
     _add_dataclass_args(f, MoefyConfig)
     f.set_defaults(func=cmd_moefy)
 
