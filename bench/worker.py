@@ -8,8 +8,25 @@ import json
 import resource
 import sys
 import time
+from pathlib import Path
 
 from moetier import CacheConfig, ContextConfig, Model
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (/proc/self/io read_bytes)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def status_bytes(key: str) -> int:
+    """A kB field of /proc/self/status, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def main() -> None:
@@ -22,15 +39,27 @@ def main() -> None:
     p.add_argument("-n", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--threads", type=int, default=2, help="threads")
     p.add_argument("--ctx", type=int, default=2048, help="context length")
+    p.add_argument(
+        "--no-repack",
+        action="store_true",
+        help="turn off llama.cpp's repacked CPU weights (they are anonymous copies a memory cap cannot page out)",
+    )
     a = p.parse_args()
 
     t0 = time.perf_counter()
     cache = CacheConfig(budget=a.cache, policy=a.policy) if a.cache else None
-    m = Model(a.model, store=a.store, cache=cache, context=ContextConfig(n_ctx=a.ctx, n_threads=a.threads))
+    m = Model(
+        a.model,
+        store=a.store,
+        cache=cache,
+        context=ContextConfig(n_ctx=a.ctx, n_threads=a.threads),
+        repack=not a.no_repack,
+    )
     load_s = time.perf_counter() - t0
-    prompts = json.loads(open(a.prompts).read())
+    prompts = json.loads(Path(a.prompts).read_text())
     m.generate(prompts[0], max_tokens=4)  # warm-up: first-touch costs are not the steady state
     runs = []
+    io0, faults0 = disk_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     for text in prompts:
         r = m.generate(text, max_tokens=a.n)
         runs.append(
@@ -50,6 +79,11 @@ def main() -> None:
         )
     out = {
         "load_s": load_s,
+        # what the generations read from the disk (page faults and readahead of mmap'ed weights
+        # included) and the process's anonymous memory (KV cache, compute buffers, copies of weights)
+        "disk_read_bytes": disk_read_bytes() - io0,
+        "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0,
+        "rss_anon_bytes": status_bytes("RssAnon"),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "cache_info": m.cache_info(),
         "runs": runs,

@@ -18,9 +18,12 @@ import cgroup
 import run
 
 
-def _worker(decode: list[float], hits: int, lookups: int, bytes_read: int) -> dict[str, object]:
+def _worker(decode: list[float], hits: int, lookups: int, bytes_read: int, disk: int = 0) -> dict[str, object]:
     return {
         "peak_rss_bytes": 100 << 20,
+        "rss_anon_bytes": 40 << 20,
+        "disk_read_bytes": disk,
+        "major_faults": 0,
         "runs": [
             {
                 "prompt_tokens": 10,
@@ -43,9 +46,9 @@ def _worker(decode: list[float], hits: int, lookups: int, bytes_read: int) -> di
 def test_summarize_medians_and_counters() -> None:
     s = run.summarize(
         [
-            _worker([10.0, 20.0], 3, 4, 300),
-            _worker([30.0, 30.0], 3, 4, 300),
-            _worker([1.0, 3.0], 3, 4, 300),
+            _worker([10.0, 20.0], 3, 4, 300, disk=3000),
+            _worker([30.0, 30.0], 3, 4, 300, disk=600),
+            _worker([1.0, 3.0], 3, 4, 300, disk=900),
             {"error": "timeout after 5 s"},
         ]
     )
@@ -53,6 +56,7 @@ def test_summarize_medians_and_counters() -> None:
     assert s["decode_tok_s"] == {"median": 15.0, "min": 2.0, "max": 30.0}
     assert s["hit_rate"] == pytest.approx(6 / 8)
     assert s["bytes_read_per_token"] == pytest.approx(600 / 30)  # 2 prompts x (10 + 5) tokens
+    assert s["disk_read_per_token"] == pytest.approx(900 / 30)  # the median repeat
     assert s["errors"] == ["timeout after 5 s"]
 
 
@@ -88,11 +92,20 @@ def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(out.with_name(out.name + ".json").read_text())
-    assert set(rep["runs"]) == {"stock-ram", "stock-capped-25", "moetier-25", "stock-capped-100", "moetier-100"}
+    assert set(rep["runs"]) == {
+        "stock-ram",
+        "stock-ram-norepack",
+        "stock-capped-25",
+        "moetier-25",
+        "stock-capped-100",
+        "moetier-100",
+    }
     m25 = rep["runs"]["moetier-25"]
     assert m25["budget_bytes"] == rep["expert_bytes"] // 4
     assert m25["cap_bytes"] == rep["non_expert_bytes"] + m25["budget_bytes"] + rep["headroom_bytes"]
     assert 0 < m25["hit_rate"] < 1 and m25["bytes_read_per_token"] > 0
+    # O_DIRECT expert reads reach the disk: the process's own I/O counter sees at least them
+    assert m25["disk_read_per_token"] >= m25["bytes_read_per_token"] * 0.99
     assert rep["runs"]["stock-capped-25"]["hit_rate"] is None
     md = out.with_name(out.name + ".md").read_text()
     assert "| moetier-25 |" in md and "True |" in md, "moetier tokens equal the in-RAM stock tokens"

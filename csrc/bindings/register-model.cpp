@@ -27,7 +27,7 @@ struct sampler_deleter { void operator()(llama_sampler * s) const { llama_sample
 class py_model {
 public:
     py_model(const std::string & path, uint64_t cache_bytes, const std::string & store_dir, const std::string & policy,
-             bool direct_io, uint32_t n_ctx, int32_t n_threads, uint32_t n_batch, uint32_t n_ubatch)
+             bool direct_io, uint32_t n_ctx, int32_t n_threads, uint32_t n_batch, uint32_t n_ubatch, bool repack)
             : path_(path), store_(store_dir), policy_(policy), n_threads_(n_threads) {
         moetier_params mp = moetier_default_params();
         mp.cache_bytes = cache_bytes;
@@ -36,6 +36,8 @@ public:
 
         llama_model_params params = llama_model_default_params();
         params.moetier = &mp;
+        // repacked weights are anonymous copies: a memory cap cannot page them out like mmap'ed ones
+        params.use_extra_bufts = repack;
 
         llama_model * m = nullptr;
         {
@@ -335,9 +337,9 @@ private:
 
 void register_model(py::module_ & m) {
     py::class_<py_model>(m, "Model")
-        .def(py::init<const std::string &, uint64_t, const std::string &, const std::string &, bool, uint32_t, int32_t, uint32_t, uint32_t>(),
+        .def(py::init<const std::string &, uint64_t, const std::string &, const std::string &, bool, uint32_t, int32_t, uint32_t, uint32_t, bool>(),
              py::arg("path"), py::arg("cache_bytes"), py::arg("store_dir"), py::arg("policy"), py::arg("direct_io"),
-             py::arg("n_ctx"), py::arg("n_threads"), py::arg("n_batch"), py::arg("n_ubatch"))
+             py::arg("n_ctx"), py::arg("n_threads"), py::arg("n_batch"), py::arg("n_ubatch"), py::arg("repack") = true)
         .def("tokenize", &py_model::tokenize, py::arg("text"), py::arg("add_special") = true)
         .def("detokenize", &py_model::detokenize, py::arg("tokens"))
         .def("logits", &py_model::logits, py::arg("tokens"))

@@ -74,7 +74,11 @@ class GenerateResult:
 
 class Model:
     """A GGUF model. With cache=None it is stock llama.cpp; with a CacheConfig the experts of its
-    MoE layers are read on demand (from `store` if given, else from the GGUF) into a bounded cache."""
+    MoE layers are read on demand (from `store` if given, else from the GGUF) into a bounded cache.
+
+    repack=False turns off llama.cpp's repacked CPU kernels (its CPU_REPACK copies of quantized
+    weights): the weights are then used straight from the file mapping, which a memory cap can page
+    out, as `--no-repack` does in the llama.cpp tools."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class Model:
         *,
         n_ctx: int | None = None,
         n_threads: int | None = None,
+        repack: bool = True,
     ) -> None:
         self.path = Path(path)
         if not self.path.is_file():
@@ -115,6 +120,7 @@ class Model:
                 ctx.n_threads,
                 ctx.n_batch,
                 ctx.n_ubatch,
+                repack,
             )
         except RuntimeError as e:
             text = str(e)
