@@ -137,6 +137,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="threads per run")
     p.add_argument("--ctx", type=int, default=1024, help="context length")
     p.add_argument("--policy", default="lru", help="moetier eviction policy")
+    p.add_argument(
+        "--opts", default="t1=1,t2=1", help="moetier cache options KEY=VALUE,... (default: high precision only)"
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is abandoned (thrashing)")
     p.add_argument(
         "--headroom-mib",
@@ -220,7 +223,8 @@ def main() -> None:
         measure(f"stock-capped-{pct}", ["--no-repack"], cap)
         measure(
             f"moetier-{pct}",
-            ["--cache", str(budget), "--policy", a.policy] + (["--store", a.store] if a.store else []),
+            ["--cache", str(budget), "--policy", a.policy, "--opts", a.opts]
+            + (["--store", a.store] if a.store else []),
             cap,
         )
         report["runs"][f"moetier-{pct}"]["budget_bytes"] = budget

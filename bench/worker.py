@@ -35,6 +35,11 @@ def main() -> None:
     p.add_argument("--cache", type=int, default=0, help="expert cache bytes; 0 = stock llama.cpp")
     p.add_argument("--store", default=None, help="expert store directory")
     p.add_argument("--policy", default="lru", help="eviction policy")
+    p.add_argument(
+        "--opts",
+        default="t1=1,t2=1",
+        help="expert cache options KEY=VALUE,... (CacheConfig fields; default: all high precision)",
+    )
     p.add_argument("--prompts", required=True, help="JSON file: list of prompt strings")
     p.add_argument("-n", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--threads", type=int, default=2, help="threads")
@@ -47,7 +52,8 @@ def main() -> None:
     a = p.parse_args()
 
     t0 = time.perf_counter()
-    cache = CacheConfig(budget=a.cache, policy=a.policy) if a.cache else None
+    opts = {k: float(v) for k, v in (kv.split("=", 1) for kv in a.opts.split(",") if kv)}
+    cache = CacheConfig(budget=a.cache, policy=a.policy, **opts) if a.cache else None
     m = Model(
         a.model,
         store=a.store,

@@ -3,34 +3,54 @@
 #include "moetier-impl.h"
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
 // upper bound on compute threads that may run the load op; bounce buffers are per thread index
 static constexpr int MOETIER_MAX_THREADS = 512;
 
-moetier_cache::moetier_cache(int32_t n_expert, int32_t n_slots, moetier_policy_ptr policy_, std::vector<moetier_proj> proj_shapes)
-        : n_expert_(n_expert), policy(std::move(policy_)), shapes(std::move(proj_shapes)) {
-    GGML_ASSERT(n_slots >= n_expert && n_expert > 0);
-
-    uint64_t total = 0;
-    for (const auto & p : shapes) {
-        slot_stride.push_back(moetier_align_up(p.bytes));
-        total += slot_stride.back() * (uint64_t) n_slots;
+void moetier_precision_levels(const moetier_precision & rule, const float * weights, int32_t n_used, uint8_t * levels) {
+    if (weights == nullptr || (rule.t1 >= 1.0f && rule.t2 >= 1.0f)) {
+        std::fill(levels, levels + n_used, 2);
+        return;
     }
-    buf_size = total;
-    // not touched here: pages become resident as slots fill (and the memory-fit pass of
-    // common_fit_params, which loads the model with no_alloc, costs no RSS)
-    mem.reserve(buf_size);
-
-    buf = ggml_backend_cpu_buffer_from_ptr(mem.data.get(), buf_size);
-    if (!buf) {
-        throw std::runtime_error("failed to create the expert cache buffer");
+    // n_used is small (<= 64 in practice): an insertion sort of indices by weight, descending
+    int32_t order[256];
+    const int32_t n = std::min<int32_t>(n_used, 256);
+    double sum = 0.0;
+    for (int32_t k = 0; k < n; ++k) {
+        sum += std::fabs(weights[k]);
+        int32_t j = k;
+        while (j > 0 && std::fabs(weights[order[j - 1]]) < std::fabs(weights[k])) {
+            order[j] = order[j - 1];
+            --j;
+        }
+        order[j] = k;
     }
-    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    std::fill(levels, levels + n_used, 2);
+    if (!(sum > 0.0)) {
+        return;
+    }
+    double above = 0.0; // normalised weight of the experts ranked above
+    for (int32_t i = 0; i < n; ++i) {
+        const int32_t k = order[i];
+        const double  s = above;
+        levels[k] = i == 0 || s <= rule.t1 ? 2 : s <= rule.t2 ? 1 : 0;
+        above += std::fabs(weights[k]) / sum;
+    }
+}
+
+moetier_cache::moetier_cache(int32_t n_expert, const int32_t n_slots[2], const moetier_precision & rule_,
+                             const std::string & policy, const moetier_policy_weights & weights,
+                             std::vector<moetier_proj> proj_shapes)
+        : n_expert_(n_expert), rule(rule_), shapes(std::move(proj_shapes)) {
+    GGML_ASSERT(n_slots[MOETIER_HIGH] >= n_expert && n_expert > 0 && n_slots[MOETIER_LOW] >= 0);
+    GGML_ASSERT(n_slots[MOETIER_LOW] == 0 || shapes[0].store != nullptr);
 
     ggml_init_params ip = {
-        /*.mem_size   =*/ ggml_tensor_overhead() * (shapes.size() + 1),
+        /*.mem_size   =*/ ggml_tensor_overhead() * (2 * shapes.size() + 1),
         /*.mem_buffer =*/ nullptr,
         /*.no_alloc   =*/ true,
     };
@@ -38,41 +58,72 @@ moetier_cache::moetier_cache(int32_t n_expert, int32_t n_slots, moetier_policy_p
     if (!ctx) {
         throw std::runtime_error("failed to create the expert cache context");
     }
+    init_set(sets[MOETIER_HIGH], MOETIER_HIGH, n_slots[MOETIER_HIGH], policy, weights);
+    init_set(sets[MOETIER_LOW],  MOETIER_LOW,  n_slots[MOETIER_LOW],  policy, weights);
 
-    uint8_t * base = (uint8_t *) mem.data.get();
+    need.assign(n_expert, 0);
+    tasks.resize((size_t) n_expert * shapes.size());
+    bounce.resize(MOETIER_MAX_THREADS);
+}
+
+void moetier_cache::init_set(moetier_pool_set & set, int32_t prec, int32_t n_slots, const std::string & policy,
+                             const moetier_policy_weights & weights) {
+    set.prec = prec;
+    set.policy = moetier_policy_create(policy, weights);
+    GGML_ASSERT(set.policy);
+    if (n_slots == 0) {
+        return;
+    }
+    uint64_t total = 0;
+    for (const auto & p : shapes) {
+        set.stride.push_back(moetier_align_up(p.expert_bytes(prec)));
+        total += set.stride.back() * (uint64_t) n_slots;
+    }
+    set.buf_size = total;
+    // not touched here: pages become resident as slots fill (and the memory-fit pass of
+    // common_fit_params, which loads the model with no_alloc, costs no RSS)
+    set.mem.reserve(set.buf_size);
+
+    set.buf = ggml_backend_cpu_buffer_from_ptr(set.mem.data.get(), set.buf_size);
+    if (!set.buf) {
+        throw std::runtime_error("failed to create the expert cache buffer");
+    }
+    ggml_backend_buffer_set_usage(set.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+
+    uint8_t * base = (uint8_t *) set.mem.data.get();
     for (size_t k = 0; k < shapes.size(); ++k) {
         const ggml_tensor * m = shapes[k].meta;
-        ggml_tensor * t = ggml_new_tensor_3d(ctx, m->type, m->ne[0], m->ne[1], n_slots);
+        const ggml_type type = prec == MOETIER_LOW ? shapes[k].store->type_low : m->type;
+        ggml_tensor * t = ggml_new_tensor_3d(ctx, type, m->ne[0], m->ne[1], n_slots);
         // slots padded to 4096 so that aligned reads land straight in them [TAG_MOETIER_ALIGN]
-        t->nb[2] = slot_stride[k];
-        t->nb[3] = slot_stride[k] * (uint64_t) n_slots;
-        ggml_format_name(t, "moetier_pool_%s", shapes[k].name.c_str());
-        if (ggml_backend_tensor_alloc(buf, t, base) != GGML_STATUS_SUCCESS) {
+        t->nb[2] = set.stride[k];
+        t->nb[3] = set.stride[k] * (uint64_t) n_slots;
+        ggml_format_name(t, "moetier_pool_%s%s", shapes[k].name.c_str(), prec == MOETIER_LOW ? "_low" : "");
+        if (ggml_backend_tensor_alloc(set.buf, t, base) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("failed to place an expert cache pool");
         }
-        base += slot_stride[k] * (uint64_t) n_slots;
-        pools.push_back(t);
+        base += set.stride[k] * (uint64_t) n_slots;
+        set.tensors.push_back(t);
     }
 
-    slot_key.assign(n_slots, moetier_key{});
-    pinned.assign(n_slots, 0);
-    free_slots.resize(n_slots);
+    set.slot_key.assign(n_slots, moetier_key{});
+    set.pinned.assign(n_slots, 0);
+    set.free_slots.resize(n_slots);
     for (int32_t s = 0; s < n_slots; ++s) {
-        free_slots[s] = n_slots - 1 - s; // pop_back hands out slot 0 first
+        set.free_slots[s] = n_slots - 1 - s; // pop_back hands out slot 0 first
     }
-    policy->init(n_slots);
-
-    tasks.resize((size_t) n_expert * shapes.size());
-    mask.assign(n_slots, 0);
-    bounce.resize(MOETIER_MAX_THREADS);
+    set.mask.assign(n_slots, 0);
+    set.policy->init(n_slots);
 }
 
 moetier_cache::~moetier_cache() {
     if (ctx) {
         ggml_free(ctx);
     }
-    if (buf) {
-        ggml_backend_buffer_free(buf);
+    for (auto & set : sets) {
+        if (set.buf) {
+            ggml_backend_buffer_free(set.buf);
+        }
     }
 }
 
@@ -81,15 +132,18 @@ void moetier_cache::add_layer(moetier_layer * layer) {
         layers.resize(layer->il + 1, nullptr);
     }
     layers[layer->il] = layer;
-    held.resize(layers.size(), 0);
+    for (auto & set : sets) {
+        set.held.resize(layers.size(), 0);
+    }
     ++n_layers;
     layer->cache = this;
-    layer->slot_of.assign(n_expert_, -1);
+    layer->slot_of[MOETIER_HIGH].assign(n_expert_, -1);
+    layer->slot_of[MOETIER_LOW].assign(n_expert_, -1);
 }
 
-uint64_t moetier_cache::slot_bytes() const {
+uint64_t moetier_cache::slot_bytes(int32_t prec) const {
     uint64_t n = 0;
-    for (uint64_t s : slot_stride) {
+    for (uint64_t s : sets[prec].stride) {
         n += s;
     }
     return n;
@@ -119,7 +173,24 @@ void moetier_cache::clear_error() {
 }
 
 void moetier_cache::reset_sequence() {
-    policy->reset_sequence();
+    seq_tick   = tick;
+    seq_pass   = pass + 1;
+    last_layer = INT32_MAX; // the next resolve starts a forward pass
+    const moetier_policy_ctx c = policy_ctx(0);
+    for (auto & set : sets) {
+        set.policy->reset_sequence(c);
+    }
+}
+
+moetier_policy_ctx moetier_cache::policy_ctx(int32_t layer) const {
+    moetier_policy_ctx c;
+    c.tick     = tick;
+    c.seq_tick = seq_tick;
+    c.pass     = pass;
+    c.steps    = pass >= seq_pass ? pass - seq_pass + 1 : 1;
+    c.layer    = layer;
+    c.n_layers = n_model_layers;
+    return c;
 }
 
 void moetier_cache::sync() noexcept {
@@ -140,113 +211,196 @@ void moetier_cache::finish_previous() noexcept {
             continue;
         }
         // the slot holds garbage: forget it, so the expert is read again next time
-        moetier_layer * l = layers[slot_key[t.slot].layer];
-        if (l && slot_key[t.slot].expert >= 0) {
-            l->slot_of[slot_key[t.slot].expert] = -1;
+        moetier_pool_set & set = sets[t.prec];
+        const moetier_key k = set.slot_key[t.slot];
+        moetier_layer * l = k.layer >= 0 ? layers[k.layer] : nullptr;
+        if (l && k.expert >= 0) {
+            l->slot_of[t.prec][k.expert] = -1;
+            --set.held[k.layer];
+            set.slot_key[t.slot] = moetier_key{};
+            set.free_slots.push_back(t.slot);
         }
-        --held[slot_key[t.slot].layer];
-        slot_key[t.slot] = moetier_key{};
-        free_slots.push_back(t.slot);
         t.failed = false;
     }
     n_tasks    = 0;
     task_layer = nullptr;
 }
 
-int32_t moetier_cache::take_slot(const moetier_key & key) noexcept {
+int32_t moetier_cache::take_slot(moetier_pool_set & set, const moetier_key & key) noexcept {
     int32_t s;
-    if (!free_slots.empty()) {
-        s = free_slots.back();
-        free_slots.pop_back();
+    if (!set.free_slots.empty()) {
+        s = set.free_slots.back();
+        set.free_slots.pop_back();
     } else {
-        // donor layer: the most slots above the fair share among layers with an unpinned slot
-        // (pins belong to the layer being resolved only)
-        const int32_t n_slots = (int32_t) slot_key.size();
-        const int32_t pinned_cur = n_pinned;
-        const double quota = (double) n_slots / std::max(1, n_layers);
-        int32_t donor = -1;
-        double  best  = 0.0;
-        for (int32_t l = 0; l < (int32_t) held.size(); ++l) {
-            const int32_t avail = held[l] - (l == key.layer ? pinned_cur : 0);
-            if (avail <= 0) {
-                continue;
+        const int32_t n_slots = set.n_slots();
+        if (set.n_pinned >= n_slots) {
+            return -1;
+        }
+        if (set.policy->across_layers()) {
+            for (int32_t i = 0; i < n_slots; ++i) {
+                set.mask[i] = set.pinned[i];
             }
-            const double excess = held[l] - quota;
-            if (donor < 0 || excess > best) {
-                donor = l;
-                best  = excess;
+        } else {
+            // donor layer: the most slots above the fair share among layers with an unpinned slot
+            // (pins belong to the layer being resolved only)
+            const double quota = (double) n_slots / std::max(1, n_layers);
+            int32_t donor = -1;
+            double  best  = 0.0;
+            for (int32_t l = 0; l < (int32_t) set.held.size(); ++l) {
+                const int32_t avail = set.held[l] - (l == key.layer ? set.n_pinned : 0);
+                if (avail <= 0) {
+                    continue;
+                }
+                const double excess = set.held[l] - quota;
+                if (donor < 0 || excess > best) {
+                    donor = l;
+                    best  = excess;
+                }
+            }
+            if (donor < 0) {
+                return -1;
+            }
+            for (int32_t i = 0; i < n_slots; ++i) {
+                set.mask[i] = set.pinned[i] || set.slot_key[i].layer != donor;
             }
         }
-        GGML_ASSERT(donor >= 0 && "expert cache: no unpinned slot; the pool is smaller than one layer's experts");
-        for (int32_t i = 0; i < n_slots; ++i) {
-            mask[i] = pinned[i] || slot_key[i].layer != donor;
-        }
-        s = policy->victim(mask, tick);
-        GGML_ASSERT(s >= 0 && !mask[s]);
-        const moetier_key old = slot_key[s];
-        layers[old.layer]->slot_of[old.expert] = -1;
-        --held[old.layer];
+        s = set.policy->victim(set.mask, policy_ctx(key.layer));
+        GGML_ASSERT(s >= 0 && !set.mask[s]);
+        const moetier_key old = set.slot_key[s];
+        layers[old.layer]->slot_of[set.prec][old.expert] = -1;
+        --set.held[old.layer];
     }
-    slot_key[s] = key;
-    ++held[key.layer];
+    set.slot_key[s] = key;
+    ++set.held[key.layer];
     return s;
 }
 
-void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, int64_t n_used, int64_t n_tokens, size_t ids_nb1,
-                            int32_t * out, bool warmup) noexcept {
+static void moetier_pin(moetier_pool_set & set, int32_t s) {
+    if (!set.pinned[s]) {
+        set.pinned[s] = 1;
+        ++set.n_pinned;
+    }
+}
+
+bool moetier_cache::queue_load(moetier_layer & layer, int32_t prec, int32_t e) noexcept {
+    moetier_pool_set & set = sets[prec];
+    const moetier_key key = { layer.il, e };
+    const int32_t s = take_slot(set, key);
+    if (s < 0) {
+        return false;
+    }
+    layer.slot_of[prec][e] = s;
+    set.policy->on_load(s, key, prec == MOETIER_HIGH, policy_ctx(layer.il));
+    moetier_pin(set, s);
+    const bool whole = !layer.file_order[prec].empty();
+    for (size_t p = 0; p < (whole ? 1 : layer.projs.size()); ++p) {
+        moetier_read_task & task = tasks[n_tasks++];
+        task.layer  = &layer;
+        task.proj   = whole ? -1 : (int32_t) p;
+        task.prec   = prec;
+        task.expert = e;
+        task.slot   = s;
+        task.failed = false;
+    }
+    for (const auto & p : layer.projs) {
+        layer.counters.n_bytes_read += p.expert_bytes(prec);
+        if (prec == MOETIER_LOW) {
+            layer.counters.n_bytes_low += p.expert_bytes(prec);
+        }
+    }
+    return true;
+}
+
+void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, const float * weights, int64_t n_used,
+                            int64_t n_tokens, size_t ids_nb1, size_t w_nb1, int32_t * out, bool warmup) noexcept {
     finish_previous();
     ++tick;
+    if (layer.il <= last_layer) {
+        ++pass;
+    }
+    last_layer = layer.il;
 
     // the previous layer of this group is done: its slots may be evicted again
-    std::fill(pinned.begin(), pinned.end(), 0);
-    n_pinned = 0;
+    for (auto & set : sets) {
+        std::fill(set.pinned.begin(), set.pinned.end(), 0);
+        set.n_pinned = 0;
+    }
 
     task_layer = &layer;
     t_resolve_us = moetier_time_us();
     t_load_end_us.store(0, std::memory_order_relaxed);
 
+    // what the ubatch needs of each expert: the most any of its tokens needs
+    levels.resize(n_used);
+    std::fill(need.begin(), need.end(), 0);
     for (int64_t t = 0; t < n_tokens; ++t) {
         const int32_t * row = (const int32_t *) ((const char *) ids + t * ids_nb1);
+        const float   * w   = weights ? (const float *) ((const char *) weights + t * w_nb1) : nullptr;
+        moetier_precision_levels(rule, w, (int32_t) n_used, levels.data());
         for (int64_t k = 0; k < n_used; ++k) {
             const int32_t e = row[k];
             GGML_ASSERT(e >= 0 && e < n_expert_);
-            int32_t s = layer.slot_of[e];
-            if (s >= 0 && pinned[s]) {
-                // already resolved for this ubatch
-                out[t * n_used + k] = s;
-                continue;
-            }
-            const moetier_key key = { layer.il, e };
-            if (s >= 0) {
-                ++layer.counters.n_lookups;
-                ++layer.counters.n_hits;
-                policy->on_hit(s, key, tick);
-            } else if (warmup) {
-                // warmup runs every expert through the graph once; reading them all would defeat the cache
-                out[t * n_used + k] = -1;
-                continue;
+            need[e] = std::max<uint8_t>(need[e], levels[k] + 1);
+        }
+    }
+
+    moetier_pool_set & hi = sets[MOETIER_HIGH];
+    moetier_pool_set & lo = sets[MOETIER_LOW];
+    moetier_layer_counters & c = layer.counters;
+    for (int32_t e = 0; e < n_expert_; ++e) {
+        if (need[e] == 0) {
+            continue;
+        }
+        const moetier_key key = { layer.il, e };
+        const int32_t hs = layer.slot_of[MOETIER_HIGH][e];
+        const int32_t ls = layer.slot_of[MOETIER_LOW][e];
+        if (hs >= 0) {
+            // a cached high version is always used
+            ++c.n_lookups;
+            ++c.n_hits;
+            hi.policy->on_hit(hs, key, true, policy_ctx(layer.il));
+            moetier_pin(hi, hs);
+        } else if (need[e] < 3 && ls >= 0) {
+            ++c.n_lookups;
+            ++c.n_hits;
+            ++c.n_hits_low;
+            lo.policy->on_hit(ls, key, false, policy_ctx(layer.il));
+            moetier_pin(lo, ls);
+        } else if (warmup) {
+            // warmup runs every expert through the graph once; reading them all would defeat the cache
+            continue;
+        } else if (need[e] == 1) {
+            ++c.n_lookups;
+            ++c.n_misses;
+            ++c.n_skipped;
+        } else {
+            // a high need with only the low version cached reads the high version: the rule asked for it
+            ++c.n_lookups;
+            ++c.n_misses;
+            if (need[e] == 2 && lo.n_slots() > 0 && queue_load(layer, MOETIER_LOW, e)) {
+                ++c.n_loads_low;
             } else {
-                ++layer.counters.n_lookups;
-                ++layer.counters.n_misses;
-                s = take_slot(key);
-                layer.slot_of[e] = s;
-                policy->on_load(s, key, tick);
-                const bool whole = !layer.file_order.empty();
-                for (size_t p = 0; p < (whole ? 1 : layer.projs.size()); ++p) {
-                    moetier_read_task & task = tasks[n_tasks++];
-                    task.layer  = &layer;
-                    task.proj   = whole ? -1 : (int32_t) p;
-                    task.expert = e;
-                    task.slot   = s;
-                    task.failed = false;
-                }
-                for (const auto & p : layer.projs) {
-                    layer.counters.n_bytes_read += p.bytes;
-                }
+                const bool ok = queue_load(layer, MOETIER_HIGH, e);
+                GGML_ASSERT(ok && "expert cache: no unpinned slot; the pool is smaller than one layer's experts");
+                ++c.n_loads_high;
             }
-            n_pinned += !pinned[s];
-            pinned[s] = 1;
-            out[t * n_used + k] = s;
+        }
+    }
+
+    const int64_t n = n_used * n_tokens;
+    const bool two = lo.n_slots() > 0;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        const int32_t * row = (const int32_t *) ((const char *) ids + t * ids_nb1);
+        for (int64_t k = 0; k < n_used; ++k) {
+            const int32_t e  = row[k];
+            const int32_t hs = layer.slot_of[MOETIER_HIGH][e];
+            const int32_t ls = layer.slot_of[MOETIER_LOW][e];
+            const bool use_hi = hs >= 0 && hi.pinned[hs];
+            const bool use_lo = !use_hi && ls >= 0 && lo.pinned[ls];
+            out[t * n_used + k] = use_hi ? hs : -1;
+            if (two) {
+                out[n + t * n_used + k] = use_lo ? ls : -1;
+            }
         }
     }
 }
@@ -255,10 +409,11 @@ bool moetier_cache::verify(const moetier_proj & p, const moetier_read_task & t, 
     if (!p.store) {
         return true;
     }
-    const uint8_t * dst = (const uint8_t *) p.pool->data + (uint64_t) t.slot * p.pool->nb[2];
-    if (moetier_checksum(dst, p.bytes) != p.store->checksum_high[t.expert]) {
-        err = format("%s: checksum mismatch for %s expert %d: the store is corrupt; re-run `moetier pack`",
-                p.file->path().c_str(), p.meta->name, t.expert);
+    const ggml_tensor * pool = p.pool[t.prec];
+    const uint8_t * dst = (const uint8_t *) pool->data + (uint64_t) t.slot * pool->nb[2];
+    if (moetier_checksum(dst, p.expert_bytes(t.prec)) != p.expert_checksum(t.expert, t.prec)) {
+        err = format("%s: checksum mismatch for %s expert %d (%s precision): the store is corrupt; re-run `moetier pack`",
+                p.file->path().c_str(), p.meta->name, t.expert, t.prec == MOETIER_LOW ? "low" : "high");
         return false;
     }
     return true;
@@ -278,32 +433,36 @@ void moetier_cache::load(int ith, int nth) noexcept {
         if (t.proj < 0) {
             // a store keeps an expert's projections back to back and padded: one vectored O_DIRECT
             // read straight into the slots of the projection pools
+            const std::vector<int32_t> & order = l.file_order[t.prec];
             moetier_iovec iov[8];
-            const int n = (int) l.file_order.size();
+            const int n = (int) order.size();
             for (int k = 0; k < n; ++k) {
-                const moetier_proj & p = l.projs[l.file_order[k]];
-                iov[k].base = (uint8_t *) p.pool->data + (uint64_t) t.slot * p.pool->nb[2];
-                iov[k].len  = moetier_align_up(p.bytes);
+                const moetier_proj & p = l.projs[order[k]];
+                const ggml_tensor * pool = p.pool[t.prec];
+                iov[k].base = (uint8_t *) pool->data + (uint64_t) t.slot * pool->nb[2];
+                iov[k].len  = moetier_align_up(p.expert_bytes(t.prec));
             }
-            const moetier_proj & first = l.projs[l.file_order[0]];
-            ok = first.file->readv(iov, n, first.expert_offset(t.expert), err);
+            const moetier_proj & first = l.projs[order[0]];
+            ok = first.file->readv(iov, n, first.expert_offset(t.expert, t.prec), err);
             for (int k = 0; ok && k < n; ++k) {
-                ok = verify(l.projs[l.file_order[k]], t, err);
+                ok = verify(l.projs[order[k]], t, err);
             }
         } else {
             const moetier_proj & p = l.projs[t.proj];
-            uint8_t * dst = (uint8_t *) p.pool->data + (uint64_t) t.slot * p.pool->nb[2];
+            const ggml_tensor * pool = p.pool[t.prec];
+            const uint64_t bytes = p.expert_bytes(t.prec);
+            uint8_t * dst = (uint8_t *) pool->data + (uint64_t) t.slot * pool->nb[2];
             try {
                 // one-time growth per thread; bounded by the largest projection
-                bb.reserve(std::max<size_t>(2 * MOETIER_ALIGN, moetier_align_up(p.bytes) + 2 * MOETIER_ALIGN));
+                bb.reserve(std::max<size_t>(2 * MOETIER_ALIGN, moetier_align_up(bytes) + 2 * MOETIER_ALIGN));
             } catch (...) {
                 err = "out of memory for the read buffer";
                 ok = false;
             }
             if (ok) {
                 // a store's slices are padded: read whole blocks straight into the slot
-                const size_t n = p.store ? (size_t) moetier_align_up(p.bytes) : (size_t) p.bytes;
-                ok = p.file->read(dst, p.expert_offset(t.expert), n, bb, err) && verify(p, t, err);
+                const size_t n = p.store ? (size_t) moetier_align_up(bytes) : (size_t) bytes;
+                ok = p.file->read(dst, p.expert_offset(t.expert, t.prec), n, bb, err) && verify(p, t, err);
             }
         }
         if (!ok) {

@@ -75,7 +75,9 @@ void moetier_hook_model_loaded(moetier_model * m) {
 static void moetier_op_resolve_impl(ggml_tensor * dst, void * userdata, bool warmup) noexcept {
     moetier_layer * l = (moetier_layer *) userdata;
     const ggml_tensor * ids = dst->src[0];
-    l->cache->resolve(*l, (const int32_t *) ids->data, ids->ne[0], ids->ne[1], ids->nb[1], (int32_t *) dst->data, warmup);
+    const ggml_tensor * w   = dst->src[1];
+    l->cache->resolve(*l, (const int32_t *) ids->data, w ? (const float *) w->data : nullptr, ids->ne[0], ids->ne[1],
+            ids->nb[1], w ? w->nb[1] : 0, (int32_t *) dst->data, warmup);
 }
 
 // note: the CPU backend calls a custom op on every thread whatever its n_tasks, so the serial
@@ -106,20 +108,38 @@ static void moetier_op_load(ggml_tensor * dst, int ith, int nth, void * userdata
     memcpy((int32_t *) dst->data + i0, (const int32_t *) src->data + i0, (i1 - i0) * sizeof(int32_t));
 }
 
-ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_experts, bool warmup,
+// the served layer whose build_moe_ffn is being built on this thread, between moetier_hook_moe_ids
+// and its mul_mat_ids (graphs are built by one thread, one MoE block at a time)
+struct moetier_graph_state {
+    moetier_layer * layer   = nullptr;
+    ggml_tensor   * low_ids = nullptr;
+};
+static thread_local moetier_graph_state g_graph_state;
+
+ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * weights, bool warmup,
                                    ggml_tensor ** up_exps, ggml_tensor ** gate_exps, ggml_tensor ** down_exps,
                                    ggml_tensor ** gate_up_exps) noexcept {
+    g_graph_state = {};
     moetier_layer * l = moetier_model::layer_of(*gate_up_exps ? *gate_up_exps : *up_exps);
     if (l == nullptr) {
         return selected_experts;
     }
-    ggml_tensor * args[1] = { selected_experts };
-    ggml_tensor * slots = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1, 1,
-            args, 1, warmup ? moetier_op_resolve_warmup : moetier_op_resolve, 1, l);
+    const int64_t n_used   = selected_experts->ne[0];
+    const int64_t n_tokens = selected_experts->ne[1];
+    const int64_t n_planes = l->cache->has_low() ? 2 : 1;
+
+    // the precision rule reads the weights only if it can pick anything but high
+    ggml_tensor * args[2] = { selected_experts, nullptr };
+    int n_args = 1;
+    if (weights && l->cache->uses_weights()) {
+        args[n_args++] = ggml_cont_2d(ctx, weights, n_used, n_tokens);
+    }
+    ggml_tensor * slots = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1,
+            args, n_args, warmup ? moetier_op_resolve_warmup : moetier_op_resolve, 1, l);
     ggml_format_name(slots, "moetier_resolve-%d", l->il);
 
     args[0] = slots;
-    ggml_tensor * loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1, 1,
+    ggml_tensor * loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1,
             args, 1, moetier_op_load, GGML_N_TASKS_MAX, l);
     ggml_format_name(loaded, "moetier_load-%d", l->il);
 
@@ -130,12 +150,31 @@ ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_ex
         }
         for (const auto & p : l->projs) {
             if (p.meta == *t) {
-                *t = p.pool;
+                *t = p.pool[MOETIER_HIGH];
             }
         }
         GGML_ASSERT(moetier_model::layer_of(*t) == nullptr && "expert tensor of a served layer has no pool");
     }
-    return loaded;
+    if (n_planes == 1) {
+        return loaded;
+    }
+    g_graph_state.layer   = l;
+    g_graph_state.low_ids = ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], loaded->nb[2]);
+    return ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], 0);
+}
+
+ggml_tensor * moetier_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * as, ggml_tensor * b) noexcept {
+    const moetier_graph_state & g = g_graph_state;
+    if (g.layer == nullptr) {
+        return cur;
+    }
+    for (const auto & p : g.layer->projs) {
+        if (p.pool[MOETIER_HIGH] == as && p.pool[MOETIER_LOW] != nullptr) {
+            ggml_tensor * low = ggml_mul_mat_id(ctx, p.pool[MOETIER_LOW], b, g.low_ids);
+            return ggml_add(ctx, cur, low);
+        }
+    }
+    return cur;
 }
 
 //
@@ -151,6 +190,13 @@ struct moetier_params moetier_default_params(void) {
         /*.cache_bytes =*/ 0,
         /*.store_dir   =*/ nullptr,
         /*.policy      =*/ "lru",
+        /*.t1          =*/ 0.6f,
+        /*.t2          =*/ 0.9f,
+        /*.low_frac    =*/ 0.25f,
+        /*.w_lru       =*/ 0.25f,
+        /*.w_lfu       =*/ 0.25f,
+        /*.w_lhu       =*/ 0.25f,
+        /*.w_fld       =*/ 0.25f,
         /*.direct_io   =*/ true,
     };
     return p;
@@ -170,11 +216,13 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     info->n_expert        = m->n_expert;
     info->n_groups        = (int32_t) m->caches.size();
     info->expert_bytes    = m->expert_bytes;
+    info->expert_bytes_low = m->expert_bytes_low;
     info->min_cache_bytes = m->min_cache_bytes;
     info->from_store      = m->store != nullptr;
     info->direct_io       = m->store ? m->store_file->direct() : m->files[0]->direct();
     for (const auto & c : m->caches) {
-        info->n_slots     += c->n_slots();
+        info->n_slots     += c->n_slots(MOETIER_HIGH);
+        info->n_slots_low += c->n_slots(MOETIER_LOW);
         info->cache_bytes += c->pool_bytes();
     }
     return 0;
@@ -197,6 +245,11 @@ int32_t moetier_model_layer_stats(const struct llama_model * model, struct moeti
         out[i].n_misses     = l.counters.n_misses;
         out[i].n_bytes_read = l.counters.n_bytes_read;
         out[i].read_us      = l.counters.read_us;
+        out[i].n_hits_low   = l.counters.n_hits_low;
+        out[i].n_loads_high = l.counters.n_loads_high;
+        out[i].n_loads_low  = l.counters.n_loads_low;
+        out[i].n_skipped    = l.counters.n_skipped;
+        out[i].n_bytes_low  = l.counters.n_bytes_low;
     }
     return n;
 }
@@ -216,6 +269,11 @@ struct moetier_layer_stats moetier_model_stats_total(const struct llama_model * 
         total.n_misses     += l.n_misses;
         total.n_bytes_read += l.n_bytes_read;
         total.read_us      += l.read_us;
+        total.n_hits_low   += l.n_hits_low;
+        total.n_loads_high += l.n_loads_high;
+        total.n_loads_low  += l.n_loads_low;
+        total.n_skipped    += l.n_skipped;
+        total.n_bytes_low  += l.n_bytes_low;
     }
     return total;
 }

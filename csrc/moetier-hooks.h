@@ -35,9 +35,16 @@ ggml_tensor * moetier_hook_create_tensor(moetier_model * m, const std::string & 
 // llama_model_load, after load_tensors: allocates the slot pools from the budget
 void moetier_hook_model_loaded(moetier_model * m);
 
-// build_moe_ffn, after the top-k: if the layer's experts are served, inserts the resolve and load
-// ops, points the expert tensors at the slot pools and returns the slot ids that the mul_mat_ids
-// must use; otherwise returns selected_experts unchanged. warmup: cparams.warmup.
-ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_experts, bool warmup,
+// build_moe_ffn, once the top-k ids and their weights exist: if the layer's experts are served,
+// inserts the resolve and load ops, points the expert tensors at the high-precision slot pools and
+// returns the slot ids that the mul_mat_ids must use; otherwise returns selected_experts unchanged.
+// weights: the gate weights of the selected experts [1, n_expert_used, n_tokens] (they decide the
+// precision of a miss); warmup: cparams.warmup.
+ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * weights, bool warmup,
                                    ggml_tensor ** up_exps, ggml_tensor ** gate_exps, ggml_tensor ** down_exps,
                                    ggml_tensor ** gate_up_exps) noexcept;
+
+// build_moe_ffn, after each mul_mat_id: cur = mul_mat_id(as, b, slot ids). If as is a high-precision
+// pool whose group also has low-precision slots, returns cur + mul_mat_id(low pool, b, low slot ids)
+// (each row comes from exactly one of them; the other is zero); otherwise returns cur.
+ggml_tensor * moetier_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * as, ggml_tensor * b) noexcept;

@@ -111,3 +111,70 @@ const struct moetier_params * moetier_params_from_strings(struct moetier_params 
     p->policy    = policy && policy[0] ? policy : "lru";
     return p;
 }
+
+// option name -> field, for moetier_params_set_opts
+static float * moetier_params_field(struct moetier_params * p, const std::string & key) {
+    if (key == "t1")       return &p->t1;
+    if (key == "t2")       return &p->t2;
+    if (key == "low_frac") return &p->low_frac;
+    if (key == "w_lru")    return &p->w_lru;
+    if (key == "w_lfu")    return &p->w_lfu;
+    if (key == "w_lhu")    return &p->w_lhu;
+    if (key == "w_fld")    return &p->w_fld;
+    return nullptr;
+}
+
+static thread_local std::string g_opts_error;
+
+const char * moetier_params_set_opts(struct moetier_params * p, const char * opts) {
+    const std::string all = opts ? opts : "";
+    size_t pos = 0;
+    while (pos <= all.size()) {
+        size_t end = all.find(',', pos);
+        if (end == std::string::npos) {
+            end = all.size();
+        }
+        std::string item = all.substr(pos, end - pos);
+        pos = end + 1;
+        item.erase(0, item.find_first_not_of(' '));
+        item.erase(item.find_last_not_of(' ') + 1);
+        if (item.empty()) {
+            continue;
+        }
+        const size_t eq = item.find('=');
+        const std::string key = item.substr(0, eq);
+        float * f = moetier_params_field(p, key);
+        if (eq == std::string::npos || f == nullptr) {
+            g_opts_error = format("expert cache option '%s': expected KEY=VALUE with KEY one of t1, t2, low_frac, "
+                    "w_lru, w_lfu, w_lhu, w_fld", item.c_str());
+            return g_opts_error.c_str();
+        }
+        const std::string value = item.substr(eq + 1);
+        char * rest = nullptr;
+        const float v = strtof(value.c_str(), &rest);
+        if (value.empty() || rest == nullptr || *rest != '\0' || !(v == v)) {
+            g_opts_error = format("expert cache option %s: '%s' is not a number", key.c_str(), value.c_str());
+            return g_opts_error.c_str();
+        }
+        *f = v;
+    }
+    return moetier_params_check(p);
+}
+
+const char * moetier_params_check(const struct moetier_params * p) {
+    auto in01 = [](float v) { return v >= 0.0f && v <= 1.0f; };
+    if (!in01(p->t1) || !in01(p->t2)) {
+        g_opts_error = format("expert cache thresholds t1=%g, t2=%g: both must lie in [0, 1]", p->t1, p->t2);
+    } else if (p->t2 < p->t1) {
+        g_opts_error = format("expert cache thresholds t1=%g > t2=%g: t1 must not exceed t2", p->t1, p->t2);
+    } else if (!(p->low_frac >= 0.0f && p->low_frac < 1.0f)) {
+        g_opts_error = format("expert cache low_frac=%g: must lie in [0, 1)", p->low_frac);
+    } else if (!(p->w_lru >= 0.0f && p->w_lfu >= 0.0f && p->w_lhu >= 0.0f && p->w_fld >= 0.0f) ||
+               p->w_lru + p->w_lfu + p->w_lhu + p->w_fld <= 0.0f) {
+        g_opts_error = format("expert cache policy weights (w_lru=%g, w_lfu=%g, w_lhu=%g, w_fld=%g): must be >= 0 "
+                "and not all 0", p->w_lru, p->w_lfu, p->w_lhu, p->w_fld);
+    } else {
+        return nullptr;
+    }
+    return g_opts_error.c_str();
+}

@@ -21,7 +21,14 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     cache_bytes = params.cache_bytes;
     direct_io   = params.direct_io;
     policy_name = params.policy && params.policy[0] ? params.policy : "lru";
-    if (!moetier_policy_create(policy_name)) {
+    if (const char * bad = moetier_params_check(&params)) {
+        throw std::runtime_error(bad);
+    }
+    precision.t1   = params.t1;
+    precision.t2   = params.t2;
+    low_frac       = params.low_frac;
+    policy_weights = { params.w_lru, params.w_lfu, params.w_lhu, params.w_fld };
+    if (!moetier_policy_create(policy_name, policy_weights)) {
         std::string names;
         for (const char * const * n = moetier_policy_names(); *n; ++n) {
             names += names.empty() ? *n : std::string(", ") + *n;
@@ -129,6 +136,9 @@ ggml_tensor * moetier_model::create_tensor(const std::string & name, const ggml_
     p.meta = t;
     layer->projs.push_back(p);
     expert_bytes += ggml_nbytes(cur);
+    if (p.store) {
+        expert_bytes_low += p.store->bytes_low * (uint64_t) cur->ne[2];
+    }
     return t;
 }
 
@@ -150,20 +160,24 @@ void moetier_model::finish_load() {
         groups[sig].push_back(l.get());
     }
 
-    // every group needs one layer's experts (a ubatch may route to all of them); the rest of the
-    // budget is split in proportion to the group's share of expert bytes
-    struct plan { std::vector<moetier_layer *> layers; uint64_t slot_bytes; int64_t n_slots; };
+    // every group needs one layer's experts in high precision (a ubatch may route to all of them);
+    // low_frac of the budget goes to low-precision slots when a miss can be read in low precision
+    // (a store, and t1 < min(t2, 1)); the rest is split in proportion to each group's expert bytes
+    struct plan { std::vector<moetier_layer *> layers; uint64_t slot_bytes[2]; int64_t n_slots[2]; };
     std::vector<plan> plans;
-    uint64_t group_bytes_total = 0;
+    uint64_t group_bytes[2] = { 0, 0 };
     min_cache_bytes = 0;
     for (auto & [sig, ls] : groups) {
-        uint64_t sb = 0;
+        plan pl = { ls, { 0, 0 }, { n_expert, 0 } };
         for (const auto & p : ls[0]->projs) {
-            sb += moetier_align_up(p.bytes);
+            pl.slot_bytes[MOETIER_HIGH] += moetier_align_up(p.bytes);
+            pl.slot_bytes[MOETIER_LOW]  += p.store ? moetier_align_up(p.store->bytes_low) : 0;
         }
-        plans.push_back({ ls, sb, n_expert });
-        min_cache_bytes   += sb * (uint64_t) n_expert;
-        group_bytes_total += sb * (uint64_t) n_expert * ls.size();
+        min_cache_bytes += pl.slot_bytes[MOETIER_HIGH] * (uint64_t) n_expert;
+        for (int prec = 0; prec < 2; ++prec) {
+            group_bytes[prec] += pl.slot_bytes[prec] * (uint64_t) n_expert * ls.size();
+        }
+        plans.push_back(pl);
     }
     if (cache_bytes < min_cache_bytes) {
         throw std::runtime_error(format("expert cache budget %s is below the minimum %s (one layer's %d experts%s); "
@@ -171,11 +185,22 @@ void moetier_model::finish_load() {
                 moetier_format_bytes(min_cache_bytes).c_str(), n_expert, plans.size() > 1 ? " per pool group" : "",
                 min_cache_bytes));
     }
-    const uint64_t extra = cache_bytes - min_cache_bytes;
+    const bool use_low = store && low_frac > 0.0f && precision.t1 < std::min(precision.t2, 1.0f) && group_bytes[MOETIER_LOW] > 0;
+    if (!store && precision.t1 < std::min(precision.t2, 1.0f)) {
+        MOETIER_LOG_INFO("%s: no expert store: low-precision versions are unavailable, misses below t1 read the high version\n", __func__);
+    }
+    uint64_t budget[2];
+    budget[MOETIER_LOW]  = use_low ? std::min<uint64_t>((uint64_t) ((double) cache_bytes * low_frac), cache_bytes - min_cache_bytes) : 0;
+    budget[MOETIER_HIGH] = cache_bytes - min_cache_bytes - budget[MOETIER_LOW];
     for (auto & pl : plans) {
-        const uint64_t share = (uint64_t) ((double) extra * (double) (pl.slot_bytes * n_expert * pl.layers.size()) / (double) group_bytes_total);
-        const int64_t  max_slots = (int64_t) n_expert * (int64_t) pl.layers.size();
-        pl.n_slots = std::min<int64_t>(max_slots, n_expert + (int64_t) (share / pl.slot_bytes));
+        const int64_t max_slots = (int64_t) n_expert * (int64_t) pl.layers.size();
+        for (int prec = 0; prec < 2; ++prec) {
+            if (pl.slot_bytes[prec] == 0 || group_bytes[prec] == 0) {
+                continue;
+            }
+            const double share = (double) budget[prec] * (double) (pl.slot_bytes[prec] * n_expert * pl.layers.size()) / (double) group_bytes[prec];
+            pl.n_slots[prec] = std::min<int64_t>(max_slots, pl.n_slots[prec] + (int64_t) (share / (double) pl.slot_bytes[prec]));
+        }
     }
 
     // store reads: one vectored read per expert when its projections lie back to back in the file
@@ -183,50 +208,58 @@ void moetier_model::finish_load() {
         if (!store || l->projs.size() > 8) {
             continue;
         }
-        std::vector<int32_t> order(l->projs.size());
-        for (size_t k = 0; k < order.size(); ++k) {
-            order[k] = (int32_t) k;
-        }
-        std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-            return l->projs[a].store->offset_high[0] < l->projs[b].store->offset_high[0];
-        });
-        bool contiguous = true;
-        for (int32_t e = 0; e < n_expert && contiguous; ++e) {
-            for (size_t k = 1; k < order.size(); ++k) {
-                const moetier_proj & a = l->projs[order[k - 1]];
-                const moetier_proj & b = l->projs[order[k]];
-                if (b.store->offset_high[e] != a.store->offset_high[e] + moetier_align_up(a.bytes)) {
-                    contiguous = false;
-                    break;
+        for (int32_t prec = 0; prec < 2; ++prec) {
+            std::vector<int32_t> order(l->projs.size());
+            for (size_t k = 0; k < order.size(); ++k) {
+                order[k] = (int32_t) k;
+            }
+            std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+                return l->projs[a].expert_offset(0, prec) < l->projs[b].expert_offset(0, prec);
+            });
+            bool contiguous = true;
+            for (int32_t e = 0; e < n_expert && contiguous; ++e) {
+                for (size_t k = 1; k < order.size(); ++k) {
+                    const moetier_proj & a = l->projs[order[k - 1]];
+                    const moetier_proj & b = l->projs[order[k]];
+                    if (b.expert_offset(e, prec) != a.expert_offset(e, prec) + moetier_align_up(a.expert_bytes(prec))) {
+                        contiguous = false;
+                        break;
+                    }
                 }
             }
-        }
-        if (contiguous) {
-            l->file_order = order;
+            if (contiguous) {
+                l->file_order[prec] = order;
+            }
         }
     }
 
     for (auto & pl : plans) {
         std::vector<moetier_proj> shapes = pl.layers[0]->projs;
-        caches.push_back(std::make_unique<moetier_cache>(n_expert, (int32_t) pl.n_slots, moetier_policy_create(policy_name), shapes));
+        const int32_t n_slots[2] = { (int32_t) pl.n_slots[MOETIER_HIGH], (int32_t) pl.n_slots[MOETIER_LOW] };
+        caches.push_back(std::make_unique<moetier_cache>(n_expert, n_slots, precision, policy_name, policy_weights, shapes));
         moetier_cache * c = caches.back().get();
+        c->set_n_model_layers(std::max<int32_t>(n_model_layers, layers.back()->il + 1));
         for (moetier_layer * l : pl.layers) {
             c->add_layer(l);
             for (size_t k = 0; k < l->projs.size(); ++k) {
-                l->projs[k].pool = c->pool(k);
+                l->projs[k].pool[MOETIER_HIGH] = c->pool(MOETIER_HIGH, k);
+                l->projs[k].pool[MOETIER_LOW]  = c->pool(MOETIER_LOW, k);
             }
         }
     }
 
     uint64_t pool_bytes = 0;
     int64_t  n_slots    = 0;
+    int64_t  n_slots_lo = 0;
     for (auto & c : caches) {
         pool_bytes += c->pool_bytes();
-        n_slots    += c->n_slots();
+        n_slots    += c->n_slots(MOETIER_HIGH);
+        n_slots_lo += c->n_slots(MOETIER_LOW);
     }
-    MOETIER_LOG_INFO("%s: expert cache: %zu MoE layers x %d experts (%s), %" PRId64 " slots in %zu group(s) = %s, policy %s, reading %s%s\n",
-            __func__, layers.size(), n_expert, moetier_format_bytes(expert_bytes).c_str(), n_slots, caches.size(),
-            moetier_format_bytes(pool_bytes).c_str(), policy_name.c_str(),
+    MOETIER_LOG_INFO("%s: expert cache: %zu MoE layers x %d experts (%s), %" PRId64 " high + %" PRId64 " low slots in %zu group(s) = %s, "
+            "t1 %.2f t2 %.2f, policy %s, reading %s%s\n",
+            __func__, layers.size(), n_expert, moetier_format_bytes(expert_bytes).c_str(), n_slots, n_slots_lo, caches.size(),
+            moetier_format_bytes(pool_bytes).c_str(), precision.t1, precision.t2, policy_name.c_str(),
             store ? store->dir().c_str() : paths[0].c_str(),
             (store ? store_file->direct() : files[0]->direct()) ? " (O_DIRECT)" : "");
 }

@@ -44,9 +44,13 @@ struct moetier_model {
     // state
     //
 
-    std::string policy_name;
-    uint64_t    cache_bytes = 0;
-    bool        direct_io   = true;
+    std::string            policy_name;
+    moetier_policy_weights policy_weights;
+    moetier_precision      precision;
+    float                  low_frac    = 0.0f;
+    uint64_t               cache_bytes = 0;
+    bool                   direct_io   = true;
+    int32_t                n_model_layers = 0; // for layer distances (set by the load hook)
 
     std::vector<std::string>                   paths;  // GGUF files, split order
     std::vector<std::unique_ptr<moetier_file>> files;  // opened on demand for GGUF reads
@@ -60,5 +64,6 @@ struct moetier_model {
 
     int32_t  n_expert        = 0;
     uint64_t expert_bytes    = 0; // all served experts, unpadded
+    uint64_t expert_bytes_low = 0; // their low versions (store only)
     uint64_t min_cache_bytes = 0;
 };

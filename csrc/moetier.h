@@ -36,7 +36,19 @@ struct llama_context;
 struct moetier_params {
     uint64_t     cache_bytes; // expert cache budget in bytes; 0 = cache off (stock llama.cpp loading)
     const char * store_dir;   // packed expert store (moetier pack); NULL = read experts from the GGUF
-    const char * policy;      // eviction policy: "lru"; NULL = default
+    const char * policy;      // eviction policy: lru, lfu, lhu, fld, multi; NULL = default
+
+    // Precision on a miss (HOBBIT eq. 2): a token's selected experts are ranked by gate weight
+    // (normalised over the selected ones); an expert's score is the weight ranked above it. Score
+    // <= t1: read the high-precision version; <= t2: the low one (needs a store); above: skip the
+    // expert. The top-1 is always high. t1 = t2 = 1: every expert in high precision (exact).
+    float t1;
+    float t2;
+    float low_frac;           // share of the budget for low-precision slots (with a store)
+    float w_lru;              // weights of the "multi" policy's priority (HOBBIT eq. 3)
+    float w_lfu;
+    float w_lhu;
+    float w_fld;
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
     bool direct_io;           // O_DIRECT reads; refused by the file system -> buffered reads + a warning
@@ -48,6 +60,14 @@ MOETIER_API struct moetier_params moetier_default_params(void);
 // must outlive the model load. Returns p.
 MOETIER_API const struct moetier_params * moetier_params_from_strings(struct moetier_params * p, const char * store_dir,
                                                                       const char * policy);
+
+// Sets one option of p from text: t1, t2, low_frac, w_lru, w_lfu, w_lhu, w_fld (numbers), or a
+// comma-separated list "key=value,key=value". Returns NULL on success, else a message naming the
+// option and what is wrong (valid until the next call on this thread).
+MOETIER_API const char * moetier_params_set_opts(struct moetier_params * p, const char * opts);
+
+// NULL if p is valid, else a message naming the bad field.
+MOETIER_API const char * moetier_params_check(const struct moetier_params * p);
 
 // Parses a byte size: a non-negative number with an optional K, M, G or T suffix (powers of 1024,
 // optional trailing B or iB), e.g. "512M", "1.5G", "4096". Returns false if text is not a size.
@@ -65,6 +85,7 @@ MOETIER_API const char * moetier_last_error(void);
 //
 
 // Per-layer counters. A lookup is one distinct expert needed by one layer in one ubatch.
+// hits + misses = lookups; misses = loads_high + loads_low + skipped.
 struct moetier_layer_stats {
     int32_t  layer;
     uint64_t n_lookups;
@@ -72,13 +93,20 @@ struct moetier_layer_stats {
     uint64_t n_misses;
     uint64_t n_bytes_read;
     uint64_t read_us;      // wall time of this layer's expert reads
+    uint64_t n_hits_low;   // hits served by a cached low-precision version
+    uint64_t n_loads_high; // misses read in high precision
+    uint64_t n_loads_low;  // misses read in low precision
+    uint64_t n_skipped;    // misses not computed (score above t2)
+    uint64_t n_bytes_low;  // bytes read for low-precision loads (part of n_bytes_read)
 };
 
 struct moetier_cache_info {
     int32_t  n_layers;       // MoE layers served by the cache
     int32_t  n_expert;       // experts per layer
     int32_t  n_groups;       // slot pool groups (layers whose experts share types and shapes)
-    int32_t  n_slots;        // slots over all groups
+    int32_t  n_slots;        // high-precision slots over all groups
+    int32_t  n_slots_low;    // low-precision slots over all groups
+    uint64_t expert_bytes_low; // bytes of all served experts' low versions (0 without a store)
     uint64_t cache_bytes;    // bytes held by the slot pools
     uint64_t expert_bytes;   // bytes of all served experts (what stock llama.cpp loads)
     uint64_t min_cache_bytes;// smallest budget accepted: one layer's experts per group

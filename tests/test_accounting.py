@@ -16,9 +16,9 @@ def expert_bytes(m: Model) -> int:
 
 def test_counters_add_up(tiny_model: ModelFactory) -> None:
     path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
-    probe = Model(path, cache=CacheConfig(budget="64M"))
+    probe = Model(path, cache=CacheConfig.exact(budget="64M"))
     lo = int(probe.cache_info()["min_cache_bytes"])
-    m = Model(path, cache=CacheConfig(budget=lo))
+    m = Model(path, cache=CacheConfig.exact(budget=lo))
     r = m.generate(LONG_PROMPT, max_tokens=32)
     s = r.stats
     assert s.lookups > 0
@@ -37,9 +37,9 @@ def test_counters_add_up(tiny_model: ModelFactory) -> None:
 
 def test_full_budget_reads_each_expert_once(tiny_model: ModelFactory) -> None:
     path = tiny_model("qwen3moe", n_expert=16, n_expert_used=4, n_layer=3)
-    probe = Model(path, cache=CacheConfig(budget="64M"))
+    probe = Model(path, cache=CacheConfig.exact(budget="64M"))
     info = probe.cache_info()
-    m = Model(path, cache=CacheConfig(budget=int(info["min_cache_bytes"]) * int(info["n_layers"])))
+    m = Model(path, cache=CacheConfig.exact(budget=int(info["min_cache_bytes"]) * int(info["n_layers"])))
     assert m.cache_info()["n_slots"] == int(info["n_layers"]) * int(info["n_expert"])
     total_misses = 0
     for prompt in [LONG_PROMPT, "hello world", LONG_PROMPT[::-1]]:
@@ -58,10 +58,10 @@ def test_layers_keep_a_share_of_the_cache(tiny_model: ModelFactory) -> None:
     """One token needs more experts than the cache holds: a global recency order would evict each
     layer's experts right before that layer runs again (0% hits); the per-layer share keeps hits."""
     path = tiny_model("qwen3moe", n_expert=16, n_expert_used=8, n_layer=8)
-    info = Model(path, cache=CacheConfig(budget="64M")).cache_info()
+    info = Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()
     per_token = int(info["n_layers"]) * 8
     budget = int(info["expert_bytes"]) // 4  # 32 of 128 experts, a quarter of one token's 64
-    m = Model(path, cache=CacheConfig(budget=budget))
+    m = Model(path, cache=CacheConfig.exact(budget=budget))
     assert int(m.cache_info()["n_slots"]) < per_token
     r = m.generate("x", max_tokens=48)
     assert r.stats.hit_rate > 0.15, r.stats

@@ -18,8 +18,8 @@ def test_arch_cache_matches_stock(tiny_model: ModelFactory, arch: str) -> None:
     path = tiny_model(arch, n_expert=8, n_expert_used=2, n_layer=3)
     stock = Model(path, cache=None)
     assert not stock.has_cache
-    lo = int(Model(path, cache=CacheConfig(budget="64M")).cache_info()["min_cache_bytes"])
-    cached = Model(path, cache=CacheConfig(budget=lo))
+    lo = int(Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    cached = Model(path, cache=CacheConfig.exact(budget=lo))
     assert cached.has_cache
 
     tokens = stock.tokenize(PROMPT)

@@ -22,11 +22,12 @@ def moetier(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_run_matches_stock_at_quarter_budget(tiny_model: ModelFactory) -> None:
     path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=8)
-    info = Model(path, cache=CacheConfig(budget="64M")).cache_info()
+    info = Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()
     budget = int(info["expert_bytes"]) // 4
     assert budget >= int(info["min_cache_bytes"]), "25% must be a real budget here, not the minimum"
     stock = moetier("run", "-m", str(path), "-p", LONG_PROMPT, "-n", "24", "--no-cache")
-    cached = moetier("run", "-m", str(path), "-p", LONG_PROMPT, "-n", "24", "--cache", str(budget))
+    exact = ["--cache-t1", "1", "--cache-t2", "1"]
+    cached = moetier("run", "-m", str(path), "-p", LONG_PROMPT, "-n", "24", "--cache", str(budget), *exact)
     assert stock.returncode == 0, stock.stderr
     assert cached.returncode == 0, cached.stderr
     assert cached.stdout == stock.stdout and stock.stdout.strip()
@@ -115,9 +116,10 @@ def _serve(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
 def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_path: Path) -> None:
     """The real llama-server, with and without --expert-cache, hit by a real HTTP client."""
     path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
-    info = Model(path, cache=CacheConfig(budget="64M")).cache_info()
+    info = Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()
     results = []
-    for i, extra in enumerate(([], ["--cache", str(int(info["min_cache_bytes"]))])):
+    exact = ["--cache-t1", "1", "--cache-t2", "1"]
+    for i, extra in enumerate(([], ["--cache", str(int(info["min_cache_bytes"])), *exact])):
         proc, port = _serve(["-m", str(path), *extra], tmp_path / f"server{i}.log")
         try:
             results.append(_complete(port, LONG_PROMPT)["content"])

@@ -13,20 +13,20 @@ from moetier import CacheConfig, ConfigError, Model, ModelError, StoreError, pac
 
 
 def min_budget(path: Path) -> int:
-    return int(Model(path, cache=CacheConfig(budget="64M")).cache_info()["min_cache_bytes"])
+    return int(Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
 
 
 def test_budget_below_minimum(tiny_model: ModelFactory) -> None:
     path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
     lo = min_budget(path)
     with pytest.raises(ModelError, match=rf"{path.name}.*below the minimum.*at least {lo} bytes"):
-        Model(path, cache=CacheConfig(budget=lo - 1))
+        Model(path, cache=CacheConfig.exact(budget=lo - 1))
 
 
 def test_dense_model_with_cache(tiny_model: ModelFactory) -> None:
     path = tiny_model("qwen2")
     with pytest.raises(ModelError, match=rf"{path.name}.*no expert tensors"):
-        Model(path, cache=CacheConfig(budget="16M"))
+        Model(path, cache=CacheConfig.exact(budget="16M"))
     # without a cache it is just a model
     assert len(Model(path).generate("hi", max_tokens=4).tokens) <= 4
 
@@ -34,12 +34,12 @@ def test_dense_model_with_cache(tiny_model: ModelFactory) -> None:
 @pytest.mark.parametrize("bad", ["12Q", "-1M", "lots", ""])
 def test_bad_size(bad: str) -> None:
     with pytest.raises(ConfigError, match=r"cache\.budget"):
-        CacheConfig(budget=bad)
+        CacheConfig.exact(budget=bad)
 
 
 def test_unknown_policy() -> None:
     with pytest.raises(ConfigError, match=r"unknown policy 'nope'.*lru"):
-        CacheConfig(budget="1M", policy="nope")
+        CacheConfig.exact(budget="1M", policy="nope")
 
 
 def test_missing_model(tmp_path: Path) -> None:
@@ -57,14 +57,14 @@ def packed(tiny_model: ModelFactory, tmp_path: Path) -> tuple[Path, Path]:
 def test_missing_store(tiny_model: ModelFactory, tmp_path: Path) -> None:
     path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
     with pytest.raises(StoreError, match=rf"{tmp_path / 'absent'}.*does not exist"):
-        Model(path, store=tmp_path / "absent", cache=CacheConfig(budget="16M"))
+        Model(path, store=tmp_path / "absent", cache=CacheConfig.exact(budget="16M"))
 
 
 def test_store_without_manifest(packed: tuple[Path, Path]) -> None:
     path, store = packed
     (store / "manifest.json").unlink()
     with pytest.raises(StoreError, match=r"manifest.json.*missing"):
-        Model(path, store=store, cache=CacheConfig(budget="16M"))
+        Model(path, store=store, cache=CacheConfig.exact(budget="16M"))
 
 
 def test_truncated_store(packed: tuple[Path, Path]) -> None:
@@ -73,14 +73,14 @@ def test_truncated_store(packed: tuple[Path, Path]) -> None:
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size - 4096)
     with pytest.raises(StoreError, match=r"experts.bin.*truncated"):
-        Model(path, store=store, cache=CacheConfig(budget="16M"))
+        Model(path, store=store, cache=CacheConfig.exact(budget="16M"))
 
 
 def test_corrupt_manifest(packed: tuple[Path, Path]) -> None:
     path, store = packed
     (store / "manifest.json").write_text('{"format": "moetier-store", "version": 1, "layers": [')
     with pytest.raises(StoreError, match=r"manifest.json.*corrupt"):
-        Model(path, store=store, cache=CacheConfig(budget="16M"))
+        Model(path, store=store, cache=CacheConfig.exact(budget="16M"))
 
 
 def test_manifest_of_another_store(packed: tuple[Path, Path], tmp_path: Path) -> None:
@@ -88,14 +88,14 @@ def test_manifest_of_another_store(packed: tuple[Path, Path], tmp_path: Path) ->
     other = pack(path, tmp_path / "other", progress=False)
     shutil.copy(other / "manifest.json", store / "manifest.json")
     with pytest.raises(StoreError, match=r"experts.bin.*does not belong"):
-        Model(path, store=store, cache=CacheConfig(budget="16M"))
+        Model(path, store=store, cache=CacheConfig.exact(budget="16M"))
 
 
 def test_store_of_another_model(packed: tuple[Path, Path], tiny_model: ModelFactory) -> None:
     _, store = packed
     other = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, seed=7)
     with pytest.raises(StoreError, match=r"manifest.json.*different model"):
-        Model(other, store=store, cache=CacheConfig(budget="16M"))
+        Model(other, store=store, cache=CacheConfig.exact(budget="16M"))
 
 
 def test_corrupt_expert_data_fails_decode(packed: tuple[Path, Path]) -> None:
@@ -107,7 +107,7 @@ def test_corrupt_expert_data_fails_decode(packed: tuple[Path, Path]) -> None:
     for o in off:  # every expert of layer 0, first projection: whatever is routed is corrupt
         raw[o + 5] ^= 0xFF
     data.write_bytes(bytes(raw))
-    m = Model(path, store=store, cache=CacheConfig(budget="16M"))
+    m = Model(path, store=store, cache=CacheConfig.exact(budget="16M"))
     with pytest.raises(ModelError, match=r"experts.bin.*checksum mismatch"):
         m.generate(LONG_PROMPT, max_tokens=4)
     # the failed slots are dropped, not cached: the next decode reads (and fails) again

@@ -53,7 +53,7 @@ def test_shapes_and_routing(dense: Path, tmp_path: Path) -> None:
     assert "blk.0.ffn_gate.weight" not in t
 
     # routing is real: different tokens pick different experts, and the cache agrees with stock
-    m = Model(out, cache=CacheConfig(budget="16M"))
+    m = Model(out, cache=CacheConfig.exact(budget="16M"))
     g = m.generate(LONG_PROMPT, max_tokens=16)
     stock = Model(out).generate(LONG_PROMPT, max_tokens=16)
     assert g.tokens == stock.tokens

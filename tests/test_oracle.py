@@ -30,14 +30,14 @@ def budgets(model: Model) -> dict[str, int]:
 def test_cache_matches_stock(tiny_model: ModelFactory, arch: str, n_expert: int, n_used: int, n_threads: int) -> None:
     path = tiny_model(arch, n_expert=n_expert, n_expert_used=n_used, n_layer=3)
     stock = Model(path, cache=None, n_threads=n_threads)
-    probe = Model(path, cache=CacheConfig(budget="64M"), n_threads=n_threads)
+    probe = Model(path, cache=CacheConfig.exact(budget="64M"), n_threads=n_threads)
     prompts = [stock.tokenize("a", add_special=False)[:1], stock.tokenize(LONG_PROMPT)]
     assert len(prompts[1]) >= 64
     ref = [(stock.logits(p), stock.generate(p, max_tokens=24).tokens) for p in prompts]
     assert ref[0][1] != ref[1][1], "prompts should lead to different continuations"
 
     for name, budget in budgets(probe).items():
-        m = Model(path, cache=CacheConfig(budget=budget), n_threads=n_threads)
+        m = Model(path, cache=CacheConfig.exact(budget=budget), n_threads=n_threads)
         assert m.has_cache
         for p, (logits, tokens) in zip(prompts, ref, strict=True):
             got = m.logits(p)
@@ -55,7 +55,7 @@ def test_prefill_larger_than_ubatch(tiny_model: ModelFactory) -> None:
     ctx = ContextConfig(n_ctx=512, n_threads=2, n_batch=32, n_ubatch=16)
     stock = Model(path, context=ctx)
     tokens = stock.tokenize(LONG_PROMPT * 3)
-    probe = Model(path, cache=CacheConfig(budget="64M"), context=ctx)
+    probe = Model(path, cache=CacheConfig.exact(budget="64M"), context=ctx)
     lo = int(probe.cache_info()["min_cache_bytes"])
-    cached = Model(path, cache=CacheConfig(budget=lo), context=ctx)
+    cached = Model(path, cache=CacheConfig.exact(budget=lo), context=ctx)
     np.testing.assert_allclose(cached.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)

@@ -36,10 +36,10 @@ def test_oracle_through_store(tiny_model: ModelFactory, tmp_path: Path) -> None:
     store = pack(path, tmp_path / "store", progress=False)
     stock = Model(path)
     tokens = stock.tokenize(LONG_PROMPT)
-    probe = Model(path, store=store, cache=CacheConfig(budget="64M"))
+    probe = Model(path, store=store, cache=CacheConfig.exact(budget="64M"))
     assert probe.cache_info()["from_store"] is True
     lo = int(probe.cache_info()["min_cache_bytes"])
-    m = Model(path, store=store, cache=CacheConfig(budget=lo))
+    m = Model(path, store=store, cache=CacheConfig.exact(budget=lo))
     np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)
     assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
     s = m.stats()
@@ -55,4 +55,4 @@ def test_repack_replaces_atomically(tiny_model: ModelFactory, tmp_path: Path) ->
     second = json.loads((out / "manifest.json").read_text())["store_id"]
     assert first != second
     assert not list(out.glob("*.tmp")), "temporary files are renamed or removed"
-    Model(path, store=out, cache=CacheConfig(budget="16M")).generate("x", max_tokens=2)
+    Model(path, store=out, cache=CacheConfig.exact(budget="16M")).generate("x", max_tokens=2)

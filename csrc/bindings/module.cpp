@@ -11,4 +11,5 @@ PYBIND11_MODULE(_core, m) {
     register_model(m);
     register_store(m);
     register_ops(m);
+    register_policy(m);
 }

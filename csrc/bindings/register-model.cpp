@@ -27,12 +27,16 @@ struct sampler_deleter { void operator()(llama_sampler * s) const { llama_sample
 class py_model {
 public:
     py_model(const std::string & path, uint64_t cache_bytes, const std::string & store_dir, const std::string & policy,
-             bool direct_io, uint32_t n_ctx, int32_t n_threads, uint32_t n_batch, uint32_t n_ubatch, bool repack)
+             bool direct_io, uint32_t n_ctx, int32_t n_threads, uint32_t n_batch, uint32_t n_ubatch, bool repack,
+             const std::string & opts)
             : path_(path), store_(store_dir), policy_(policy), n_threads_(n_threads) {
         moetier_params mp = moetier_default_params();
         mp.cache_bytes = cache_bytes;
         mp.direct_io   = direct_io;
         moetier_params_from_strings(&mp, store_.c_str(), policy_.c_str());
+        if (const char * err = moetier_params_set_opts(&mp, opts.c_str())) {
+            throw std::invalid_argument(err);
+        }
 
         llama_model_params params = llama_model_default_params();
         params.moetier = &mp;
@@ -262,6 +266,11 @@ public:
             x["misses"]     = l.n_misses;
             x["bytes_read"] = l.n_bytes_read;
             x["read_seconds"] = l.read_us / 1e6;
+            x["hits_low"]   = l.n_hits_low;
+            x["loads_high"] = l.n_loads_high;
+            x["loads_low"]  = l.n_loads_low;
+            x["skipped"]    = l.n_skipped;
+            x["bytes_low"]  = l.n_bytes_low;
             layers.append(x);
         }
         d["layers"] = layers;
@@ -278,6 +287,8 @@ public:
         d["n_expert"]        = info.n_expert;
         d["n_groups"]        = info.n_groups;
         d["n_slots"]         = info.n_slots;
+        d["n_slots_low"]     = info.n_slots_low;
+        d["expert_bytes_low"] = info.expert_bytes_low;
         d["cache_bytes"]     = info.cache_bytes;
         d["expert_bytes"]    = info.expert_bytes;
         d["min_cache_bytes"] = info.min_cache_bytes;
@@ -337,9 +348,9 @@ private:
 
 void register_model(py::module_ & m) {
     py::class_<py_model>(m, "Model")
-        .def(py::init<const std::string &, uint64_t, const std::string &, const std::string &, bool, uint32_t, int32_t, uint32_t, uint32_t, bool>(),
+        .def(py::init<const std::string &, uint64_t, const std::string &, const std::string &, bool, uint32_t, int32_t, uint32_t, uint32_t, bool, const std::string &>(),
              py::arg("path"), py::arg("cache_bytes"), py::arg("store_dir"), py::arg("policy"), py::arg("direct_io"),
-             py::arg("n_ctx"), py::arg("n_threads"), py::arg("n_batch"), py::arg("n_ubatch"), py::arg("repack") = true)
+             py::arg("n_ctx"), py::arg("n_threads"), py::arg("n_batch"), py::arg("n_ubatch"), py::arg("repack") = true, py::arg("opts") = "")
         .def("tokenize", &py_model::tokenize, py::arg("text"), py::arg("add_special") = true)
         .def("detokenize", &py_model::detokenize, py::arg("tokens"))
         .def("logits", &py_model::logits, py::arg("tokens"))

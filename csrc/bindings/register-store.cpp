@@ -73,12 +73,25 @@ void register_store(py::module_ & m) {
         return out;
     });
 
+    m.def("check_opts", [](const std::string & opts) -> py::object {
+        moetier_params p = moetier_default_params();
+        const char * err = moetier_params_set_opts(&p, opts.c_str());
+        return err ? py::object(py::str(err)) : py::object(py::none());
+    }, py::arg("opts"), "None if the KEY=VALUE list of expert cache options is valid, else why not");
+
     m.def("default_params", []() {
         const moetier_params p = moetier_default_params();
         py::dict d;
         d["cache_bytes"] = p.cache_bytes;
         d["policy"]      = p.policy ? p.policy : "";
         d["direct_io"]   = p.direct_io;
+        d["t1"]          = p.t1;
+        d["t2"]          = p.t2;
+        d["low_frac"]    = p.low_frac;
+        d["w_lru"]       = p.w_lru;
+        d["w_lfu"]       = p.w_lfu;
+        d["w_lhu"]       = p.w_lhu;
+        d["w_fld"]       = p.w_fld;
         d["low_type"]    = moetier_pack_default_params().low_type;
         return d;
     });

@@ -11,18 +11,18 @@ struct moetier_policy_lru : moetier_policy_i {
         last_use.assign(n_slots, 0);
     }
 
-    void on_hit(int32_t slot, const moetier_key & /*key*/, uint64_t tick) override {
-        last_use[slot] = tick;
+    void on_hit(int32_t slot, const moetier_key & /*key*/, bool /*high*/, const moetier_policy_ctx & ctx) override {
+        last_use[slot] = ctx.tick;
     }
 
-    void on_load(int32_t slot, const moetier_key & /*key*/, uint64_t tick) override {
-        last_use[slot] = tick;
+    void on_load(int32_t slot, const moetier_key & /*key*/, bool /*high*/, const moetier_policy_ctx & ctx) override {
+        last_use[slot] = ctx.tick;
     }
 
-    int32_t victim(const std::vector<uint8_t> & pinned, uint64_t /*tick*/) override {
+    int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & /*ctx*/) override {
         int32_t best = -1;
         for (int32_t s = 0; s < (int32_t) last_use.size(); ++s) {
-            if (pinned[s]) {
+            if (excluded[s]) {
                 continue;
             }
             if (best < 0 || last_use[s] < last_use[best]) {
@@ -33,7 +33,7 @@ struct moetier_policy_lru : moetier_policy_i {
     }
 
     // recency is not a sequence-level record: it carries over
-    void reset_sequence() override {}
+    void reset_sequence(const moetier_policy_ctx & /*ctx*/) override {}
 };
 
 } // namespace

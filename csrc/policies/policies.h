@@ -1,8 +1,9 @@
 #pragma once
 
-// Eviction policies of the expert cache. A policy sees slots of one pool group and the expert each
-// holds; the cache tells it about hits and loads and asks it for a victim among unpinned slots.
-// A new policy is one file in csrc/policies/ plus one line in moetier_policy_create.
+// Eviction policies of the expert cache. A policy sees the slots of one pool (one precision of one
+// pool group) and the expert each holds; the cache tells it about hits and loads and asks it for a
+// victim among unpinned slots. A new policy is one file in csrc/policies/ plus one line in
+// moetier_policy_create.
 
 #include <cstdint>
 #include <memory>
@@ -15,30 +16,54 @@ struct moetier_key {
     int32_t expert = -1; // expert index within the layer
 };
 
+// the cache's clocks when it calls a policy
+struct moetier_policy_ctx {
+    uint64_t tick     = 0; // layer passes of the pool group so far (a resolve is one tick)
+    uint64_t seq_tick = 0; // tick at which the current sequence started
+    uint64_t pass     = 0; // forward passes (ubatches) so far, counting this one
+    uint64_t steps    = 1; // forward passes of the current sequence, counting this one
+    int32_t  layer    = 0; // model layer being resolved
+    int32_t  n_layers = 1; // model layers, for layer distances
+};
+
+// the weights of HOBBIT's multidimensional priority (eq. 3)
+struct moetier_policy_weights {
+    float lru = 0.25f;
+    float lfu = 0.25f;
+    float lhu = 0.25f;
+    float fld = 0.25f;
+};
+
 struct moetier_policy_i {
     virtual ~moetier_policy_i() = default;
 
-    // called once, before any other call, with the number of slots of the group
+    // called once, before any other call, with the number of slots of the pool
     virtual void init(int32_t n_slots) = 0;
 
-    // slot already held key and is used again; tick increases with every layer pass of the cache
-    virtual void on_hit(int32_t slot, const moetier_key & key, uint64_t tick) = 0;
+    // slot already held key and is used again; high: the pool holds high-precision experts
+    virtual void on_hit(int32_t slot, const moetier_key & key, bool high, const moetier_policy_ctx & ctx) = 0;
 
     // slot was just filled with key
-    virtual void on_load(int32_t slot, const moetier_key & key, uint64_t tick) = 0;
+    virtual void on_load(int32_t slot, const moetier_key & key, bool high, const moetier_policy_ctx & ctx) = 0;
 
-    // choose the slot to evict among those with excluded[slot] == 0 (at least one exists); the cache
-    // excludes pinned slots and the slots of layers other than the one it evicts from
-    virtual int32_t victim(const std::vector<uint8_t> & excluded, uint64_t tick) = 0;
+    // choose the slot to evict among those with excluded[slot] == 0 (at least one exists)
+    virtual int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) = 0;
 
     // a new sequence starts: forget sequence-level records
-    virtual void reset_sequence() = 0;
+    virtual void reset_sequence(const moetier_policy_ctx & ctx) = 0;
+
+    // true if the policy weighs layer distances itself; otherwise the cache first picks the layer to
+    // evict from (the one most above its fair share of slots) and excludes every other layer
+    virtual bool across_layers() const { return false; }
 };
 
 using moetier_policy_ptr = std::unique_ptr<moetier_policy_i>;
 
-// nullptr if name is unknown
-moetier_policy_ptr moetier_policy_create(const std::string & name);
+// nullptr if name is unknown; weights are used by "multi" only
+moetier_policy_ptr moetier_policy_create(const std::string & name, const moetier_policy_weights & weights);
 
 // one factory per policy file
 moetier_policy_ptr moetier_policy_lru_create();
+// lfu, lhu, fld and multi: a weighted sum of the four HOBBIT priorities (one-hot weights for the
+// single ones)
+moetier_policy_ptr moetier_policy_weighted_create(const moetier_policy_weights & weights);

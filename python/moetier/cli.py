@@ -13,9 +13,11 @@ from .errors import MoetierError
 from .moefy import MoefyConfig
 
 
-def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "") -> None:
+def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
     """One option per config field, with the field's help and default (so --help explains every knob)."""
     for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         name = "--" + prefix + f.name.replace("_", "-")
         help_text = f.metadata.get("help")
         if not help_text:
@@ -40,8 +42,10 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "") 
             )
 
 
-def _fields_of(ns: argparse.Namespace, cls: Any, prefix: str = "") -> dict[str, Any]:
-    return {f.name: getattr(ns, prefix.replace("-", "_") + f.name) for f in dataclasses.fields(cls)}
+def _fields_of(ns: argparse.Namespace, cls: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        f.name: getattr(ns, prefix.replace("-", "_") + f.name) for f in dataclasses.fields(cls) if f.name not in skip
+    }
 
 
 def _fmt_bytes(n: float) -> str:
@@ -99,8 +103,10 @@ def _tool_args(ns: argparse.Namespace, extra: list[str]) -> list[str]:
     from .config import parse_size
     from .server import cache_flags
 
-    budget = parse_size(ns.cache, "--cache") if ns.cache else None
-    return ["-m", ns.model, *cache_flags(budget, ns.store, ns.policy), *extra]
+    if not ns.cache:
+        return ["-m", ns.model, *extra]
+    cache = CacheConfig(budget=parse_size(ns.cache, "--cache"), **_fields_of(ns, CacheConfig, "cache-", ("budget",)))
+    return ["-m", ns.model, *cache_flags(cache, ns.store), *extra]
 
 
 def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
@@ -218,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-m", "--model", required=True, help="GGUF model file")
     s.add_argument("--cache", default=None, help="expert cache size, e.g. 256M (default: off)")
     s.add_argument("--store", default=None, help="expert store written by `moetier pack`")
-    s.add_argument("--policy", default=None, help="eviction policy (default: lru)")
+    _add_dataclass_args(s, CacheConfig, "cache-", ("budget",))
     s.set_defaults(func=cmd_serve, passthrough=True)
 
     f = sub.add_parser(

@@ -46,6 +46,39 @@ class CacheConfig:
         default=bool(_DEFAULTS["direct_io"]),
         metadata={"help": "read experts with O_DIRECT (bypass the page cache); falls back with a warning"},
     )
+    t1: float = field(
+        default=round(float(_DEFAULTS["t1"]), 6),
+        metadata={
+            "help": "precision threshold of a miss (HOBBIT eq. 2): an expert whose score (the normalised gate "
+            "weight of the experts ranked above it) is <= t1 is read in high precision; the top-1 always is"
+        },
+    )
+    t2: float = field(
+        default=round(float(_DEFAULTS["t2"]), 6),
+        metadata={
+            "help": "score <= t2: read the low-precision version (needs a store); above: skip the expert. "
+            "t1 = t2 = 1 keeps every expert in high precision (output equals stock llama.cpp)"
+        },
+    )
+    low_frac: float = field(
+        default=round(float(_DEFAULTS["low_frac"]), 6),
+        metadata={"help": "share of the budget for low-precision slots (used with a store and t1 < t2)"},
+    )
+    w_lru: float = field(
+        default=round(float(_DEFAULTS["w_lru"]), 6), metadata={"help": "policy multi: weight of recency"}
+    )
+    w_lfu: float = field(
+        default=round(float(_DEFAULTS["w_lfu"]), 6),
+        metadata={"help": "policy multi: weight of use frequency in the sequence"},
+    )
+    w_lhu: float = field(
+        default=round(float(_DEFAULTS["w_lhu"]), 6),
+        metadata={"help": "policy multi: weight of high-precision use frequency in the sequence"},
+    )
+    w_fld: float = field(
+        default=round(float(_DEFAULTS["w_fld"]), 6),
+        metadata={"help": "policy multi: weight of layer distance (the layer that just ran is evicted first)"},
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget"))
@@ -56,6 +89,20 @@ class CacheConfig:
         if self.policy not in names:
             msg = f"cache.policy: unknown policy {self.policy!r}; available: {', '.join(names)}"
             raise ConfigError(msg)
+        err = _core.check_opts(self.opts())
+        if err is not None:
+            msg = f"cache: {err}"
+            raise ConfigError(msg)
+
+    def opts(self) -> str:
+        """The options as the C++ core (and --expert-opt of the shipped binaries) takes them."""
+        keys = ("t1", "t2", "low_frac", "w_lru", "w_lfu", "w_lhu", "w_fld")
+        return ",".join(f"{k}={float(getattr(self, k))!r}" for k in keys)
+
+    @classmethod
+    def exact(cls, budget: int | str, **kw: Any) -> CacheConfig:
+        """Every expert in high precision, none skipped: the output equals stock llama.cpp's."""
+        return cls(budget=budget, t1=1.0, t2=1.0, **kw)
 
     @property
     def budget_bytes(self) -> int:

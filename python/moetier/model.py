@@ -25,17 +25,28 @@ class LayerStats:
     misses: int
     bytes_read: int
     read_seconds: float
+    hits_low: int = 0
+    loads_high: int = 0
+    loads_low: int = 0
+    skipped: int = 0
+    bytes_low: int = 0
 
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Expert cache counters summed over layers, with the per-layer detail."""
+    """Expert cache counters summed over layers, with the per-layer detail. misses = loads_high +
+    loads_low + skipped; hits_low counts hits served by a cached low-precision version."""
 
     lookups: int = 0
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0
+    hits_low: int = 0
+    loads_high: int = 0
+    loads_low: int = 0
+    skipped: int = 0
+    bytes_low: int = 0
     layers: tuple[LayerStats, ...] = ()
 
     @property
@@ -121,6 +132,7 @@ class Model:
                 ctx.n_batch,
                 ctx.n_ubatch,
                 repack,
+                cache.opts() if cache else "",
             )
         except RuntimeError as e:
             text = str(e)
@@ -176,14 +188,9 @@ class Model:
         """Expert cache counters since the last reset (all zero without a cache)."""
         raw = self._m.stats()
         layers = tuple(LayerStats(**d) for d in raw.get("layers", []))
-        return CacheStats(
-            lookups=sum(x.lookups for x in layers),
-            hits=sum(x.hits for x in layers),
-            misses=sum(x.misses for x in layers),
-            bytes_read=sum(x.bytes_read for x in layers),
-            read_seconds=sum(x.read_seconds for x in layers),
-            layers=layers,
-        )
+        keys: tuple[str, ...] = ("lookups", "hits", "misses", "bytes_read", "read_seconds")
+        keys += ("hits_low", "loads_high", "loads_low", "skipped", "bytes_low")
+        return CacheStats(**{k: sum(getattr(x, k) for x in layers) for k in keys}, layers=layers)
 
     def cache_info(self) -> dict[str, int | bool]:
         """Pool sizes of the cache: n_layers, n_expert, n_slots, cache_bytes, expert_bytes, ..."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .config import CacheConfig
 from .errors import ModelError
 
 BIN_DIR = Path(__file__).resolve().parent / "bin"
@@ -23,15 +24,11 @@ def tool_path(name: str) -> Path:
     return p
 
 
-def cache_flags(budget: int | None, store: str | None, policy: str | None) -> list[str]:
+def cache_flags(cache: CacheConfig, store: str | None = None) -> list[str]:
     """The expert cache flags the patched binaries accept (added to llama.cpp's common arguments)."""
-    out: list[str] = []
-    if budget:
-        out += ["--expert-cache", str(budget)]
+    out = ["--expert-cache", str(cache.budget_bytes), "--expert-policy", cache.policy, "--expert-opt", cache.opts()]
     if store:
         out += ["--expert-store", store]
-    if policy:
-        out += ["--expert-policy", policy]
     return out
 
 
