@@ -67,7 +67,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     s = r.stats
     rate = s.bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
     line = f"moetier: {len(r.tokens)} tokens in {r.seconds:.2f} s ({r.tokens_per_second:.2f} tok/s)" + (
-        f" | cache hit rate {100 * s.hit_rate:.1f}% ({s.hits}/{s.lookups} lookups, {s.misses} misses)"
+        f" | cache hit rate {100 * s.hit_rate:.1f}% ({s.hits}/{s.lookups} lookups, {s.misses} misses:"
+        f" {s.loads_high} read high, {s.loads_low} low, {s.skipped} skipped)"
         f" | read {_fmt_bytes(s.bytes_read)} at {_fmt_bytes(rate)}/s"
         if m.has_cache
         else " | expert cache off"
@@ -161,7 +162,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     budget = max(int(info["min_cache_bytes"]), int(info["expert_bytes"]) // 4)
     prompt = ns.prompt
     stock = Model(moe).generate(prompt, max_tokens=ns.n_predict)
-    cached = Model(moe, cache=CacheConfig(budget=budget)).generate(prompt, max_tokens=ns.n_predict)
+    # every expert in high precision, none skipped: the demo shows the cache is exact
+    cached = Model(moe, cache=CacheConfig.exact(budget)).generate(prompt, max_tokens=ns.n_predict)
     s = cached.stats
     rate = s.bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
     sys.stdout.write(prompt + cached.text + "\n")
