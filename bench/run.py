@@ -4,9 +4,11 @@ For each budget (percent of expert bytes) it measures, each configuration in its
   - stock llama.cpp fully in RAM (once: the in-RAM reference, with its repacked CPU kernels),
   - stock llama.cpp in RAM without repacking (once: its anonymous memory, i.e. KV cache, compute
     buffers and the interpreter, is the headroom of the caps),
-  - stock llama.cpp under a memory cap that counts page cache (cgroup v1): non-expert bytes +
-    budget + headroom. It runs without repacking: repacked weights are anonymous copies a cap
-    cannot page out (with them, stock either OOMs or gets every expert in RAM for free),
+  - stock llama.cpp under a memory cap that counts page cache (cgroup v1): non-expert bytes
+    (without the token embedding: it is read by rows, and both systems keep it in the file mapping,
+    touching only the rows of the tokens seen) + budget + headroom. Stock runs without repacking:
+    repacked weights are anonymous copies a cap cannot page out (with them, stock either OOMs or
+    gets every expert in RAM for free),
   - moetier under the same cap with the budget as its expert cache.
 Pages of the model and store are dropped before every run; every process warms up once. It reports
 prefill and decode tok/s, time to first token, bytes read per token, hit rate and peak memory, with
@@ -55,6 +57,16 @@ def drop_pages(paths: list[Path]) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def embedding_bytes(path: Path) -> int:
+    """Bytes of the token embedding matrix (token_embd.weight) of a GGUF, 0 if it has none."""
+    from gguf import GGUFReader
+
+    for t in GGUFReader(str(path)).tensors:
+        if t.name == "token_embd.weight":
+            return int(t.n_bytes)
+    return 0
 
 
 def disk_bandwidth(path: Path, chunk: int, seconds: float = 3.0) -> float:
@@ -153,7 +165,8 @@ def main() -> None:
     model = Path(a.model).expanduser()
     info = Model(model, cache=CacheConfig(budget="64G")).cache_info()
     expert_bytes = int(info["expert_bytes"])
-    non_expert = model.stat().st_size - expert_bytes
+    embedding = embedding_bytes(model)
+    non_expert = model.stat().st_size - expert_bytes - embedding
     n_experts = int(info["n_layers"]) * int(info["n_expert"])
     files = [model] + ([Path(a.store)] if a.store else [])
 
@@ -179,6 +192,7 @@ def main() -> None:
         "model_bytes": model.stat().st_size,
         "expert_bytes": expert_bytes,
         "non_expert_bytes": non_expert,
+        "embedding_bytes": embedding,
         "min_cache_bytes": int(info["min_cache_bytes"]),
         "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg(), "platform": platform.platform()},
         "disk_odirect_bytes_per_s": bw,
@@ -266,7 +280,9 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
             s["io_bound_tok_s"] = bound_bytes / s["disk_read_per_token"]
     text = (
         f"model `{Path(report['model']).name}`: {report['model_bytes'] / MiB:.0f} MiB, experts "
-        f"{report['expert_bytes'] / MiB:.0f} MiB; disk O_DIRECT {bound_bytes / 1e6:.0f} MB/s; "
+        f"{report['expert_bytes'] / MiB:.0f} MiB, token embedding {report.get('embedding_bytes', 0) / MiB:.0f} MiB; "
+        f"cap = other non-expert {report['non_expert_bytes'] / MiB:.0f} MiB + budget + headroom "
+        f"{report['headroom_bytes'] / MiB:.0f} MiB; disk O_DIRECT {bound_bytes / 1e6:.0f} MB/s; "
         f"{report['machine']['cores']} cores, load {report['machine']['loadavg'][0]:.2f}\n\n" + "\n".join(rows) + "\n"
     )
     for r in runs.values():

@@ -31,9 +31,9 @@ moetier_model_ptr moetier_hook_model_init(const moetier_params * params, const s
     try {
         std::vector<std::string> paths = splits.empty() ? std::vector<std::string>{ fname } : splits;
         moetier_model_ptr m(new moetier_model(*params, paths));
-        if (*load_mode == LLAMA_LOAD_MODE_MMAP || *load_mode == LLAMA_LOAD_MODE_AUTO) {
-            *load_mode = LLAMA_LOAD_MODE_NONE;
-        } else if (*load_mode == LLAMA_LOAD_MODE_MMAP_MLOCK) {
+        // mmap stays (the loader excludes served experts from the mapping's prefetch), so the other
+        // weights are paged like stock's; but mlock of the mapping would fault the experts in
+        if (*load_mode == LLAMA_LOAD_MODE_MMAP_MLOCK) {
             *load_mode = LLAMA_LOAD_MODE_MLOCK;
         }
         return m;

@@ -24,7 +24,8 @@ struct moetier_model_deleter {
 using moetier_model_ptr = std::unique_ptr<moetier_model, moetier_model_deleter>;
 
 // llama_model_load, before the loader: nullptr if params is NULL or the cache is off. Served experts
-// must not be faulted in by mmap's prefetch, so an mmap load mode becomes a plain read (*load_mode).
+// must never be faulted in: the loader keeps them out of the mapping's prefetch, and mmap+mlock
+// becomes read+mlock (*load_mode).
 moetier_model_ptr moetier_hook_model_init(const moetier_params * params, const std::string & fname,
                                           const std::vector<std::string> & splits, int * load_mode);
 

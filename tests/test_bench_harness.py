@@ -103,6 +103,8 @@ def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:
     m25 = rep["runs"]["moetier-25"]
     assert m25["budget_bytes"] == rep["expert_bytes"] // 4
     assert m25["cap_bytes"] == rep["non_expert_bytes"] + m25["budget_bytes"] + rep["headroom_bytes"]
+    # the token embedding is read by rows through the mapping: not counted as resident
+    assert 0 < rep["embedding_bytes"] < rep["model_bytes"] - rep["expert_bytes"] - rep["non_expert_bytes"] + 1
     assert 0 < m25["hit_rate"] < 1 and m25["bytes_read_per_token"] > 0
     # O_DIRECT expert reads reach the disk: the process's own I/O counter sees at least them
     assert m25["disk_read_per_token"] >= m25["bytes_read_per_token"] * 0.99
