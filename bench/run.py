@@ -149,8 +149,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="threads per run")
     p.add_argument("--ctx", type=int, default=1024, help="context length")
     p.add_argument("--policy", default="lru", help="moetier eviction policy")
+    p.add_argument("--opts", default="t1=1,t2=1", help="moetier cache options KEY=VALUE,... (default: high only)")
     p.add_argument(
-        "--opts", default="t1=1,t2=1", help="moetier cache options KEY=VALUE,... (default: high precision only)"
+        "--variants",
+        default=None,
+        help="several moetier configurations in the same run (an ablation): NAME=POLICY:OPTS;NAME=POLICY:OPTS... "
+        "e.g. 'lru-high=lru:t1=1,t2=1;precision=lru:t1=0.6,t2=0.9' (default: one, 'moetier', from --policy/--opts)",
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is abandoned (thrashing)")
     p.add_argument(
@@ -162,6 +166,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="output prefix: writes OUT.json, OUT.md, OUT.png")
     a = p.parse_args()
 
+    variants = parse_variants(a.variants) if a.variants else [("moetier", a.policy, a.opts)]
     model = Path(a.model).expanduser()
     info = Model(model, cache=CacheConfig(budget="64G")).cache_info()
     expert_bytes = int(info["expert_bytes"])
@@ -197,6 +202,7 @@ def main() -> None:
         "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg(), "platform": platform.platform()},
         "disk_odirect_bytes_per_s": bw,
         "config": vars(a),
+        "variants": [v[0] for v in variants],
         "runs": {},
     }
     print(f"disk O_DIRECT at {expert_bytes // n_experts / 1024:.0f} KiB: {bw / 1e6:.0f} MB/s", file=sys.stderr)
@@ -235,15 +241,29 @@ def main() -> None:
         budget = max(int(info["min_cache_bytes"]), expert_bytes * pct // 100)
         cap = non_expert + budget + headroom
         measure(f"stock-capped-{pct}", ["--no-repack"], cap)
-        measure(
-            f"moetier-{pct}",
-            ["--cache", str(budget), "--policy", a.policy, "--opts", a.opts]
-            + (["--store", a.store] if a.store else []),
-            cap,
-        )
-        report["runs"][f"moetier-{pct}"]["budget_bytes"] = budget
+        for name, policy, opts in variants:
+            measure(
+                f"{name}-{pct}",
+                ["--cache", str(budget), "--policy", policy, "--opts", opts]
+                + (["--store", a.store] if a.store else []),
+                cap,
+            )
+            report["runs"][f"{name}-{pct}"]["budget_bytes"] = budget
 
     write_outputs(report, Path(a.out))
+
+
+def parse_variants(text: str) -> list[tuple[str, str, str]]:
+    """'NAME=POLICY:OPTS;...' -> [(name, policy, opts)]."""
+    out = []
+    for item in (x.strip() for x in text.split(";") if x.strip()):
+        name, _, rest = item.partition("=")
+        policy, _, opts = rest.partition(":")
+        if not name or not policy or name.startswith("stock"):
+            msg = f"--variants: {item!r} is not NAME=POLICY:OPTS (NAME must not start with 'stock')"
+            raise SystemExit(msg)
+        out.append((name, policy, opts))
+    return out
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> None:
@@ -255,15 +275,16 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         "| hit rate | disk MB/token | peak MiB | same tokens as in-RAM |",
         "|" + "---|" * 11,
     ]
-    pcts = sorted({int(k.rsplit("-", 1)[1]) for k in runs if k.startswith("moetier-")})
+    variants = report.get("variants", ["moetier"])
+    pcts = sorted({int(k.rsplit("-", 1)[1]) for k in runs if k.startswith("stock-capped-")})
     bound_bytes = report["disk_odirect_bytes_per_s"]
-    names = ["stock-ram", "stock-ram-norepack"] + [f"{k}-{p}" for p in pcts for k in ("stock-capped", "moetier")]
+    names = ["stock-ram", "stock-ram-norepack"] + [f"{k}-{p}" for p in pcts for k in ("stock-capped", *variants)]
     for name in [n for n in names if n in runs]:
         s = runs[name]
         if "error" in s:
             rows.append(f"| {name} | | failed: {s['error']} | | | | | | | | |")
             continue
-        base = runs.get("stock-capped-" + name.rsplit("-", 1)[-1], {}) if name.startswith("moetier") else {}
+        base = runs.get("stock-capped-" + name.rsplit("-", 1)[-1], {}) if not name.startswith("stock") else {}
         d = s["decode_tok_s"]
         vs_cap = f"{d['median'] / base['decode_tok_s']['median']:.2f}x" if base.get("decode_tok_s") else "-"
         same = s["token_ids"] == ram["token_ids"]
@@ -299,14 +320,16 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    for kind in ("stock-capped", "moetier"):
+    for kind in ("stock-capped", *variants):
         xs = [p for p in pcts if "error" not in runs[f"{kind}-{p}"]]
         ax[0].plot(xs, [runs[f"{kind}-{p}"]["decode_tok_s"]["median"] for p in xs], "o-", label=kind)
     ax[0].axhline(ram["decode_tok_s"]["median"], ls="--", c="gray", label="stock in RAM")
     ax[0].set(xlabel="expert budget (% of expert bytes)", ylabel="decode tok/s", title="decode speed")
     ax[0].legend()
-    xs = [p for p in pcts if "error" not in runs[f"moetier-{p}"]]
-    ax[1].plot(xs, [100 * (runs[f"moetier-{p}"]["hit_rate"] or 0) for p in xs], "o-")
+    for kind in variants:
+        xs = [p for p in pcts if "error" not in runs[f"{kind}-{p}"]]
+        ax[1].plot(xs, [100 * (runs[f"{kind}-{p}"]["hit_rate"] or 0) for p in xs], "o-", label=kind)
+    ax[1].legend()
     ax[1].set(xlabel="expert budget (% of expert bytes)", ylabel="hit rate %", title="moetier expert cache hit rate")
     fig.tight_layout()
     fig.savefig(out.with_name(out.name + ".png"), dpi=100)

@@ -11,11 +11,7 @@
 // upper bound on compute threads that may run the load op; bounce buffers are per thread index
 static constexpr int MOETIER_MAX_THREADS = 512;
 
-void moetier_precision_levels(const moetier_precision & rule, const float * weights, int32_t n_used, uint8_t * levels) {
-    if (weights == nullptr || (rule.t1 >= 1.0f && rule.t2 >= 1.0f)) {
-        std::fill(levels, levels + n_used, 2);
-        return;
-    }
+void moetier_precision_scores(const float * weights, int32_t n_used, float * scores) {
     // n_used is small (<= 64 in practice): an insertion sort of indices by weight, descending
     int32_t order[256];
     const int32_t n = std::min<int32_t>(n_used, 256);
@@ -29,23 +25,36 @@ void moetier_precision_levels(const moetier_precision & rule, const float * weig
         }
         order[j] = k;
     }
-    std::fill(levels, levels + n_used, 2);
+    std::fill(scores, scores + n_used, 0.0f);
     if (!(sum > 0.0)) {
         return;
     }
     double above = 0.0; // normalised weight of the experts ranked above
     for (int32_t i = 0; i < n; ++i) {
-        const int32_t k = order[i];
-        const double  s = above;
-        levels[k] = i == 0 || s <= rule.t1 ? 2 : s <= rule.t2 ? 1 : 0;
-        above += std::fabs(weights[k]) / sum;
+        scores[order[i]] = (float) above;
+        above += std::fabs(weights[order[i]]) / sum;
+    }
+}
+
+void moetier_precision_levels(const moetier_precision & rule, const float * weights, int32_t n_used, uint8_t * levels) {
+    if (weights == nullptr || (rule.t1 >= 1.0f && rule.t2 >= 1.0f)) {
+        std::fill(levels, levels + n_used, 2);
+        return;
+    }
+    float scores[256];
+    const int32_t n = std::min<int32_t>(n_used, 256);
+    moetier_precision_scores(weights, n, scores);
+    std::fill(levels, levels + n_used, 2);
+    for (int32_t k = 0; k < n; ++k) {
+        // the top-1 scores 0 <= t1: always high
+        levels[k] = scores[k] <= rule.t1 ? 2 : scores[k] <= rule.t2 ? 1 : 0;
     }
 }
 
 moetier_cache::moetier_cache(int32_t n_expert, const int32_t n_slots[2], const moetier_precision & rule_,
                              const std::string & policy, const moetier_policy_weights & weights,
-                             std::vector<moetier_proj> proj_shapes)
-        : n_expert_(n_expert), rule(rule_), shapes(std::move(proj_shapes)) {
+                             std::vector<moetier_proj> proj_shapes, bool simulate_)
+        : n_expert_(n_expert), rule(rule_), simulate(simulate_), shapes(std::move(proj_shapes)) {
     GGML_ASSERT(n_slots[MOETIER_HIGH] >= n_expert && n_expert > 0 && n_slots[MOETIER_LOW] >= 0);
     GGML_ASSERT(n_slots[MOETIER_LOW] == 0 || shapes[0].store != nullptr);
 
@@ -62,7 +71,8 @@ moetier_cache::moetier_cache(int32_t n_expert, const int32_t n_slots[2], const m
     init_set(sets[MOETIER_LOW],  MOETIER_LOW,  n_slots[MOETIER_LOW],  policy, weights);
 
     need.assign(n_expert, 0);
-    tasks.resize((size_t) n_expert * shapes.size());
+    pred_need.assign(n_expert, 0);
+    tasks.resize((size_t) 2 * n_expert * shapes.size());
     bounce.resize(MOETIER_MAX_THREADS);
 }
 
@@ -80,6 +90,11 @@ void moetier_cache::init_set(moetier_pool_set & set, int32_t prec, int32_t n_slo
         total += set.stride.back() * (uint64_t) n_slots;
     }
     set.buf_size = total;
+    if (simulate) {
+        set.buf_size = 0;
+        init_slots(set, n_slots);
+        return;
+    }
     // not touched here: pages become resident as slots fill (and the memory-fit pass of
     // common_fit_params, which loads the model with no_alloc, costs no RSS)
     set.mem.reserve(set.buf_size);
@@ -106,6 +121,10 @@ void moetier_cache::init_set(moetier_pool_set & set, int32_t prec, int32_t n_slo
         set.tensors.push_back(t);
     }
 
+    init_slots(set, n_slots);
+}
+
+void moetier_cache::init_slots(moetier_pool_set & set, int32_t n_slots) {
     set.slot_key.assign(n_slots, moetier_key{});
     set.pinned.assign(n_slots, 0);
     set.free_slots.resize(n_slots);
@@ -113,6 +132,8 @@ void moetier_cache::init_set(moetier_pool_set & set, int32_t prec, int32_t n_slo
         set.free_slots[s] = n_slots - 1 - s; // pop_back hands out slot 0 first
     }
     set.mask.assign(n_slots, 0);
+    set.pf_task.assign(n_slots, -1);
+    set.pf_hold.assign(n_slots, 0);
     set.policy->init(n_slots);
 }
 
@@ -207,23 +228,37 @@ void moetier_cache::finish_previous() noexcept {
     }
     for (int32_t i = 0; i < n_tasks; ++i) {
         moetier_read_task & t = tasks[i];
-        if (!t.failed) {
-            continue;
+        if (t.failed) {
+            // the slot holds garbage: forget it, so the expert is read again next time
+            drop_slot(sets[t.prec], t.slot);
+            t.failed = false;
         }
-        // the slot holds garbage: forget it, so the expert is read again next time
-        moetier_pool_set & set = sets[t.prec];
-        const moetier_key k = set.slot_key[t.slot];
-        moetier_layer * l = k.layer >= 0 ? layers[k.layer] : nullptr;
-        if (l && k.expert >= 0) {
-            l->slot_of[t.prec][k.expert] = -1;
-            --set.held[k.layer];
-            set.slot_key[t.slot] = moetier_key{};
-            set.free_slots.push_back(t.slot);
-        }
-        t.failed = false;
     }
+    for (auto & w : wait_ids) {
+        if (w.id >= 0) {
+            // the graph stopped before the load op waited: the read must end before the slot is reused
+            w.failed = io->wait(w.id) == MOETIER_IO_FAILED;
+            io->release(w.id);
+        }
+        if (w.failed) {
+            drop_slot(sets[w.prec], w.slot);
+        }
+    }
+    wait_ids.clear();
     n_tasks    = 0;
     task_layer = nullptr;
+}
+
+void moetier_cache::drop_slot(moetier_pool_set & set, int32_t s) noexcept {
+    const moetier_key k = set.slot_key[s];
+    moetier_layer * l = k.layer >= 0 && (size_t) k.layer < layers.size() ? layers[k.layer] : nullptr;
+    if (l == nullptr || k.expert < 0) {
+        return;
+    }
+    l->slot_of[set.prec][k.expert] = -1;
+    --set.held[k.layer];
+    set.slot_key[s] = moetier_key{};
+    set.free_slots.push_back(s);
 }
 
 int32_t moetier_cache::take_slot(moetier_pool_set & set, const moetier_key & key) noexcept {
@@ -232,23 +267,28 @@ int32_t moetier_cache::take_slot(moetier_pool_set & set, const moetier_key & key
         s = set.free_slots.back();
         set.free_slots.pop_back();
     } else {
+        // candidates: not pinned by the layer being resolved, not being read by a prefetch, not held
+        // for a later layer by a prediction
         const int32_t n_slots = set.n_slots();
-        if (set.n_pinned >= n_slots) {
+        set.cand.assign(set.held.size(), 0);
+        int32_t n_cand = 0;
+        for (int32_t i = 0; i < n_slots; ++i) {
+            set.mask[i] = set.pinned[i] || set.pf_task[i] >= 0 || set.pf_hold[i];
+            if (!set.mask[i]) {
+                ++n_cand;
+                ++set.cand[set.slot_key[i].layer];
+            }
+        }
+        if (n_cand == 0) {
             return -1;
         }
-        if (set.policy->across_layers()) {
-            for (int32_t i = 0; i < n_slots; ++i) {
-                set.mask[i] = set.pinned[i];
-            }
-        } else {
-            // donor layer: the most slots above the fair share among layers with an unpinned slot
-            // (pins belong to the layer being resolved only)
+        if (!set.policy->across_layers()) {
+            // donor layer: the most slots above the fair share among layers with a candidate
             const double quota = (double) n_slots / std::max(1, n_layers);
             int32_t donor = -1;
             double  best  = 0.0;
             for (int32_t l = 0; l < (int32_t) set.held.size(); ++l) {
-                const int32_t avail = set.held[l] - (l == key.layer ? set.n_pinned : 0);
-                if (avail <= 0) {
+                if (set.cand[l] == 0) {
                     continue;
                 }
                 const double excess = set.held[l] - quota;
@@ -257,11 +297,8 @@ int32_t moetier_cache::take_slot(moetier_pool_set & set, const moetier_key & key
                     best  = excess;
                 }
             }
-            if (donor < 0) {
-                return -1;
-            }
             for (int32_t i = 0; i < n_slots; ++i) {
-                set.mask[i] = set.pinned[i] || set.slot_key[i].layer != donor;
+                set.mask[i] = set.mask[i] || set.slot_key[i].layer != donor;
             }
         }
         s = set.policy->victim(set.mask, policy_ctx(key.layer));
@@ -291,7 +328,12 @@ bool moetier_cache::queue_load(moetier_layer & layer, int32_t prec, int32_t e) n
     }
     layer.slot_of[prec][e] = s;
     set.policy->on_load(s, key, prec == MOETIER_HIGH, policy_ctx(layer.il));
-    moetier_pin(set, s);
+    queue_read(layer, prec, e, s);
+    return true;
+}
+
+void moetier_cache::queue_read(moetier_layer & layer, int32_t prec, int32_t e, int32_t s) noexcept {
+    moetier_pin(sets[prec], s);
     const bool whole = !layer.file_order[prec].empty();
     for (size_t p = 0; p < (whole ? 1 : layer.projs.size()); ++p) {
         moetier_read_task & task = tasks[n_tasks++];
@@ -308,17 +350,21 @@ bool moetier_cache::queue_load(moetier_layer & layer, int32_t prec, int32_t e) n
             layer.counters.n_bytes_low += p.expert_bytes(prec);
         }
     }
-    return true;
 }
 
 void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, const float * weights, int64_t n_used,
                             int64_t n_tokens, size_t ids_nb1, size_t w_nb1, int32_t * out, bool warmup) noexcept {
     finish_previous();
+    settle_zombies();
     ++tick;
     if (layer.il <= last_layer) {
         ++pass;
     }
-    last_layer = layer.il;
+    last_layer  = layer.il;
+    n_used_last = (int32_t) n_used;
+    if (n_tokens == 1 && !warmup) {
+        check_predictions(layer, ids, n_used);
+    }
 
     // the previous layer of this group is done: its slots may be evicted again
     for (auto & set : sets) {
@@ -354,18 +400,23 @@ void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, const fl
         const moetier_key key = { layer.il, e };
         const int32_t hs = layer.slot_of[MOETIER_HIGH][e];
         const int32_t ls = layer.slot_of[MOETIER_LOW][e];
-        if (hs >= 0) {
-            // a cached high version is always used
+        if (hs >= 0 || (need[e] < 3 && ls >= 0)) {
+            // a cached high version is always used; a low one serves low and skip verdicts
+            const int32_t prec = hs >= 0 ? MOETIER_HIGH : MOETIER_LOW;
+            const int32_t s    = hs >= 0 ? hs : ls;
+            moetier_pool_set & set = sets[prec];
+            set.policy->on_hit(s, key, prec == MOETIER_HIGH, policy_ctx(layer.il));
             ++c.n_lookups;
-            ++c.n_hits;
-            hi.policy->on_hit(hs, key, true, policy_ctx(layer.il));
-            moetier_pin(hi, hs);
-        } else if (need[e] < 3 && ls >= 0) {
-            ++c.n_lookups;
-            ++c.n_hits;
-            ++c.n_hits_low;
-            lo.policy->on_hit(ls, key, false, policy_ctx(layer.il));
-            moetier_pin(lo, ls);
+            if (use_prefetched(layer, prec, e, s)) {
+                ++c.n_hits;
+                c.n_hits_low += prec == MOETIER_LOW;
+                moetier_pin(set, s);
+            } else {
+                // its prefetch had not started (or failed): read now, ahead of the queue
+                ++c.n_misses;
+                (prec == MOETIER_HIGH ? c.n_loads_high : c.n_loads_low) += 1;
+                queue_read(layer, prec, e, s);
+            }
         } else if (warmup) {
             // warmup runs every expert through the graph once; reading them all would defeat the cache
             continue;
@@ -386,6 +437,8 @@ void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, const fl
             }
         }
     }
+
+    settle_prefetched(layer);
 
     const int64_t n = n_used * n_tokens;
     const bool two = lo.n_slots() > 0;
@@ -419,8 +472,45 @@ bool moetier_cache::verify(const moetier_proj & p, const moetier_read_task & t, 
     return true;
 }
 
+bool moetier_cache::read_task(const moetier_read_task & t, moetier_aligned_buffer & bb, std::string & err) const noexcept {
+    const moetier_layer & l = *t.layer;
+    if (t.proj < 0) {
+        // a store keeps an expert's projections back to back and padded: one vectored O_DIRECT
+        // read straight into the slots of the projection pools
+        const std::vector<int32_t> & order = l.file_order[t.prec];
+        moetier_iovec iov[8];
+        const int n = (int) order.size();
+        for (int k = 0; k < n; ++k) {
+            const moetier_proj & p = l.projs[order[k]];
+            const ggml_tensor * pool = p.pool[t.prec];
+            iov[k].base = (uint8_t *) pool->data + (uint64_t) t.slot * pool->nb[2];
+            iov[k].len  = moetier_align_up(p.expert_bytes(t.prec));
+        }
+        const moetier_proj & first = l.projs[order[0]];
+        bool ok = first.file->readv(iov, n, first.expert_offset(t.expert, t.prec), err);
+        for (int k = 0; ok && k < n; ++k) {
+            ok = verify(l.projs[order[k]], t, err);
+        }
+        return ok;
+    }
+    const moetier_proj & p = l.projs[t.proj];
+    const ggml_tensor * pool = p.pool[t.prec];
+    const uint64_t bytes = p.expert_bytes(t.prec);
+    uint8_t * dst = (uint8_t *) pool->data + (uint64_t) t.slot * pool->nb[2];
+    try {
+        // one-time growth per thread; bounded by the largest projection
+        bb.reserve(std::max<size_t>(2 * MOETIER_ALIGN, moetier_align_up(bytes) + 2 * MOETIER_ALIGN));
+    } catch (...) {
+        err = "out of memory for the read buffer";
+        return false;
+    }
+    // a store's slices are padded: read whole blocks straight into the slot
+    const size_t n = p.store ? (size_t) moetier_align_up(bytes) : (size_t) bytes;
+    return p.file->read(dst, p.expert_offset(t.expert, t.prec), n, bb, err) && verify(p, t, err);
+}
+
 void moetier_cache::load(int ith, int nth) noexcept {
-    if (n_tasks == 0) {
+    if (n_tasks == 0 && wait_ids.empty()) {
         return;
     }
     GGML_ASSERT(ith < MOETIER_MAX_THREADS);
@@ -428,46 +518,20 @@ void moetier_cache::load(int ith, int nth) noexcept {
     std::string err;
     for (int32_t i = ith; i < n_tasks; i += nth) {
         moetier_read_task & t = tasks[i];
-        const moetier_layer & l = *t.layer;
-        bool ok = true;
-        if (t.proj < 0) {
-            // a store keeps an expert's projections back to back and padded: one vectored O_DIRECT
-            // read straight into the slots of the projection pools
-            const std::vector<int32_t> & order = l.file_order[t.prec];
-            moetier_iovec iov[8];
-            const int n = (int) order.size();
-            for (int k = 0; k < n; ++k) {
-                const moetier_proj & p = l.projs[order[k]];
-                const ggml_tensor * pool = p.pool[t.prec];
-                iov[k].base = (uint8_t *) pool->data + (uint64_t) t.slot * pool->nb[2];
-                iov[k].len  = moetier_align_up(p.expert_bytes(t.prec));
-            }
-            const moetier_proj & first = l.projs[order[0]];
-            ok = first.file->readv(iov, n, first.expert_offset(t.expert, t.prec), err);
-            for (int k = 0; ok && k < n; ++k) {
-                ok = verify(l.projs[order[k]], t, err);
-            }
-        } else {
-            const moetier_proj & p = l.projs[t.proj];
-            const ggml_tensor * pool = p.pool[t.prec];
-            const uint64_t bytes = p.expert_bytes(t.prec);
-            uint8_t * dst = (uint8_t *) pool->data + (uint64_t) t.slot * pool->nb[2];
-            try {
-                // one-time growth per thread; bounded by the largest projection
-                bb.reserve(std::max<size_t>(2 * MOETIER_ALIGN, moetier_align_up(bytes) + 2 * MOETIER_ALIGN));
-            } catch (...) {
-                err = "out of memory for the read buffer";
-                ok = false;
-            }
-            if (ok) {
-                // a store's slices are padded: read whole blocks straight into the slot
-                const size_t n = p.store ? (size_t) moetier_align_up(bytes) : (size_t) bytes;
-                ok = p.file->read(dst, p.expert_offset(t.expert, t.prec), n, bb, err) && verify(p, t, err);
-            }
-        }
-        if (!ok) {
+        if (!read_task(t, bb, err)) {
             t.failed = true;
             set_error(err);
+        }
+    }
+    if (ith == 0) {
+        // prefetches of experts this layer needs that were still being read
+        for (auto & w : wait_ids) {
+            if (io->wait(w.id) == MOETIER_IO_FAILED) {
+                w.failed = true;
+                set_error(io->error());
+            }
+            io->release(w.id);
+            w.id = -1;
         }
     }
     const int64_t now = moetier_time_us();

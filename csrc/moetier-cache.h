@@ -21,7 +21,9 @@
 // token's experts exceed the cache); a prefill ubatch may still borrow slots beyond its share.
 
 #include "moetier-io.h"
+#include "moetier-iopool.h"
 #include "moetier-store.h"
+#include "moetier.h"
 #include "policies/policies.h"
 
 #include "ggml-backend.h"
@@ -88,6 +90,16 @@ struct moetier_layer {
                                              // expert; else empty
     std::vector<int32_t>      slot_of[2];    // per precision [n_expert]: slot holding the expert, -1 if none
     moetier_layer_counters    counters;
+
+    // prefetch (HOBBIT sec. 3.3): the served layers after this one in the same pool group (at most
+    // p, consecutive), their routers stacked [n_embd, next.size() * n_expert] (F32), the slots that
+    // earlier layers prefetched or held for this one, and the predictions made for it per distance
+    std::vector<moetier_layer *>   next;
+    ggml_tensor *                  router_stack = nullptr;
+    std::vector<std::pair<int32_t, int32_t>> prefetched; // (prec, slot)
+    std::vector<std::vector<uint8_t>> pred_set;  // [distance - 1][n_expert]
+    std::vector<uint64_t>             pred_pass; // [distance - 1] pass the prediction was made in
+    std::vector<int32_t>              pred_top1; // [distance - 1]
 };
 
 // one queued read: a projection of one expert into one slot
@@ -112,6 +124,10 @@ struct moetier_precision {
 // sum: all high. Exposed for tests.
 void moetier_precision_levels(const moetier_precision & rule, const float * weights, int32_t n_used, uint8_t * levels);
 
+// HOBBIT's unimportance score of each selected expert: the normalised |weight| ranked above it (0 for
+// the top-1; ties: the earlier k first; all 0 for a zero sum)
+void moetier_precision_scores(const float * weights, int32_t n_used, float * scores);
+
 // the slots of one precision of a pool group
 struct moetier_pool_set {
     int32_t                   prec = MOETIER_HIGH;
@@ -128,16 +144,20 @@ struct moetier_pool_set {
     std::vector<int32_t>         free_slots; // never used yet
     std::vector<int32_t>         held;       // by model layer index: slots holding that layer's experts
     std::vector<uint8_t>         mask;       // scratch for victim(): 1 = not a candidate
+    std::vector<int32_t>         pf_task;    // [n_slots] io task reading into the slot, -1 if none
+    std::vector<uint8_t>         pf_hold;    // [n_slots] held for a later layer by a prediction
+    std::vector<int32_t>         cand;       // scratch: candidate slots per layer
 
     int32_t n_slots() const { return (int32_t) slot_key.size(); }
 };
 
 class moetier_cache {
 public:
-    // n_slots[prec]: slots per precision (low may be 0). throws std::runtime_error
+    // n_slots[prec]: slots per precision (low may be 0). simulate: no memory and no pool tensors, for
+    // trace replay (resolve does all the bookkeeping; nothing is read). throws std::runtime_error
     moetier_cache(int32_t n_expert, const int32_t n_slots[2], const moetier_precision & rule,
                   const std::string & policy, const moetier_policy_weights & weights,
-                  std::vector<moetier_proj> proj_shapes);
+                  std::vector<moetier_proj> proj_shapes, bool simulate = false);
 
     moetier_cache(const moetier_cache &) = delete;
     moetier_cache & operator=(const moetier_cache &) = delete;
@@ -149,14 +169,20 @@ public:
 
     void add_layer(moetier_layer * layer);
     void set_n_model_layers(int32_t n) { n_model_layers = n; }
+    // background reads for prefetch (owned by the model, shared by its groups); nullptr = off
+    void set_io(moetier_io_pool * pool) {
+        io = pool;
+        io_bounce.resize(pool ? pool->n_threads() : 0);
+    }
 
     // the pool tensor of projection k in precision prec (nullptr if that precision has no slots)
-    ggml_tensor * pool(int32_t prec, size_t k) const { return sets[prec].n_slots() ? sets[prec].tensors[k] : nullptr; }
+    ggml_tensor * pool(int32_t prec, size_t k) const { return k < sets[prec].tensors.size() ? sets[prec].tensors[k] : nullptr; }
     bool has_low() const { return sets[MOETIER_LOW].n_slots() > 0; }
     // whether resolve needs the gate weights: the rule can pick low or skip
     bool uses_weights() const { return rule.t2 < 1.0f || (rule.t1 < 1.0f && has_low()); }
 
     uint64_t slot_bytes(int32_t prec) const; // padded bytes of one slot over all projections
+    uint64_t slot_bytes_unpadded(int32_t prec) const; // bytes of one expert over all projections
     uint64_t pool_bytes() const { return sets[0].buf_size + sets[1].buf_size; }
     int32_t  n_slots(int32_t prec) const { return sets[prec].n_slots(); }
     int32_t  n_expert() const { return n_expert_; }
@@ -172,8 +198,21 @@ public:
     void resolve(moetier_layer & layer, const int32_t * ids, const float * weights, int64_t n_used, int64_t n_tokens,
                  size_t ids_nb1, size_t w_nb1, int32_t * out, bool warmup) noexcept;
 
-    // performs the reads queued by the last resolve, thread ith of nth
+    // performs the reads queued by the last resolve, thread ith of nth; waits for prefetches of
+    // experts the layer needs that are still being read
     void load(int ith, int nth) noexcept;
+
+    // Layer-level adaptive prefetch, after layer's load: logits [next.size() * n_expert, n_tokens]
+    // (row stride nb1) are the stacked routers of the next layers on this layer's gate input. Walks
+    // forward while the predicted experts are cached (holding them), and queues background reads for
+    // the first layer with a missing one, in the precision the rule gives the predicted weights.
+    void prefetch(moetier_layer & layer, const float * logits, int64_t n_tokens, size_t nb1) noexcept;
+
+    // an I/O thread's read of a prefetch task
+    bool io_read(const moetier_io_task & task, int thread_id, std::string & err) noexcept;
+
+    void add_prefetch_stats(moetier_prefetch_stats & out) const;
+    void reset_prefetch_stats();
 
     //
     // stats / control
@@ -192,15 +231,24 @@ public:
 private:
     void    init_set(moetier_pool_set & set, int32_t prec, int32_t n_slots, const std::string & policy,
                      const moetier_policy_weights & weights);
+    void    init_slots(moetier_pool_set & set, int32_t n_slots);
     void    finish_previous() noexcept; // accounts the last load and drops slots whose read failed
     int32_t take_slot(moetier_pool_set & set, const moetier_key & key) noexcept; // -1 if every slot is pinned
     bool    queue_load(moetier_layer & layer, int32_t prec, int32_t e) noexcept;
+    void    queue_read(moetier_layer & layer, int32_t prec, int32_t e, int32_t s) noexcept;
+    bool    read_task(const moetier_read_task & t, moetier_aligned_buffer & bb, std::string & err) const noexcept;
+    bool    use_prefetched(moetier_layer & layer, int32_t prec, int32_t e, int32_t s) noexcept; // false: read it now
+    void    settle_prefetched(moetier_layer & layer) noexcept;  // after the needs of layer are resolved
+    void    settle_zombies() noexcept;
+    void    drop_slot(moetier_pool_set & set, int32_t s) noexcept; // forget what the slot holds
+    void    check_predictions(const moetier_layer & layer, const int32_t * ids, int64_t n_used) noexcept;
     void    set_error(const std::string & msg) noexcept;
     bool    verify(const moetier_proj & p, const moetier_read_task & t, std::string & err) const noexcept;
     moetier_policy_ctx policy_ctx(int32_t layer) const;
 
     const int32_t     n_expert_;
     moetier_precision rule;
+    bool              simulate = false;
 
     std::vector<moetier_proj>    shapes;   // type and shape template per projection (from the first layer)
     ggml_context               * ctx = nullptr;
@@ -227,6 +275,17 @@ private:
     int64_t                            t_resolve_us = 0;
     std::atomic<int64_t>               t_load_end_us{0};
     std::vector<moetier_aligned_buffer> bounce; // per thread index, grown on first use
+
+    // prefetch
+    moetier_io_pool *                  io = nullptr;
+    struct moetier_wait { int32_t id; int32_t prec; int32_t slot; bool failed; };
+    std::vector<moetier_wait>          wait_ids;  // io tasks the current layer's load must wait for
+    int32_t                            n_used_last = 0;
+    std::vector<std::pair<int32_t, int32_t>> zombies; // (prec, slot) unneeded prefetches still being read
+    std::vector<moetier_aligned_buffer> io_bounce; // per I/O thread
+    std::vector<uint8_t>               pred_need; // scratch [n_expert]
+    moetier_prefetch_stats             pf = {};   // resolve-side counters (thread 0)
+    std::atomic<uint64_t>              pf_bytes_read{0};
 
     mutable std::mutex error_mutex;
     std::string        error_msg;

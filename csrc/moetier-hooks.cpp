@@ -56,12 +56,14 @@ ggml_tensor * moetier_hook_create_tensor(moetier_model * m, const std::string & 
     }
 }
 
-void moetier_hook_model_loaded(moetier_model * m) {
+void moetier_hook_model_loaded(llama_model & model) {
+    moetier_model * m = model.moetier.get();
     if (m == nullptr) {
         return;
     }
     try {
         m->finish_load();
+        m->init_prefetch(model);
     } catch (const std::exception & e) {
         moetier_set_last_error(m->paths[0] + ": " + e.what());
         throw std::runtime_error(moetier_last_error());
@@ -108,6 +110,20 @@ static void moetier_op_load(ggml_tensor * dst, int ith, int nth, void * userdata
     memcpy((int32_t *) dst->data + i0, (const int32_t *) src->data + i0, (i1 - i0) * sizeof(int32_t));
 }
 
+// pass-through of the slots on every thread; thread 0 predicts and queues the background reads
+static void moetier_op_prefetch(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    moetier_layer * l = (moetier_layer *) userdata;
+    const ggml_tensor * src    = dst->src[0];
+    const ggml_tensor * logits = dst->src[1];
+    const int64_t n  = ggml_nelements(dst);
+    const int64_t i0 = n * ith / nth;
+    const int64_t i1 = n * (ith + 1) / nth;
+    memcpy((int32_t *) dst->data + i0, (const int32_t *) src->data + i0, (i1 - i0) * sizeof(int32_t));
+    if (ith == 0) {
+        l->cache->prefetch(*l, (const float *) logits->data, logits->ne[1], logits->nb[1]);
+    }
+}
+
 // the served layer whose build_moe_ffn is being built on this thread, between moetier_hook_moe_ids
 // and its mul_mat_ids (graphs are built by one thread, one MoE block at a time)
 struct moetier_graph_state {
@@ -116,7 +132,7 @@ struct moetier_graph_state {
 };
 static thread_local moetier_graph_state g_graph_state;
 
-ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * weights, bool warmup,
+ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * selected_experts, ggml_tensor * weights, bool warmup,
                                    ggml_tensor ** up_exps, ggml_tensor ** gate_exps, ggml_tensor ** down_exps,
                                    ggml_tensor ** gate_up_exps) noexcept {
     g_graph_state = {};
@@ -142,6 +158,17 @@ ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_ex
     ggml_tensor * loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1,
             args, 1, moetier_op_load, GGML_N_TASKS_MAX, l);
     ggml_format_name(loaded, "moetier_load-%d", l->il);
+
+    // prefetch: the next layers' routers on this gate input, then the prefetch op, which passes the
+    // slots through (so it runs before the mul_mat_ids and overlaps them)
+    if (l->router_stack && !warmup && cur && cur->type == GGML_TYPE_F32) {
+        ggml_tensor * logits = ggml_mul_mat(ctx, l->router_stack, cur);
+        ggml_format_name(logits, "moetier_router_stack-%d", l->il);
+        ggml_tensor * pargs[2] = { loaded, logits };
+        loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, pargs, 2, moetier_op_prefetch,
+                GGML_N_TASKS_MAX, l);
+        ggml_format_name(loaded, "moetier_prefetch-%d", l->il);
+    }
 
     ggml_tensor ** targets[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
     for (ggml_tensor ** t : targets) {
@@ -197,6 +224,8 @@ struct moetier_params moetier_default_params(void) {
         /*.w_lfu       =*/ 0.25f,
         /*.w_lhu       =*/ 0.25f,
         /*.w_fld       =*/ 0.25f,
+        /*.prefetch    =*/ 0,
+        /*.io_threads  =*/ 2,
         /*.direct_io   =*/ true,
     };
     return p;
@@ -278,6 +307,19 @@ struct moetier_layer_stats moetier_model_stats_total(const struct llama_model * 
     return total;
 }
 
+int32_t moetier_model_prefetch_stats(const struct llama_model * model, struct moetier_prefetch_stats * out) {
+    *out = {};
+    moetier_model * m = moetier_of(model);
+    if (!m) {
+        return -1;
+    }
+    for (auto & c : m->caches) {
+        c->sync();
+        c->add_prefetch_stats(*out);
+    }
+    return 0;
+}
+
 void moetier_model_reset_stats(struct llama_model * model) {
     moetier_model * m = moetier_of(model);
     if (!m) {
@@ -288,6 +330,9 @@ void moetier_model_reset_stats(struct llama_model * model) {
     }
     for (auto & l : m->layers) {
         l->counters = moetier_layer_counters{};
+    }
+    for (auto & c : m->caches) {
+        c->reset_prefetch_stats();
     }
 }
 

@@ -33,15 +33,19 @@ moetier_model_ptr moetier_hook_model_init(const moetier_params * params, const s
 ggml_tensor * moetier_hook_create_tensor(moetier_model * m, const std::string & name, const ggml_tensor * cur,
                                          uint16_t file_idx, size_t offs);
 
-// llama_model_load, after load_tensors: allocates the slot pools from the budget
-void moetier_hook_model_loaded(moetier_model * m);
+struct llama_model;
+
+// llama_model_load, after load_tensors: allocates the slot pools from the budget and, with
+// prefetch, stacks the routers of the loaded model
+void moetier_hook_model_loaded(llama_model & model);
 
 // build_moe_ffn, once the top-k ids and their weights exist: if the layer's experts are served,
 // inserts the resolve and load ops, points the expert tensors at the high-precision slot pools and
 // returns the slot ids that the mul_mat_ids must use; otherwise returns selected_experts unchanged.
 // weights: the gate weights of the selected experts [1, n_expert_used, n_tokens] (they decide the
-// precision of a miss); warmup: cparams.warmup.
-ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * weights, bool warmup,
+// precision of a miss); cur: the gate input [n_embd, n_tokens] (the stacked routers of the next layers
+// run on it for prefetch); warmup: cparams.warmup.
+ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * selected_experts, ggml_tensor * weights, bool warmup,
                                    ggml_tensor ** up_exps, ggml_tensor ** gate_exps, ggml_tensor ** down_exps,
                                    ggml_tensor ** gate_up_exps) noexcept;
 

@@ -124,6 +124,12 @@ static float * moetier_params_field(struct moetier_params * p, const std::string
     return nullptr;
 }
 
+static int32_t * moetier_params_int_field(struct moetier_params * p, const std::string & key) {
+    if (key == "prefetch")   return &p->prefetch;
+    if (key == "io_threads") return &p->io_threads;
+    return nullptr;
+}
+
 static thread_local std::string g_opts_error;
 
 const char * moetier_params_set_opts(struct moetier_params * p, const char * opts) {
@@ -143,13 +149,24 @@ const char * moetier_params_set_opts(struct moetier_params * p, const char * opt
         }
         const size_t eq = item.find('=');
         const std::string key = item.substr(0, eq);
-        float * f = moetier_params_field(p, key);
-        if (eq == std::string::npos || f == nullptr) {
+        float   * f = moetier_params_field(p, key);
+        int32_t * n = moetier_params_int_field(p, key);
+        if (eq == std::string::npos || (f == nullptr && n == nullptr)) {
             g_opts_error = format("expert cache option '%s': expected KEY=VALUE with KEY one of t1, t2, low_frac, "
-                    "w_lru, w_lfu, w_lhu, w_fld", item.c_str());
+                    "w_lru, w_lfu, w_lhu, w_fld, prefetch, io_threads", item.c_str());
             return g_opts_error.c_str();
         }
         const std::string value = item.substr(eq + 1);
+        if (n) {
+            char * rest = nullptr;
+            const long v = strtol(value.c_str(), &rest, 10);
+            if (value.empty() || rest == nullptr || *rest != '\0') {
+                g_opts_error = format("expert cache option %s: '%s' is not an integer", key.c_str(), value.c_str());
+                return g_opts_error.c_str();
+            }
+            *n = (int32_t) std::max(-1L, std::min(v, 1L << 20));
+            continue;
+        }
         char * rest = nullptr;
         const float v = strtof(value.c_str(), &rest);
         if (value.empty() || rest == nullptr || *rest != '\0' || !(v == v)) {
@@ -173,6 +190,10 @@ const char * moetier_params_check(const struct moetier_params * p) {
                p->w_lru + p->w_lfu + p->w_lhu + p->w_fld <= 0.0f) {
         g_opts_error = format("expert cache policy weights (w_lru=%g, w_lfu=%g, w_lhu=%g, w_fld=%g): must be >= 0 "
                 "and not all 0", p->w_lru, p->w_lfu, p->w_lhu, p->w_fld);
+    } else if (p->prefetch < 0 || p->prefetch > MOETIER_MAX_PREFETCH) {
+        g_opts_error = format("expert cache prefetch=%d: must lie in [0, %d]", p->prefetch, MOETIER_MAX_PREFETCH);
+    } else if (p->io_threads < 1 || p->io_threads > 64) {
+        g_opts_error = format("expert cache io_threads=%d: must lie in [1, 64]", p->io_threads);
     } else {
         return nullptr;
     }

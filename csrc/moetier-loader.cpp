@@ -27,6 +27,8 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     precision.t1   = params.t1;
     precision.t2   = params.t2;
     low_frac       = params.low_frac;
+    prefetch       = params.prefetch;
+    io_threads     = params.io_threads;
     policy_weights = { params.w_lru, params.w_lfu, params.w_lhu, params.w_fld };
     if (!moetier_policy_create(policy_name, policy_weights)) {
         std::string names;
@@ -63,7 +65,14 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
 }
 
 moetier_model::~moetier_model() {
+    io.reset(); // joins the I/O threads: no read may outlive the pools
     caches.clear();
+    if (router_buf) {
+        ggml_backend_buffer_free(router_buf);
+    }
+    if (router_ctx) {
+        ggml_free(router_ctx);
+    }
     if (meta_ctx) {
         for (ggml_tensor * t = ggml_get_first_tensor(meta_ctx); t; t = ggml_get_next_tensor(meta_ctx, t)) {
             delete (moetier_layer_tag *) t->extra;

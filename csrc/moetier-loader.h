@@ -8,7 +8,10 @@
 #include "moetier-store.h"
 #include "moetier.h"
 
+#include "ggml-backend.h"
 #include "ggml.h"
+
+struct llama_model;
 
 #include <memory>
 #include <string>
@@ -33,6 +36,10 @@ struct moetier_model {
     // after all tensors exist: forms pool groups and allocates the pools from the budget
     void finish_load();
 
+    // after the model's weights are loaded: stacks the routers for prefetch, starts the I/O threads
+    // (moetier-prefetch.cpp); nothing if prefetch is off
+    void init_prefetch(const llama_model & model);
+
     //
     // graph API
     //
@@ -51,6 +58,8 @@ struct moetier_model {
     uint64_t               cache_bytes = 0;
     bool                   direct_io   = true;
     int32_t                n_model_layers = 0; // for layer distances (set by the load hook)
+    int32_t                prefetch    = 0;
+    int32_t                io_threads  = 1;
 
     std::vector<std::string>                   paths;  // GGUF files, split order
     std::vector<std::unique_ptr<moetier_file>> files;  // opened on demand for GGUF reads
@@ -61,6 +70,11 @@ struct moetier_model {
 
     std::vector<std::unique_ptr<moetier_layer>> layers;  // served layers, in layer order after finish_load
     std::vector<std::unique_ptr<moetier_cache>> caches;  // one per pool group
+
+    // prefetch: I/O threads (stopped before the caches go) and the stacked routers
+    std::unique_ptr<moetier_io_pool> io;
+    ggml_context *                   router_ctx = nullptr;
+    ggml_backend_buffer_t            router_buf = nullptr;
 
     int32_t  n_expert        = 0;
     uint64_t expert_bytes    = 0; // all served experts, unpadded

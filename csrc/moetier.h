@@ -49,6 +49,8 @@ struct moetier_params {
     float w_lfu;
     float w_lhu;
     float w_fld;
+    int32_t prefetch;         // layers predicted ahead by the stacked routers (HOBBIT sec. 3.3); 0 = off
+    int32_t io_threads;       // threads reading prefetched experts
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
     bool direct_io;           // O_DIRECT reads; refused by the file system -> buffered reads + a warning
@@ -61,8 +63,8 @@ MOETIER_API struct moetier_params moetier_default_params(void);
 MOETIER_API const struct moetier_params * moetier_params_from_strings(struct moetier_params * p, const char * store_dir,
                                                                       const char * policy);
 
-// Sets one option of p from text: t1, t2, low_frac, w_lru, w_lfu, w_lhu, w_fld (numbers), or a
-// comma-separated list "key=value,key=value". Returns NULL on success, else a message naming the
+// Sets options of p from a comma-separated list "key=value,key=value": t1, t2, low_frac, w_lru,
+// w_lfu, w_lhu, w_fld (numbers), prefetch, io_threads (integers). Returns NULL on success, else a message naming the
 // option and what is wrong (valid until the next call on this thread).
 MOETIER_API const char * moetier_params_set_opts(struct moetier_params * p, const char * opts);
 
@@ -113,6 +115,26 @@ struct moetier_cache_info {
     bool     from_store;     // experts are read from a packed store, not from the GGUF
     bool     direct_io;      // reads bypass the page cache
 };
+
+// Prefetch counters (all zero without prefetch). Distances d = 1..MOETIER_MAX_PREFETCH: predictions
+// made d layers ahead (decode tokens only), checked when the layer runs.
+#define MOETIER_MAX_PREFETCH 8
+struct moetier_prefetch_stats {
+    uint64_t n_issued;      // expert reads queued by prefetch
+    uint64_t n_hits;        // needed experts that a prefetch had read (or was reading)
+    uint64_t n_waits;       // ... of which the layer had to wait for the read to finish
+    uint64_t n_claimed;     // queued prefetches of needed experts taken over by the on-demand load
+    uint64_t n_cancelled;   // queued prefetches of experts the layer did not need, dropped unread
+    uint64_t n_wasted;      // prefetched experts the layer did not need, read anyway
+    uint64_t bytes_read;    // bytes read by prefetch
+    uint64_t bytes_wasted;  // ... for experts the layer did not need
+    uint64_t n_pred[MOETIER_MAX_PREFETCH];  // predictions checked per distance
+    uint64_t n_top1[MOETIER_MAX_PREFETCH];  // predicted top-1 == actual top-1
+    uint64_t n_allk[MOETIER_MAX_PREFETCH];  // predicted set == actual set
+    uint64_t n_any[MOETIER_MAX_PREFETCH];   // at least one predicted expert was selected
+};
+
+MOETIER_API int32_t moetier_model_prefetch_stats(const struct llama_model * model, struct moetier_prefetch_stats * out);
 
 // true if the model serves its experts from the cache
 MOETIER_API bool moetier_model_has_cache(const struct llama_model * model);

@@ -166,8 +166,9 @@ public:
     }
 
     // Runs tokens through a fresh context in chunks of n_chunk (each chunk from an empty KV cache)
-    // and returns, for each graph tensor named in names (e.g. "ffn_norm-3"), its rows for every
-    // token: {name: float32 [n_tokens, ne0]}. For calibration tools (moefy, routers).
+    // and returns, for each graph tensor named in names (e.g. "ffn_norm-3", "ffn_moe_topk-3"), its
+    // rows: {name: float32 [n_rows, ne0]} (I32 tensors converted). For calibration tools (moefy,
+    // routing traces).
     py::dict collect(const std::vector<llama_token> & tokens, const std::vector<std::string> & names, int32_t n_chunk) {
         for (llama_token t : tokens) {
             check_token(t);
@@ -192,13 +193,24 @@ public:
             if (ask) {
                 return true;
             }
-            if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t)) {
+            if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_I32) {
                 return true;
             }
-            const int64_t n = ggml_nelements(t);
-            c->tmp.resize(n);
-            ggml_backend_tensor_get(t, c->tmp.data(), 0, n * sizeof(float));
-            it->second.insert(it->second.end(), c->tmp.begin(), c->tmp.end());
+            // rows of ne[0] elements, read one by one: views (e.g. the top-k ids) are strided
+            const int64_t n_rows = t->ne[1] * t->ne[2] * t->ne[3];
+            c->tmp.resize(t->ne[0]);
+            std::vector<int32_t> tmp_i(t->type == GGML_TYPE_I32 ? t->ne[0] : 0);
+            for (int64_t r = 0; r < n_rows; ++r) {
+                const int64_t i1 = r % t->ne[1], i2 = (r / t->ne[1]) % t->ne[2], i3 = r / (t->ne[1] * t->ne[2]);
+                const size_t off = i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+                if (t->type == GGML_TYPE_I32) {
+                    ggml_backend_tensor_get(t, tmp_i.data(), off, t->ne[0] * sizeof(int32_t));
+                    std::copy(tmp_i.begin(), tmp_i.end(), c->tmp.begin()); // expert ids are exact in float
+                } else {
+                    ggml_backend_tensor_get(t, c->tmp.data(), off, t->ne[0] * sizeof(float));
+                }
+                it->second.insert(it->second.end(), c->tmp.begin(), c->tmp.end());
+            }
             c->width[it->first] = t->ne[0];
             return true;
         };
@@ -299,6 +311,31 @@ public:
 
     void reset_stats() { moetier_model_reset_stats(model_.get()); }
 
+    py::dict prefetch_stats() const {
+        py::dict d;
+        moetier_prefetch_stats ps;
+        if (moetier_model_prefetch_stats(model_.get(), &ps) != 0) {
+            return d;
+        }
+        d["issued"]       = ps.n_issued;
+        d["hits"]         = ps.n_hits;
+        d["waits"]        = ps.n_waits;
+        d["claimed"]      = ps.n_claimed;
+        d["cancelled"]    = ps.n_cancelled;
+        d["wasted"]       = ps.n_wasted;
+        d["bytes_read"]   = ps.bytes_read;
+        d["bytes_wasted"] = ps.bytes_wasted;
+        std::vector<uint64_t> pred(ps.n_pred, ps.n_pred + MOETIER_MAX_PREFETCH);
+        std::vector<uint64_t> top1(ps.n_top1, ps.n_top1 + MOETIER_MAX_PREFETCH);
+        std::vector<uint64_t> allk(ps.n_allk, ps.n_allk + MOETIER_MAX_PREFETCH);
+        std::vector<uint64_t> any(ps.n_any, ps.n_any + MOETIER_MAX_PREFETCH);
+        d["predictions"] = pred;
+        d["top1"]        = top1;
+        d["allk"]        = allk;
+        d["any"]         = any;
+        return d;
+    }
+
     int32_t n_vocab() const { return llama_vocab_n_tokens(vocab_); }
     bool    has_cache() const { return moetier_model_has_cache(model_.get()); }
 
@@ -360,6 +397,7 @@ void register_model(py::module_ & m) {
         .def("stats", &py_model::stats)
         .def("cache_info", &py_model::cache_info)
         .def("reset_stats", &py_model::reset_stats)
+        .def("prefetch_stats", &py_model::prefetch_stats)
         .def_property_readonly("n_vocab", &py_model::n_vocab)
         .def_property_readonly("has_cache", &py_model::has_cache);
 }

@@ -92,6 +92,8 @@ void register_store(py::module_ & m) {
         d["w_lfu"]       = p.w_lfu;
         d["w_lhu"]       = p.w_lhu;
         d["w_fld"]       = p.w_fld;
+        d["prefetch"]    = p.prefetch;
+        d["io_threads"]  = p.io_threads;
         d["low_type"]    = moetier_pack_default_params().low_type;
         return d;
     });

@@ -6,6 +6,9 @@ moetier_policy_ptr moetier_policy_create(const std::string & name, const moetier
     if (name == "lru") {
         return moetier_policy_lru_create();
     }
+    if (name == "random") {
+        return moetier_policy_random_create();
+    }
     moetier_policy_weights w = { 0.0f, 0.0f, 0.0f, 0.0f };
     if (name == "lfu") {
         w.lfu = 1.0f;
@@ -22,6 +25,6 @@ moetier_policy_ptr moetier_policy_create(const std::string & name, const moetier
 }
 
 const char * const * moetier_policy_names(void) {
-    static const char * const names[] = { "lru", "lfu", "lhu", "fld", "multi", nullptr };
+    static const char * const names[] = { "lru", "lfu", "lhu", "fld", "multi", "random", nullptr };
     return names;
 }

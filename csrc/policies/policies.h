@@ -64,6 +64,7 @@ moetier_policy_ptr moetier_policy_create(const std::string & name, const moetier
 
 // one factory per policy file
 moetier_policy_ptr moetier_policy_lru_create();
+moetier_policy_ptr moetier_policy_random_create();
 // lfu, lhu, fld and multi: a weighted sum of the four HOBBIT priorities (one-hot weights for the
 // single ones)
 moetier_policy_ptr moetier_policy_weighted_create(const moetier_policy_weights & weights);

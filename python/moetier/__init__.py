@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .config import CacheConfig, ContextConfig, PackConfig, parse_size
 from .errors import ConfigError, ModelError, MoetierError, StoreError
-from .model import CacheStats, GenerateResult, LayerStats, Model
+from .model import CacheStats, GenerateResult, LayerStats, Model, PrefetchStats
 from .pack import pack
 
 __version__ = "0.1.0"
@@ -20,6 +20,7 @@ __all__ = [
     "ModelError",
     "MoetierError",
     "PackConfig",
+    "PrefetchStats",
     "StoreError",
     "__version__",
     "pack",

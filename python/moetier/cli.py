@@ -56,10 +56,24 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
+def _cache_config(ns: argparse.Namespace, budget: Any = None) -> CacheConfig:
+    """CacheConfig from the --cache-* flags; with --cache-config FILE, the file's values replace the
+    flags left at their defaults (a flag given explicitly with its default value counts as unset)."""
+    skip = ("budget",) if budget is not None else ()
+    values = _fields_of(ns, CacheConfig, "cache-", skip)
+    if budget is not None:
+        values["budget"] = budget
+    if getattr(ns, "cache_config", None):
+        defaults = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+        explicit = {k: v for k, v in values.items() if v != defaults.get(k)}
+        return CacheConfig.from_file(ns.cache_config, **explicit)
+    return CacheConfig(**values)
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
     from .model import Model
 
-    cache = None if ns.no_cache else CacheConfig(**_fields_of(ns, CacheConfig, "cache-"))
+    cache = None if ns.no_cache else _cache_config(ns)
     ctx = ContextConfig(**_fields_of(ns, ContextConfig))
     m = Model(ns.model, store=ns.store, cache=cache, context=ctx)
     r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
@@ -85,6 +99,47 @@ def cmd_pack(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .calibrate import CalibrateConfig, calibrate
+
+    cfg = CalibrateConfig(**_fields_of(ns, CalibrateConfig))
+    text = "".join(Path(f).read_text(errors="replace") for f in ns.corpus)
+    bar = None
+    if not ns.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=0, desc="replaying policies", unit="policy")
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    out = ns.output or str(Path(ns.model).with_suffix(".cache.json"))
+    rep = calibrate(ns.model, text, ns.budget, out, cfg, store=ns.store, low_frac=ns.low_frac, progress=progress)
+    if bar is not None:
+        bar.close()
+    s = rep["split"]
+    sys.stdout.write(
+        f"thresholds t1={rep['config']['t1']} t2={rep['config']['t2']} on {rep['tokens']} tokens: "
+        f"high {100 * s['high']:.1f}% / low {100 * s['low']:.1f}% / skip {100 * s['skip']:.1f}% of selections\n"
+        "| policy | weights (lru, lfu, lhu, fld) | bytes read | vs random | hit rate |\n|---|---|---|---|---|\n"
+    )
+    for r in rep["policies"][: ns.show]:
+        w = ", ".join(f"{x:.2f}" for x in r["weights"]) if r["policy"] == "multi" else "-"
+        hit = r["hits"] / r["lookups"] if r["lookups"] else 0.0
+        pen = r["penalty_vs_random"]
+        sys.stdout.write(f"| {r['policy']} | {w} | {_fmt_bytes(r['bytes_read'])} | {pen:.3f} | {100 * hit:.1f}% |\n")
+    sys.stderr.write(
+        f"moetier: wrote {rep['config_path']} (trace {rep['trace_path']}"
+        + (f", plot {rep['plot_path']})" if rep["plot_path"] else ", no plot: matplotlib is not installed)")
+        + "\n"
+    )
+    return 0
+
+
 def cmd_moefy(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -104,9 +159,11 @@ def _tool_args(ns: argparse.Namespace, extra: list[str]) -> list[str]:
     from .config import parse_size
     from .server import cache_flags
 
+    if not ns.cache and ns.cache_config:
+        ns.cache = str(CacheConfig.from_file(ns.cache_config).budget_bytes)
     if not ns.cache:
         return ["-m", ns.model, *extra]
-    cache = CacheConfig(budget=parse_size(ns.cache, "--cache"), **_fields_of(ns, CacheConfig, "cache-", ("budget",)))
+    cache = _cache_config(ns, parse_size(ns.cache, "--cache"))
     return ["-m", ns.model, *cache_flags(cache, ns.store), *extra]
 
 
@@ -207,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=CacheConfig.budget,
         help="alias of --cache-budget: expert cache size, e.g. 256M",
     )
+    r.add_argument("--cache-config", default=None, help="JSON cache config (from `moetier calibrate`)")
     _add_dataclass_args(r, ContextConfig)
     r.set_defaults(func=cmd_run)
 
@@ -226,8 +284,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-m", "--model", required=True, help="GGUF model file")
     s.add_argument("--cache", default=None, help="expert cache size, e.g. 256M (default: off)")
     s.add_argument("--store", default=None, help="expert store written by `moetier pack`")
+    s.add_argument(
+        "--cache-config", default=None, help="JSON cache config (from `moetier calibrate`); gives the budget too"
+    )
     _add_dataclass_args(s, CacheConfig, "cache-", ("budget",))
     s.set_defaults(func=cmd_serve, passthrough=True)
+
+    c = sub.add_parser(
+        "calibrate",
+        help="record a routing trace, choose precision thresholds, search policy weights by trace replay",
+        description="Records the model's routing on calibration text (OUT.trace.npz), picks t1/t2 from the "
+        "score distribution (OUT.scores.png), replays the trace through the engine's cache code for every "
+        "policy candidate at the budget, and writes the best settings as a JSON cache config (OUT).",
+    )
+    c.add_argument("model", help="GGUF MoE model file")
+    c.add_argument("--corpus", nargs="+", required=True, help="calibration text file(s), not the evaluation text")
+    c.add_argument("--budget", required=True, help="expert cache budget the policy is tuned for, e.g. 256M")
+    c.add_argument("--store", default=None, help="expert store (gives the low-precision sizes; default: none)")
+    c.add_argument("--low-frac", type=float, default=None, help="share of the budget for low-precision slots")
+    c.add_argument("-o", "--output", default=None, help="config file to write (default: MODEL.cache.json)")
+    c.add_argument("--show", type=int, default=12, help="policy table rows to print (default: 12)")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    from .calibrate import CalibrateConfig
+
+    _add_dataclass_args(c, CalibrateConfig)
+    c.set_defaults(func=cmd_calibrate)
 
     f = sub.add_parser(
         "moefy",

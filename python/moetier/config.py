@@ -80,6 +80,18 @@ class CacheConfig:
         metadata={"help": "policy multi: weight of layer distance (the layer that just ran is evicted first)"},
     )
 
+    prefetch: int = field(
+        default=int(_DEFAULTS["prefetch"]),
+        metadata={
+            "help": "layers predicted ahead by the stacked routers of the next layers (HOBBIT sec. 3.3); their "
+            "missing experts are read in the background; 0 = off"
+        },
+    )
+    io_threads: int = field(
+        default=int(_DEFAULTS["io_threads"]),
+        metadata={"help": "threads reading prefetched experts (they sleep when idle)"},
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget"))
         if self.budget == 0:
@@ -97,7 +109,35 @@ class CacheConfig:
     def opts(self) -> str:
         """The options as the C++ core (and --expert-opt of the shipped binaries) takes them."""
         keys = ("t1", "t2", "low_frac", "w_lru", "w_lfu", "w_lhu", "w_fld")
-        return ",".join(f"{k}={float(getattr(self, k))!r}" for k in keys)
+        out = [f"{k}={float(getattr(self, k))!r}" for k in keys]
+        for k in ("prefetch", "io_threads"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool):
+                msg = f"cache.{k}: {v!r} must be an integer"
+                raise ConfigError(msg)
+            out.append(f"{k}={v}")
+        return ",".join(out)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> CacheConfig:
+        """A config written by `moetier calibrate` (JSON of CacheConfig fields); overrides win."""
+        import json
+        from pathlib import Path
+
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            msg = f"{path}: cannot read the cache config: {e}"
+            raise ConfigError(msg) from None
+        if not isinstance(data, dict):
+            msg = f"{path}: the cache config must be a JSON object of CacheConfig fields"
+            raise ConfigError(msg)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            msg = f"{path}: unknown cache config field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}"
+            raise ConfigError(msg)
+        return cls(**{**data, **overrides})
 
     @classmethod
     def exact(cls, budget: int | str, **kw: Any) -> CacheConfig:

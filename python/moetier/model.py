@@ -55,6 +55,25 @@ class CacheStats:
 
 
 @dataclass(frozen=True)
+class PrefetchStats:
+    """Prefetch counters. Per distance d = 1, 2, ... (index d - 1): predictions checked (decode tokens)
+    and how many had the right top-1, the whole top-k set, or at least one selected expert."""
+
+    issued: int = 0
+    hits: int = 0
+    waits: int = 0
+    claimed: int = 0
+    cancelled: int = 0
+    wasted: int = 0
+    bytes_read: int = 0
+    bytes_wasted: int = 0
+    predictions: tuple[int, ...] = ()
+    top1: tuple[int, ...] = ()
+    allk: tuple[int, ...] = ()
+    any: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     """Generated text and tokens, the cache counters of this call, and its timing: prefill_seconds
     runs to the first generated token (time to first token), decode_seconds covers the rest."""
@@ -191,6 +210,27 @@ class Model:
         keys: tuple[str, ...] = ("lookups", "hits", "misses", "bytes_read", "read_seconds")
         keys += ("hits_low", "loads_high", "loads_low", "skipped", "bytes_low")
         return CacheStats(**{k: sum(getattr(x, k) for x in layers) for k in keys}, layers=layers)
+
+    def prefetch_stats(self) -> PrefetchStats:
+        """Prefetch counters since the last reset (all zero without prefetch)."""
+        d = self._m.prefetch_stats()
+        if not d:
+            return PrefetchStats()
+        n = len([x for x in d["predictions"] if x]) or 0
+        return PrefetchStats(
+            issued=int(d["issued"]),
+            hits=int(d["hits"]),
+            waits=int(d["waits"]),
+            claimed=int(d["claimed"]),
+            cancelled=int(d["cancelled"]),
+            wasted=int(d["wasted"]),
+            bytes_read=int(d["bytes_read"]),
+            bytes_wasted=int(d["bytes_wasted"]),
+            predictions=tuple(int(x) for x in d["predictions"][:n]),
+            top1=tuple(int(x) for x in d["top1"][:n]),
+            allk=tuple(int(x) for x in d["allk"][:n]),
+            any=tuple(int(x) for x in d["any"][:n]),
+        )
 
     def cache_info(self) -> dict[str, int | bool]:
         """Pool sizes of the cache: n_layers, n_expert, n_slots, cache_bytes, expert_bytes, ..."""

@@ -1,0 +1,79 @@
+#include "moetier-replay.h"
+
+#include "moetier-impl.h"
+
+#include <algorithm>
+#include <memory>
+#include <stdexcept>
+
+moetier_layer_counters moetier_replay(const moetier_replay_params & p, const int32_t * ids, const float * weights,
+                                      int64_t n_tokens, const std::vector<int64_t> & seq_starts) {
+    if (p.n_layers < 1 || p.n_expert < 1 || p.n_used < 1 || p.n_used > p.n_expert || p.bytes_high == 0) {
+        throw std::invalid_argument("replay: n_layers, n_expert, n_used and bytes_high must be positive, n_used <= n_expert");
+    }
+    if (p.n_slots_high < p.n_expert || p.n_slots_low < 0 || (p.n_slots_low > 0 && p.bytes_low == 0)) {
+        throw std::invalid_argument(format("replay: %d high slots is below one layer's %d experts, or low slots without "
+                "low bytes", p.n_slots_high, p.n_expert));
+    }
+    if (!moetier_policy_create(p.policy, p.weights)) {
+        throw std::invalid_argument("replay: unknown policy '" + p.policy + "'");
+    }
+    for (int64_t i = 0; i < n_tokens * p.n_layers * p.n_used; ++i) {
+        if (ids[i] < 0 || ids[i] >= p.n_expert) {
+            throw std::invalid_argument(format("replay: expert id %d at position %lld is out of range", ids[i], (long long) i));
+        }
+    }
+
+    // one projection standing for a whole expert: the bookkeeping only needs its byte sizes
+    moetier_store_proj sp;
+    sp.bytes_high = p.bytes_high;
+    sp.bytes_low  = p.bytes_low;
+    moetier_proj proj;
+    proj.name  = "expert";
+    proj.bytes = p.bytes_high;
+    proj.store = &sp;
+
+    const int32_t n_slots[2] = { std::min(p.n_slots_high, p.n_expert * p.n_layers), std::min(p.n_slots_low, p.n_expert * p.n_layers) };
+    moetier_cache cache(p.n_expert, n_slots, p.rule, p.policy, p.weights, { proj }, /*simulate =*/ true);
+    cache.set_n_model_layers(p.n_layers);
+    std::vector<std::unique_ptr<moetier_layer>> layers;
+    for (int32_t il = 0; il < p.n_layers; ++il) {
+        layers.push_back(std::make_unique<moetier_layer>());
+        layers.back()->il    = il;
+        layers.back()->projs = { proj };
+        cache.add_layer(layers.back().get());
+    }
+
+    std::vector<int32_t> out(2 * p.n_used);
+    size_t next_seq = 0;
+    const size_t row = (size_t) p.n_used * sizeof(int32_t);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        while (next_seq < seq_starts.size() && seq_starts[next_seq] <= t) {
+            if (seq_starts[next_seq] == t) {
+                cache.reset_sequence();
+            }
+            ++next_seq;
+        }
+        for (int32_t il = 0; il < p.n_layers; ++il) {
+            const int64_t off = (t * p.n_layers + il) * p.n_used;
+            cache.resolve(*layers[il], ids + off, weights ? weights + off : nullptr, p.n_used, 1, row, row,
+                    out.data(), false);
+        }
+    }
+    cache.sync();
+
+    moetier_layer_counters total;
+    for (const auto & l : layers) {
+        const moetier_layer_counters & c = l->counters;
+        total.n_lookups    += c.n_lookups;
+        total.n_hits       += c.n_hits;
+        total.n_misses     += c.n_misses;
+        total.n_bytes_read += c.n_bytes_read;
+        total.n_hits_low   += c.n_hits_low;
+        total.n_loads_high += c.n_loads_high;
+        total.n_loads_low  += c.n_loads_low;
+        total.n_skipped    += c.n_skipped;
+        total.n_bytes_low  += c.n_bytes_low;
+    }
+    return total;
+}

@@ -1,0 +1,278 @@
+"""`moetier calibrate`: per-model settings of the expert cache from calibration text.
+
+1. Record a routing trace: for every token and MoE layer, the selected experts and their gate
+   weights (the stock model run through llama.cpp, read from its graph). Saved as .npz so that
+   later tools can reuse it.
+2. Precision thresholds (HOBBIT sec. 3.2): the distribution of the unimportance scores (eq. 2)
+   over the trace; t1 and t2 are the score quantiles that put `target_low` of the selections in low
+   precision and `target_skip` in skip. A PNG shows the distribution and the split.
+3. Policy weights (sec. 3.4): the trace is replayed at the budget through the engine's own cache
+   code (C++, no reads) for every weight vector on a grid and the single policies; the lowest miss
+   penalty (bytes that would be read) wins. Penalties are reported relative to random replacement.
+4. A JSON config file that `CacheConfig.from_file`, `moetier run --cache-config` and `moetier serve
+   --cache-config` load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _core
+from .config import CacheConfig, ContextConfig
+from .errors import ConfigError, ModelError
+from .model import Model
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """Knobs of `moetier calibrate`."""
+
+    tokens: int = field(default=4096, metadata={"help": "calibration tokens recorded into the trace"})
+    seq_len: int = field(
+        default=512, metadata={"help": "tokens per sequence (the KV cache and the sequence records reset)"}
+    )
+    target_low: float = field(
+        default=0.3, metadata={"help": "share of expert selections the thresholds put in low precision"}
+    )
+    target_skip: float = field(default=0.0, metadata={"help": "share of expert selections the thresholds skip"})
+    grid: int = field(default=4, metadata={"help": "policy weights are multiples of 1/GRID summing to 1"})
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.seq_len < 1 or self.grid < 1:
+            msg = "calibrate: tokens, seq_len and grid must be positive"
+            raise ConfigError(msg)
+        if not (0 <= self.target_low <= 1 and 0 <= self.target_skip <= 1 and self.target_low + self.target_skip <= 1):
+            msg = "calibrate: target_low and target_skip must lie in [0, 1] and sum to at most 1"
+            raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Routing of a model on some text: ids and weights are [n_tokens, n_layers, n_used]."""
+
+    ids: npt.NDArray[np.int32]
+    weights: npt.NDArray[np.float32]
+    layers: tuple[int, ...]
+    n_expert: int
+    seq_starts: tuple[int, ...]
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        p = Path(path)
+        np.savez_compressed(
+            p,
+            ids=self.ids,
+            weights=self.weights,
+            layers=np.asarray(self.layers, dtype=np.int32),
+            n_expert=np.int32(self.n_expert),
+            seq_starts=np.asarray(self.seq_starts, dtype=np.int64),
+        )
+        return p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Trace:
+        try:
+            with np.load(path) as z:
+                return cls(
+                    ids=z["ids"].astype(np.int32),
+                    weights=z["weights"].astype(np.float32),
+                    layers=tuple(int(x) for x in z["layers"]),
+                    n_expert=int(z["n_expert"]),
+                    seq_starts=tuple(int(x) for x in z["seq_starts"]),
+                )
+        except (OSError, KeyError, ValueError) as e:
+            msg = f"{path}: not a moetier routing trace ({e})"
+            raise ConfigError(msg) from None
+
+
+def moe_layers(model_path: str | os.PathLike[str]) -> tuple[list[int], int]:
+    """Indices of the MoE layers of a GGUF (those with a router) and the expert count."""
+    from gguf import GGUFReader
+
+    layers, n_expert = [], 0
+    for t in GGUFReader(str(model_path)).tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] == "ffn_gate_inp":
+            layers.append(int(parts[1]))
+            n_expert = int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
+    if not layers:
+        msg = f"{model_path}: no MoE layers (blk.N.ffn_gate_inp.weight): calibration needs a MoE model"
+        raise ModelError(msg)
+    return sorted(layers), n_expert
+
+
+def record_trace(
+    model_path: str | os.PathLike[str], text: str | list[int], cfg: CalibrateConfig, n_threads: int | None = None
+) -> Trace:
+    """Runs the stock model over the first cfg.tokens tokens of text (or token ids) and records its
+    routing; every cfg.seq_len tokens a new sequence starts from an empty context."""
+    layers, n_expert = moe_layers(model_path)
+    ctx = ContextConfig(n_ctx=cfg.seq_len, n_batch=cfg.seq_len, n_ubatch=min(cfg.seq_len, 512))
+    m = Model(model_path, context=ctx, n_threads=n_threads)
+    tokens = (m.tokenize(text) if isinstance(text, str) else list(text))[: cfg.tokens]
+    if len(tokens) < 2:
+        msg = "calibration text is empty"
+        raise ConfigError(msg)
+    names = [f"ffn_moe_topk-{il}" for il in layers] + [f"ffn_moe_weights-{il}" for il in layers]
+    rows = m._m.collect(tokens, names, cfg.seq_len)
+    n = len(tokens)
+    ids = np.stack([rows[f"ffn_moe_topk-{il}"].reshape(n, -1) for il in layers], axis=1).astype(np.int32)
+    weights = np.stack([rows[f"ffn_moe_weights-{il}"].reshape(n, -1) for il in layers], axis=1).astype(np.float32)
+    return Trace(ids, weights, tuple(layers), n_expert, tuple(range(0, n, cfg.seq_len)))
+
+
+def scores_of(trace: Trace) -> npt.NDArray[np.float32]:
+    """HOBBIT eq. 2 scores of every selection, [n_tokens, n_layers, n_used] (the engine's code)."""
+    t, lay, k = trace.weights.shape
+    return _core.precision_scores(trace.weights.reshape(t * lay, k)).reshape(t, lay, k)
+
+
+def choose_thresholds(scores: npt.NDArray[np.float32], target_low: float, target_skip: float) -> tuple[float, float]:
+    """t1, t2 as score quantiles: about target_skip of all selections score above t2, target_low
+    between t1 and t2 (top-1 selections score 0 and stay high)."""
+    flat = np.sort(scores.ravel())
+    n = len(flat)
+
+    def upper(share: float) -> float:
+        if share <= 0:
+            return 1.0
+        i = int(np.clip(round(n * (1 - share)) - 1, 0, n - 1))
+        return float(flat[i])
+
+    t2 = upper(target_skip)
+    t1 = upper(target_skip + target_low) if target_low > 0 else t2
+    return round(min(t1, t2), 4), round(t2, 4)
+
+
+def split_of(scores: npt.NDArray[np.float32], t1: float, t2: float) -> dict[str, float]:
+    """Share of selections the rule puts in high, low and skip."""
+    n = scores.size
+    high = float(np.count_nonzero(scores <= t1)) / n
+    low = float(np.count_nonzero((scores > t1) & (scores <= t2))) / n
+    return {"high": high, "low": low, "skip": 1.0 - high - low}
+
+
+def policy_candidates(grid: int) -> list[tuple[str, tuple[float, float, float, float]]]:
+    """random, lru, lfu, lhu, fld, and multi at every weight vector on the simplex grid."""
+    out: list[tuple[str, tuple[float, float, float, float]]] = [
+        (name, (0.25, 0.25, 0.25, 0.25)) for name in ("random", "lru", "lfu", "lhu", "fld")
+    ]
+    for c in itertools.product(range(grid + 1), repeat=4):
+        if sum(c) == grid and max(c) < grid:  # one-hot vectors are the single policies
+            out.append(("multi", tuple(x / grid for x in c)))  # type: ignore[arg-type]
+    return out
+
+
+def search_policy(
+    trace: Trace,
+    info: dict[str, Any],
+    t1: float,
+    t2: float,
+    grid: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Replays the trace for each candidate policy at the cache geometry of info (Model.cache_info());
+    rows sorted by miss penalty (bytes that would be read), with the penalty relative to random."""
+    if int(info["n_groups"]) != 1:
+        msg = "calibration replays one pool group; this model's layers form several"
+        raise ModelError(msg)
+    n_experts = int(info["n_layers"]) * int(info["n_expert"])
+    bytes_high = int(info["expert_bytes"]) // n_experts
+    bytes_low = int(info.get("expert_bytes_low", 0)) // n_experts
+    cands = policy_candidates(grid)
+    rows: list[dict[str, Any]] = []
+    for i, (name, w) in enumerate(cands):
+        counters = _core.replay(
+            trace.ids,
+            trace.weights,
+            trace.n_expert,
+            bytes_high,
+            bytes_low,
+            int(info["n_slots"]),
+            int(info.get("n_slots_low", 0)),
+            name,
+            list(w),
+            t1,
+            t2,
+            list(trace.seq_starts),
+        )
+        rows.append({"policy": name, "weights": list(w), **counters})
+        if progress:
+            progress(i + 1, len(cands))
+    base = next(r["bytes_read"] for r in rows if r["policy"] == "random") or 1
+    for r in rows:
+        r["penalty_vs_random"] = r["bytes_read"] / base
+    rows.sort(key=lambda r: (r["bytes_read"], r["policy"] != "multi"))
+    return rows
+
+
+def plot_scores(scores: npt.NDArray[np.float32], t1: float, t2: float, out: Path) -> bool:
+    """Histogram of the non-top-1 scores with the thresholds; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    s = split_of(scores, t1, t2)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(scores[scores > 0].ravel(), bins=60, color="#4c72b0")
+    for x, name in ((t1, "T1"), (t2, "T2")):
+        ax.axvline(x, color="k", ls="--")
+        ax.text(x, ax.get_ylim()[1] * 0.95, f" {name}={x:.2f}", va="top")
+    ax.set(
+        xlabel="unimportance score s (HOBBIT eq. 2), top-1 selections (s = 0) left out",
+        ylabel="expert selections",
+        title=f"high {100 * s['high']:.0f}% / low {100 * s['low']:.0f}% / skip {100 * s['skip']:.0f}%",
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return True
+
+
+def calibrate(
+    model_path: str | os.PathLike[str],
+    text: str,
+    budget: int | str,
+    out: str | os.PathLike[str],
+    cfg: CalibrateConfig | None = None,
+    store: str | os.PathLike[str] | None = None,
+    low_frac: float | None = None,
+    n_threads: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """The whole calibration; writes OUT (JSON config), OUT.trace.npz and OUT.scores.png and returns
+    the report (thresholds, split, policy table)."""
+    cfg = cfg or CalibrateConfig()
+    outp = Path(out)
+    trace = record_trace(model_path, text, cfg, n_threads)
+    trace_path = trace.save(outp.with_name(outp.stem + ".trace.npz"))
+    scores = scores_of(trace)
+    t1, t2 = choose_thresholds(scores, cfg.target_low, cfg.target_skip)
+    lf = low_frac if low_frac is not None else CacheConfig(budget=budget).low_frac
+    cache = CacheConfig(budget=budget, t1=t1, t2=t2, low_frac=lf)
+    info = Model(model_path, store=store, cache=cache, n_threads=n_threads).cache_info()
+    rows = search_policy(trace, info, t1, t2, cfg.grid, progress)
+    best = rows[0]
+    w = dict(zip(("w_lru", "w_lfu", "w_lhu", "w_fld"), best["weights"], strict=True))
+    config = {"budget": cache.budget_bytes, "policy": best["policy"], "t1": t1, "t2": t2, "low_frac": lf, **w}
+    outp.write_text(json.dumps(config, indent=1) + "\n")
+    plot = outp.with_name(outp.stem + ".scores.png")
+    return {
+        "config": config,
+        "config_path": str(outp),
+        "trace_path": str(trace_path),
+        "plot_path": str(plot) if plot_scores(scores, t1, t2, plot) else None,
+        "split": split_of(scores, t1, t2),
+        "tokens": int(trace.ids.shape[0]),
+        "policies": rows,
+    }

@@ -1,0 +1,139 @@
+"""Calibration: the routing trace, trace replay through the engine's cache code (checked against the
+live engine), threshold choice, and the config file it writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, ConfigError, ContextConfig, Model, _core
+from moetier.calibrate import CalibrateConfig, Trace, calibrate, choose_thresholds, record_trace, split_of
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_model: ModelFactory) -> Path:
+    return tiny_model("qwen3moe", n_expert=16, n_expert_used=4, n_layer=4, expert_type="f16")
+
+
+def test_trace_is_the_models_routing(moe: Path) -> None:
+    tr = record_trace(moe, LONG_PROMPT, CalibrateConfig(tokens=40, seq_len=16))
+    n = min(40, len(Model(moe).tokenize(LONG_PROMPT)))
+    assert tr.ids.shape == (n, 4, 4) and tr.weights.shape == (n, 4, 4)
+    assert tr.layers == (0, 1, 2, 3) and tr.n_expert == 16 and tr.seq_starts == tuple(range(0, n, 16))
+    assert tr.ids.min() >= 0 and tr.ids.max() < 16
+    # distinct experts per selection, weights descending (top-k order), softmax probabilities
+    assert all(len(set(row)) == 4 for row in tr.ids.reshape(-1, 4).tolist())
+    assert np.all(np.diff(tr.weights, axis=2) <= 1e-6) and np.all((tr.weights > 0) & (tr.weights < 1))
+
+
+@pytest.mark.parametrize("policy", ["lru", "multi", "lfu"])
+def test_replay_matches_the_live_engine(moe: Path, policy: str) -> None:
+    """One sequence decoded token by token by the engine, and the same routing replayed: the same
+    hits, misses and bytes, because it is the same code."""
+    probe = Model(moe, cache=CacheConfig.exact("64M")).cache_info()
+    budget = int(probe["min_cache_bytes"]) * 2
+    live = Model(moe, cache=CacheConfig.exact(budget, policy=policy), context=ContextConfig(n_ctx=64))
+    prompt = live.tokenize("def")[:1]
+    n = 48
+    out = live.generate(prompt, max_tokens=n)
+    s = out.stats
+    info = live.cache_info()
+    evaluated = prompt + out.tokens[: n - 1]  # every token run through the model (each one an output)
+    tr = record_trace(moe, evaluated, CalibrateConfig(tokens=len(evaluated), seq_len=64))
+    assert tr.ids.shape[0] == len(evaluated) > 8
+    n_experts = int(info["n_layers"]) * int(info["n_expert"])
+    r = _core.replay(
+        tr.ids,
+        tr.weights,
+        16,
+        int(info["expert_bytes"]) // n_experts,
+        0,
+        int(info["n_slots"]),
+        0,
+        policy,
+        [0.25, 0.25, 0.25, 0.25],
+        1.0,
+        1.0,
+        [0],
+    )
+    assert (r["lookups"], r["hits"], r["misses"], r["bytes_read"]) == (s.lookups, s.hits, s.misses, s.bytes_read)
+    assert r["hits"] > 0 and r["misses"] > 0
+
+
+def test_replay_counts_precision_and_checks_input(moe: Path) -> None:
+    tr = record_trace(moe, LONG_PROMPT, CalibrateConfig(tokens=32, seq_len=32))
+    args = (tr.ids, tr.weights, 16, 1000, 250, 16, 8, "lru", [0.25] * 4)
+    exact = _core.replay(*args, 1.0, 1.0)
+    mixed = _core.replay(*args, 0.3, 0.95)
+    assert exact["loads_low"] == 0 and exact["bytes_read"] == 1000 * exact["misses"]
+    assert mixed["loads_low"] > 0 and mixed["skipped"] >= 0
+    assert mixed["bytes_read"] == 1000 * mixed["loads_high"] + 250 * mixed["loads_low"]
+    assert mixed["misses"] == mixed["loads_high"] + mixed["loads_low"] + mixed["skipped"]
+    with pytest.raises(ValueError, match="below one layer"):
+        _core.replay(tr.ids, tr.weights, 16, 1000, 0, 8, 0, "lru", [0.25] * 4, 1.0, 1.0)
+    with pytest.raises(ValueError, match="out of range"):
+        _core.replay(tr.ids + 16, tr.weights, 16, 1000, 0, 16, 0, "lru", [0.25] * 4, 1.0, 1.0)
+
+
+def test_choose_thresholds() -> None:
+    rng = np.random.default_rng(0)
+    scores = np.concatenate([np.zeros(250), rng.uniform(0, 1, 750)]).astype(np.float32)
+    t1, t2 = choose_thresholds(scores, target_low=0.3, target_skip=0.05)
+    s = split_of(scores, t1, t2)
+    assert abs(s["low"] - 0.3) < 0.01 and abs(s["skip"] - 0.05) < 0.01
+    assert choose_thresholds(scores, 0.0, 0.0) == (1.0, 1.0)
+    with pytest.raises(ConfigError):
+        CalibrateConfig(target_low=0.8, target_skip=0.3)
+
+
+def test_calibrate_writes_a_config_the_engine_loads(moe: Path, tmp_path: Path) -> None:
+    budget = 2 * int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    out = tmp_path / "m.cache.json"
+    rep = calibrate(moe, LONG_PROMPT * 3, budget, out, CalibrateConfig(tokens=96, seq_len=32, grid=2))
+    cfg = json.loads(out.read_text())
+    assert cfg["budget"] == budget and 0 <= cfg["t1"] <= cfg["t2"] <= 1
+    assert Trace.load(rep["trace_path"]).ids.shape[0] == 96
+    rows = rep["policies"]
+    assert {r["policy"] for r in rows} >= {"random", "lru", "lfu", "lhu", "fld", "multi"}
+    assert next(r for r in rows if r["policy"] == "random")["penalty_vs_random"] == 1.0
+    assert rows[0]["bytes_read"] == min(r["bytes_read"] for r in rows)
+    assert (cfg["policy"], [cfg[k] for k in ("w_lru", "w_lfu", "w_lhu", "w_fld")]) == (
+        rows[0]["policy"],
+        rows[0]["weights"],
+    )
+    c = CacheConfig.from_file(out)
+    Model(moe, cache=c).generate("hello", max_tokens=4)
+    assert CacheConfig.from_file(out, t1=1.0, t2=1.0).t1 == 1.0
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"budget": "1M", "colour": 3}')
+    with pytest.raises(ConfigError, match="unknown cache config field"):
+        CacheConfig.from_file(bad)
+
+    # the CLI: calibrate, then run with the config
+    r = subprocess.run(
+        [sys.executable, "-m", "moetier.cli", "calibrate", str(moe), "--corpus", str(_text(tmp_path)),
+         "--budget", str(budget), "-o", str(tmp_path / "cli.json"), "--tokens", "64", "--seq-len", "32", "-q"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "| policy |" in r.stdout and (tmp_path / "cli.json").exists()
+    r = subprocess.run(
+        [sys.executable, "-m", "moetier.cli", "run", "-m", str(moe), "-p", "hi", "-n", "4",
+         "--cache-config", str(tmp_path / "cli.json")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "hit rate" in r.stderr
+
+
+def _text(tmp_path: Path) -> Path:
+    p = tmp_path / "corpus.txt"
+    p.write_text(LONG_PROMPT * 4)
+    return p

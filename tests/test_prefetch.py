@@ -1,0 +1,79 @@
+"""Layer-level adaptive prefetch (HOBBIT sec. 3.3): background reads never change the output, every
+queued read is accounted for, and the prediction counters are consistent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, ConfigError, Model, PackConfig, pack
+
+
+@pytest.fixture(scope="module")
+def model_and_store(tiny_model: ModelFactory, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    path = tiny_model("qwen3moe", n_expert=16, n_expert_used=4, n_layer=6, expert_type="f16")
+    return path, pack(path, tmp_path_factory.mktemp("pf") / "s", PackConfig(low_type="q4_0"), progress=False)
+
+
+def _settled(m: Model) -> None:
+    p = m.prefetch_stats()
+    assert p.issued > 0
+    # every queued read ends used (hit or taken over), dropped unread, or read in vain
+    assert p.hits + p.claimed + p.cancelled + p.wasted == p.issued, p
+    assert p.waits <= p.hits and p.bytes_wasted <= p.bytes_read
+    for n, t1, allk, any_ in zip(p.predictions, p.top1, p.allk, p.any, strict=True):
+        assert n > 0 and t1 <= n and allk <= any_ <= n
+
+
+@pytest.mark.parametrize("use_store", [False, True])
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_prefetch_never_changes_output(model_and_store: tuple[Path, Path], use_store: bool, prefetch: int) -> None:
+    path, store = model_and_store
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    for budget in (lo, 3 * lo):
+        m = Model(
+            path,
+            store=store if use_store else None,
+            cache=CacheConfig.exact(budget=budget, prefetch=prefetch, io_threads=2),
+        )
+        np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)
+        assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
+        _settled(m)
+        assert len(m.prefetch_stats().predictions) == prefetch
+
+
+def test_prefetch_with_mixed_precision(model_and_store: tuple[Path, Path]) -> None:
+    """With the precision rule on, a prefetch reads the version the rule gives the predicted weights;
+    a layer then uses a cached high version even where its own rule says low, so prefetch can only
+    raise precision. The accounting holds, and the output stays close to the exact one."""
+    path, store = model_and_store
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    m = Model(path, store=store, cache=CacheConfig(budget=3 * lo, t1=0.3, t2=1.0, low_frac=0.3, prefetch=2))
+    got = m.logits(tokens)
+    assert np.corrcoef(got, stock.logits(tokens))[0, 1] > 0.99
+    m.generate(tokens, max_tokens=16)
+    _settled(m)
+    assert m.stats().loads_low > 0
+
+
+def test_prefetch_config_errors() -> None:
+    with pytest.raises(ConfigError, match="prefetch"):
+        CacheConfig(budget="1M", prefetch=9)
+    with pytest.raises(ConfigError, match="io_threads"):
+        CacheConfig(budget="1M", io_threads=0)
+    with pytest.raises(ConfigError, match="integer"):
+        CacheConfig(budget="1M", prefetch=1.5)  # type: ignore[arg-type]
+
+
+def test_no_prefetch_no_counters(model_and_store: tuple[Path, Path]) -> None:
+    path, _ = model_and_store
+    m = Model(path, cache=CacheConfig.exact("64M"))
+    m.generate("hello", max_tokens=4)
+    assert m.prefetch_stats().issued == 0 and m.prefetch_stats().predictions == ()
