@@ -4,6 +4,7 @@ model with or without the expert cache, warms up once, generates on each prompt,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -52,7 +53,9 @@ def main() -> None:
     a = p.parse_args()
 
     t0 = time.perf_counter()
-    opts = {k: float(v) for k, v in (kv.split("=", 1) for kv in a.opts.split(",") if kv)}
+    opts: dict[str, float | int] = {}
+    for k, v in (kv.split("=", 1) for kv in a.opts.split(",") if kv):
+        opts[k] = int(v) if k in ("prefetch", "io_threads") else float(v)
     cache = CacheConfig(budget=a.cache, policy=a.policy, **opts) if a.cache else None
     m = Model(
         a.model,
@@ -92,6 +95,7 @@ def main() -> None:
         "rss_anon_bytes": status_bytes("RssAnon"),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "cache_info": m.cache_info(),
+        "prefetch": dataclasses.asdict(m.prefetch_stats()),
         "runs": runs,
     }
     json.dump(out, sys.stdout)

@@ -111,3 +111,12 @@ def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:
     assert rep["runs"]["stock-capped-25"]["hit_rate"] is None
     md = out.with_name(out.name + ".md").read_text()
     assert "| moetier-25 |" in md and "True |" in md, "moetier tokens equal the in-RAM stock tokens"
+
+
+def test_variants_parse() -> None:
+    v = run.parse_variants("lru-high=lru:t1=1,t2=1; +multi=multi:t1=0.6,t2=1,prefetch=1")
+    assert v == [("lru-high", "lru", "t1=1,t2=1"), ("+multi", "multi", "t1=0.6,t2=1,prefetch=1")]
+    with pytest.raises(SystemExit):
+        run.parse_variants("stock-x=lru:t1=1")
+    with pytest.raises(SystemExit):
+        run.parse_variants("noequals")

@@ -250,8 +250,8 @@ def calibrate(
     n_threads: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """The whole calibration; writes OUT (JSON config), OUT.trace.npz and OUT.scores.png and returns
-    the report (thresholds, split, policy table)."""
+    """The whole calibration; writes OUT (JSON config), OUT.trace.npz, OUT.scores.png and
+    OUT.report.json (thresholds, split, the policy table), and returns that report."""
     cfg = cfg or CalibrateConfig()
     outp = Path(out)
     trace = record_trace(model_path, text, cfg, n_threads)
@@ -267,7 +267,7 @@ def calibrate(
     config = {"budget": cache.budget_bytes, "policy": best["policy"], "t1": t1, "t2": t2, "low_frac": lf, **w}
     outp.write_text(json.dumps(config, indent=1) + "\n")
     plot = outp.with_name(outp.stem + ".scores.png")
-    return {
+    report = {
         "config": config,
         "config_path": str(outp),
         "trace_path": str(trace_path),
@@ -276,3 +276,5 @@ def calibrate(
         "tokens": int(trace.ids.shape[0]),
         "policies": rows,
     }
+    outp.with_name(outp.stem + ".report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
