@@ -55,6 +55,9 @@ def main() -> None:
     t0 = time.perf_counter()
     opts: dict[str, float | int] = {}
     for k, v in (kv.split("=", 1) for kv in a.opts.split(",") if kv):
+        if k == "repack":  # a model option, not a cache one: repack=0 is --no-repack
+            a.no_repack = a.no_repack or v == "0"
+            continue
         opts[k] = int(v) if k in ("prefetch", "io_threads") else float(v)
     cache = CacheConfig(budget=a.cache, policy=a.policy, **opts) if a.cache else None
     m = Model(
