@@ -352,6 +352,22 @@ void moetier_cache::queue_read(moetier_layer & layer, int32_t prec, int32_t e, i
     }
 }
 
+bool moetier_cache::cached_version(const moetier_layer & layer, int32_t e, uint8_t need, int32_t & prec, int32_t & s) noexcept {
+    const int32_t hs = layer.slot_of[MOETIER_HIGH][e];
+    const int32_t ls = layer.slot_of[MOETIER_LOW][e];
+    if (hs >= 0) {
+        prec = MOETIER_HIGH;
+        s    = hs;
+        return true;
+    }
+    if (need < 3 && ls >= 0) {
+        prec = MOETIER_LOW;
+        s    = ls;
+        return true;
+    }
+    return false;
+}
+
 void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, const float * weights, int64_t n_used,
                             int64_t n_tokens, size_t ids_nb1, size_t w_nb1, int32_t * out, bool warmup) noexcept {
     finish_previous();
@@ -398,12 +414,9 @@ void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, const fl
             continue;
         }
         const moetier_key key = { layer.il, e };
-        const int32_t hs = layer.slot_of[MOETIER_HIGH][e];
-        const int32_t ls = layer.slot_of[MOETIER_LOW][e];
-        if (hs >= 0 || (need[e] < 3 && ls >= 0)) {
-            // a cached high version is always used; a low one serves low and skip verdicts
-            const int32_t prec = hs >= 0 ? MOETIER_HIGH : MOETIER_LOW;
-            const int32_t s    = hs >= 0 ? hs : ls;
+        int32_t prec = MOETIER_HIGH;
+        int32_t s    = -1;
+        if (cached_version(layer, e, need[e], prec, s)) {
             moetier_pool_set & set = sets[prec];
             set.policy->on_hit(s, key, prec == MOETIER_HIGH, policy_ctx(layer.il));
             ++c.n_lookups;

@@ -78,6 +78,20 @@ struct moetier_layer_counters {
     uint64_t n_loads_low  = 0;
     uint64_t n_skipped    = 0;
     uint64_t n_bytes_low  = 0;
+
+    moetier_layer_counters & operator+=(const moetier_layer_counters & o) {
+        n_lookups    += o.n_lookups;
+        n_hits       += o.n_hits;
+        n_misses     += o.n_misses;
+        n_bytes_read += o.n_bytes_read;
+        read_us      += o.read_us;
+        n_hits_low   += o.n_hits_low;
+        n_loads_high += o.n_loads_high;
+        n_loads_low  += o.n_loads_low;
+        n_skipped    += o.n_skipped;
+        n_bytes_low  += o.n_bytes_low;
+        return *this;
+    }
 };
 
 // long-lived per-layer state: the custom ops' userdata
@@ -238,6 +252,9 @@ private:
     void    queue_read(moetier_layer & layer, int32_t prec, int32_t e, int32_t s) noexcept;
     bool    read_task(const moetier_read_task & t, moetier_aligned_buffer & bb, std::string & err) const noexcept;
     bool    use_prefetched(moetier_layer & layer, int32_t prec, int32_t e, int32_t s) noexcept; // false: read it now
+    // the cached version of expert e that a need (see resolve) would use: a high one always, a low
+    // one for low and skip needs; false if none
+    static bool cached_version(const moetier_layer & layer, int32_t e, uint8_t need, int32_t & prec, int32_t & s) noexcept;
     void    settle_prefetched(moetier_layer & layer) noexcept;  // after the needs of layer are resolved
     void    settle_zombies() noexcept;
     void    drop_slot(moetier_pool_set & set, int32_t s) noexcept; // forget what the slot holds

@@ -257,6 +257,22 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     return 0;
 }
 
+static moetier_layer_stats moetier_stats_of(int32_t layer, const moetier_layer_counters & c) {
+    moetier_layer_stats out;
+    out.layer        = layer;
+    out.n_lookups    = c.n_lookups;
+    out.n_hits       = c.n_hits;
+    out.n_misses     = c.n_misses;
+    out.n_bytes_read = c.n_bytes_read;
+    out.read_us      = c.read_us;
+    out.n_hits_low   = c.n_hits_low;
+    out.n_loads_high = c.n_loads_high;
+    out.n_loads_low  = c.n_loads_low;
+    out.n_skipped    = c.n_skipped;
+    out.n_bytes_low  = c.n_bytes_low;
+    return out;
+}
+
 int32_t moetier_model_layer_stats(const struct llama_model * model, struct moetier_layer_stats * out, int32_t n_max) {
     moetier_model * m = moetier_of(model);
     if (!m) {
@@ -268,43 +284,22 @@ int32_t moetier_model_layer_stats(const struct llama_model * model, struct moeti
     const int32_t n = (int32_t) m->layers.size();
     for (int32_t i = 0; i < n && i < n_max; ++i) {
         const moetier_layer & l = *m->layers[i];
-        out[i].layer        = l.il;
-        out[i].n_lookups    = l.counters.n_lookups;
-        out[i].n_hits       = l.counters.n_hits;
-        out[i].n_misses     = l.counters.n_misses;
-        out[i].n_bytes_read = l.counters.n_bytes_read;
-        out[i].read_us      = l.counters.read_us;
-        out[i].n_hits_low   = l.counters.n_hits_low;
-        out[i].n_loads_high = l.counters.n_loads_high;
-        out[i].n_loads_low  = l.counters.n_loads_low;
-        out[i].n_skipped    = l.counters.n_skipped;
-        out[i].n_bytes_low  = l.counters.n_bytes_low;
+        out[i] = moetier_stats_of(l.il, l.counters);
     }
     return n;
 }
 
 struct moetier_layer_stats moetier_model_stats_total(const struct llama_model * model) {
-    moetier_layer_stats total = {};
-    total.layer = -1;
-    moetier_cache_info info;
-    if (moetier_model_cache_info(model, &info) != 0) {
-        return total;
+    moetier_layer_counters total;
+    if (moetier_model * m = moetier_of(model)) {
+        for (auto & c : m->caches) {
+            c->sync();
+        }
+        for (const auto & l : m->layers) {
+            total += l->counters;
+        }
     }
-    std::vector<moetier_layer_stats> ls(info.n_layers);
-    moetier_model_layer_stats(model, ls.data(), (int32_t) ls.size());
-    for (const auto & l : ls) {
-        total.n_lookups    += l.n_lookups;
-        total.n_hits       += l.n_hits;
-        total.n_misses     += l.n_misses;
-        total.n_bytes_read += l.n_bytes_read;
-        total.read_us      += l.read_us;
-        total.n_hits_low   += l.n_hits_low;
-        total.n_loads_high += l.n_loads_high;
-        total.n_loads_low  += l.n_loads_low;
-        total.n_skipped    += l.n_skipped;
-        total.n_bytes_low  += l.n_bytes_low;
-    }
-    return total;
+    return moetier_stats_of(-1, total);
 }
 
 int32_t moetier_model_prefetch_stats(const struct llama_model * model, struct moetier_prefetch_stats * out) {

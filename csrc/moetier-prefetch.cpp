@@ -191,16 +191,14 @@ void moetier_cache::prefetch(moetier_layer & layer, const float * logits, int64_
         }
         bool all_cached = true;
         for (int32_t e = 0; e < E; ++e) {
-            const int32_t hs = T.slot_of[MOETIER_HIGH][e];
-            const int32_t ls = T.slot_of[MOETIER_LOW][e];
             const uint8_t nd = pred_need[e];
             if (nd == 0) {
                 continue;
             }
             // held against eviction until T runs: the cached version the rule would use
-            if (hs >= 0 || (nd < 3 && ls >= 0)) {
-                const int32_t prec = hs >= 0 ? MOETIER_HIGH : MOETIER_LOW;
-                const int32_t s    = hs >= 0 ? hs : ls;
+            int32_t prec = MOETIER_HIGH;
+            int32_t s    = -1;
+            if (cached_version(T, e, nd, prec, s)) {
                 if (!sets[prec].pf_hold[s]) {
                     sets[prec].pf_hold[s] = 1;
                     T.prefetched.push_back({ prec, s });
@@ -211,10 +209,10 @@ void moetier_cache::prefetch(moetier_layer & layer, const float * logits, int64_
                 continue; // would be skipped on a miss
             }
             all_cached = false;
-            const int32_t prec = nd == 2 && sets[MOETIER_LOW].n_slots() > 0 ? MOETIER_LOW : MOETIER_HIGH;
+            prec = nd == 2 && sets[MOETIER_LOW].n_slots() > 0 ? MOETIER_LOW : MOETIER_HIGH;
             moetier_pool_set & set = sets[prec];
             const moetier_key key = { T.il, e };
-            const int32_t s = take_slot(set, key);
+            s = take_slot(set, key);
             if (s < 0) {
                 continue;
             }

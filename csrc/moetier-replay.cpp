@@ -64,16 +64,7 @@ moetier_layer_counters moetier_replay(const moetier_replay_params & p, const int
 
     moetier_layer_counters total;
     for (const auto & l : layers) {
-        const moetier_layer_counters & c = l->counters;
-        total.n_lookups    += c.n_lookups;
-        total.n_hits       += c.n_hits;
-        total.n_misses     += c.n_misses;
-        total.n_bytes_read += c.n_bytes_read;
-        total.n_hits_low   += c.n_hits_low;
-        total.n_loads_high += c.n_loads_high;
-        total.n_loads_low  += c.n_loads_low;
-        total.n_skipped    += c.n_skipped;
-        total.n_bytes_low  += c.n_bytes_low;
+        total += l->counters;
     }
     return total;
 }
