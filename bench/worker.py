@@ -58,7 +58,7 @@ def main() -> None:
         if k == "repack":  # a model option, not a cache one: repack=0 is --no-repack
             a.no_repack = a.no_repack or v == "0"
             continue
-        opts[k] = int(v) if k in ("prefetch", "io_threads") else float(v)
+        opts[k] = int(v) if k in ("prefetch", "io_threads", "io_uring") else float(v)
     cache = CacheConfig(budget=a.cache, policy=a.policy, **opts) if a.cache else None
     m = Model(
         a.model,

@@ -222,12 +222,23 @@ void moetier_cache::finish_previous() noexcept {
     if (task_layer == nullptr) {
         return;
     }
-    const int64_t t_end = t_load_end_us.load(std::memory_order_relaxed);
-    if (n_tasks > 0 && t_end > t_resolve_us) {
-        task_layer->counters.read_us += (uint64_t) (t_end - t_resolve_us);
+    const int64_t t_begin = t_load_begin_us.load(std::memory_order_relaxed);
+    const int64_t t_end   = t_load_end_us.load(std::memory_order_relaxed);
+    if (t_begin > 0 && t_end > t_begin) {
+        task_layer->counters.read_us += (uint64_t) (t_end - t_begin);
     }
     for (int32_t i = 0; i < n_tasks; ++i) {
         moetier_read_task & t = tasks[i];
+        if (t.io_id >= 0 && !load_done) {
+            // the graph stopped before the load op: the read must end before the slot is reused
+            if (io->claim(t.io_id)) {
+                t.failed = true; // never read
+            } else {
+                t.failed = t.failed || io->wait(t.io_id) == MOETIER_IO_FAILED;
+                io->release(t.io_id);
+            }
+        }
+        t.io_id = -1;
         if (t.failed) {
             // the slot holds garbage: forget it, so the expert is read again next time
             drop_slot(sets[t.prec], t.slot);
@@ -342,6 +353,7 @@ void moetier_cache::queue_read(moetier_layer & layer, int32_t prec, int32_t e, i
         task.prec   = prec;
         task.expert = e;
         task.slot   = s;
+        task.io_id  = -1;
         task.failed = false;
     }
     for (const auto & p : layer.projs) {
@@ -390,7 +402,9 @@ void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, const fl
 
     task_layer = &layer;
     t_resolve_us = moetier_time_us();
+    t_load_begin_us.store(0, std::memory_order_relaxed);
     t_load_end_us.store(0, std::memory_order_relaxed);
+    load_done = false;
 
     // what the ubatch needs of each expert: the most any of its tokens needs
     levels.resize(n_used);
@@ -452,6 +466,7 @@ void moetier_cache::resolve(moetier_layer & layer, const int32_t * ids, const fl
     }
 
     settle_prefetched(layer);
+    start_reads();
 
     const int64_t n = n_used * n_tokens;
     const bool two = lo.n_slots() > 0;
@@ -522,13 +537,63 @@ bool moetier_cache::read_task(const moetier_read_task & t, moetier_aligned_buffe
     return p.file->read(dst, p.expert_offset(t.expert, t.prec), n, bb, err) && verify(p, t, err);
 }
 
+void moetier_cache::start_reads() noexcept {
+    // With io_uring the kernel starts this layer's reads now, while the compute threads run the
+    // nodes that do not need them. I/O threads are not handed on-demand reads: on 2 cores each of
+    // their wakeups preempts a compute thread that the other one then waits for at a barrier
+    // (measured: 30-40% slower decode than reading on the compute threads).
+    if (io == nullptr || simulate || !io->uses_uring()) {
+        return;
+    }
+    for (int32_t i = 0; i < n_tasks; ++i) {
+        moetier_read_task & t = tasks[i];
+        moetier_io_task task;
+        task.owner  = this;
+        task.layer  = (void *) t.layer;
+        task.prec   = t.prec;
+        task.expert = t.expert;
+        task.slot   = t.slot;
+        task.proj   = t.proj;
+        t.io_id = io->submit(task, /*is_urgent =*/ true);
+    }
+}
+
 void moetier_cache::load(int ith, int nth) noexcept {
     if (n_tasks == 0 && wait_ids.empty()) {
         return;
     }
     GGML_ASSERT(ith < MOETIER_MAX_THREADS);
+    if (ith == 0) {
+        t_load_begin_us.store(moetier_time_us(), std::memory_order_relaxed);
+    }
     moetier_aligned_buffer & bb = bounce[ith];
     std::string err;
+    if (io && io->uses_uring()) {
+        // the kernel reads: thread 0 waits for the completions (and checks them); the others have
+        // nothing to do, and spinning at the barrier takes no core a read needs
+        if (ith == 0) {
+            for (int32_t i = 0; i < n_tasks; ++i) {
+                moetier_read_task & t = tasks[i];
+                if (t.io_id < 0) {
+                    if (!read_task(t, bb, err)) { // the ring was full
+                        t.failed = true;
+                        set_error(err);
+                    }
+                    continue;
+                }
+                if (io->wait(t.io_id) == MOETIER_IO_FAILED) {
+                    t.failed = true;
+                    set_error(io->error());
+                }
+                io->release(t.io_id);
+            }
+            wait_prefetched();
+            load_done = true;
+        }
+        mark_load_end();
+        return;
+    }
+    // the compute threads read, each its share
     for (int32_t i = ith; i < n_tasks; i += nth) {
         moetier_read_task & t = tasks[i];
         if (!read_task(t, bb, err)) {
@@ -537,16 +602,25 @@ void moetier_cache::load(int ith, int nth) noexcept {
         }
     }
     if (ith == 0) {
-        // prefetches of experts this layer needs that were still being read
-        for (auto & w : wait_ids) {
-            if (io->wait(w.id) == MOETIER_IO_FAILED) {
-                w.failed = true;
-                set_error(io->error());
-            }
-            io->release(w.id);
-            w.id = -1;
-        }
+        wait_prefetched();
+        load_done = true;
     }
+    mark_load_end();
+}
+
+void moetier_cache::wait_prefetched() noexcept {
+    // prefetches of experts this layer needs that were still being read
+    for (auto & w : wait_ids) {
+        if (io->wait(w.id) == MOETIER_IO_FAILED) {
+            w.failed = true;
+            set_error(io->error());
+        }
+        io->release(w.id);
+        w.id = -1;
+    }
+}
+
+void moetier_cache::mark_load_end() noexcept {
     const int64_t now = moetier_time_us();
     int64_t prev = t_load_end_us.load(std::memory_order_relaxed);
     while (now > prev && !t_load_end_us.compare_exchange_weak(prev, now, std::memory_order_relaxed)) {

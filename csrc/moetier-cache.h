@@ -5,8 +5,12 @@
 // graph hook inserts per MoE layer (resolve, then load), and from the C API for stats.
 //
 //   resolve (1 thread):   ids [n_used, n_tokens] + gate weights -> high and low slots; picks the
-//                         precision of each miss (HOBBIT eq. 2), victims, queues reads
-//   load    (all threads): performs the queued reads, copies the slots to its output
+//                         precision of each miss (HOBBIT eq. 2), victims, queues reads; with
+//                         io_uring the kernel starts them right away
+//   (the graph hook moves the nodes that do not need the experts, e.g. a shared expert, here: they
+//    compute while the reads run)
+//   load    (all threads): performs the queued reads (or, with io_uring, thread 0 waits for them),
+//                         copies the slots to its output
 //   mul_mat_id on the high pools with the high slots (+ on the low pools with the low slots)
 //
 // A group has a high-precision pool set and, with a store and low_frac > 0, a low-precision one;
@@ -123,6 +127,7 @@ struct moetier_read_task {
     int32_t prec   = MOETIER_HIGH;
     int32_t expert = 0;
     int32_t slot   = 0;
+    int32_t io_id  = -1; // io_uring task reading it, -1: the load op reads it
     bool    failed = false;
 };
 
@@ -183,7 +188,8 @@ public:
 
     void add_layer(moetier_layer * layer);
     void set_n_model_layers(int32_t n) { n_model_layers = n; }
-    // background reads for prefetch (owned by the model, shared by its groups); nullptr = off
+    // the model's reads off the compute threads (shared by its groups): with io_uring, on-demand
+    // reads start at resolve; I/O threads or io_uring serve prefetch. nullptr: none
     void set_io(moetier_io_pool * pool) {
         io = pool;
         io_bounce.resize(pool ? pool->n_threads() : 0);
@@ -222,8 +228,11 @@ public:
     // the first layer with a missing one, in the precision the rule gives the predicted weights.
     void prefetch(moetier_layer & layer, const float * logits, int64_t n_tokens, size_t nb1) noexcept;
 
-    // an I/O thread's read of a prefetch task
+    // an I/O thread's read of a task (a prefetch, or a read queued by resolve)
     bool io_read(const moetier_io_task & task, int thread_id, std::string & err) noexcept;
+    // io_uring: the task as one vectored read into its slot, and the checks once it is read
+    bool io_prep(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err) const noexcept;
+    bool io_finish(const moetier_io_task & task, std::string & err) noexcept;
 
     void add_prefetch_stats(moetier_prefetch_stats & out) const;
     void reset_prefetch_stats();
@@ -250,6 +259,9 @@ private:
     int32_t take_slot(moetier_pool_set & set, const moetier_key & key) noexcept; // -1 if every slot is pinned
     bool    queue_load(moetier_layer & layer, int32_t prec, int32_t e) noexcept;
     void    queue_read(moetier_layer & layer, int32_t prec, int32_t e, int32_t s) noexcept;
+    void    start_reads() noexcept; // hands the queued reads to the I/O threads, if any
+    void    wait_prefetched() noexcept; // load op, thread 0: prefetches of this layer still being read
+    void    mark_load_end() noexcept;
     bool    read_task(const moetier_read_task & t, moetier_aligned_buffer & bb, std::string & err) const noexcept;
     bool    use_prefetched(moetier_layer & layer, int32_t prec, int32_t e, int32_t s) noexcept; // false: read it now
     // the cached version of expert e that a need (see resolve) would use: a high one always, a low
@@ -290,6 +302,8 @@ private:
     int32_t                            n_tasks = 0;
     moetier_layer                    * task_layer = nullptr;
     int64_t                            t_resolve_us = 0;
+    std::atomic<int64_t>               t_load_begin_us{0};
+    bool                               load_done = false; // the load op ran for the last resolve (thread 0)
     std::atomic<int64_t>               t_load_end_us{0};
     std::vector<moetier_aligned_buffer> bounce; // per thread index, grown on first use
 

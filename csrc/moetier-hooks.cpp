@@ -7,6 +7,7 @@
 #include "llama.h"
 
 #include <cstring>
+#include <unordered_set>
 #include <vector>
 
 void moetier_model_deleter::operator()(moetier_model * m) const {
@@ -64,6 +65,7 @@ void moetier_hook_model_loaded(llama_model & model) {
     try {
         m->finish_load();
         m->init_prefetch(model);
+        m->init_io();
     } catch (const std::exception & e) {
         moetier_set_last_error(m->paths[0] + ": " + e.what());
         throw std::runtime_error(moetier_last_error());
@@ -204,6 +206,84 @@ ggml_tensor * moetier_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * cur, ggm
     return cur;
 }
 
+static bool moetier_is_op(const ggml_tensor * t, const char * prefix) {
+    return t->op == GGML_OP_CUSTOM && strncmp(t->name, prefix, strlen(prefix)) == 0;
+}
+
+// a node that writes into memory it does not own (a copy into a view, set_rows into a cache): it
+// keeps its place relative to the nodes that depend on the load
+static bool moetier_writes_elsewhere(const ggml_tensor * t) {
+    if (t->view_src == nullptr) {
+        return false;
+    }
+    switch (t->op) {
+        case GGML_OP_NONE:
+        case GGML_OP_VIEW:
+        case GGML_OP_RESHAPE:
+        case GGML_OP_PERMUTE:
+        case GGML_OP_TRANSPOSE:
+            return false;
+        default:
+            return true;
+    }
+}
+
+void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexcept {
+    const moetier_model * m = model.moetier.get();
+    if (m == nullptr || m->io == nullptr || !m->io->uses_uring() || gf == nullptr) {
+        return;
+    }
+    ggml_tensor ** nodes = ggml_graph_nodes(gf);
+    const int n = ggml_graph_n_nodes(gf);
+    try {
+        std::unordered_set<const ggml_tensor *> dep;
+        std::vector<ggml_tensor *> ahead;
+        std::vector<ggml_tensor *> behind;
+        for (int i = 0; i < n; ++i) {
+            if (!moetier_is_op(nodes[i], "moetier_load-")) {
+                continue;
+            }
+            // window: up to the next layer's routing, which needs this layer's output anyway.
+            // A node depends on the load if a source (or the tensor a source views) does; the others
+            // go ahead of the load, both groups in their order: a topological order still.
+            int j = i + 1;
+            while (j < n && !moetier_is_op(nodes[j], "moetier_resolve-")) {
+                ++j;
+            }
+            dep.clear();
+            ahead.clear();
+            behind.clear();
+            dep.insert(nodes[i]);
+            behind.push_back(nodes[i]);
+            for (int k = i + 1; k < j; ++k) {
+                ggml_tensor * t = nodes[k];
+                bool d = moetier_writes_elsewhere(t) || (t->view_src && dep.count(t->view_src));
+                for (int s = 0; s < GGML_MAX_SRC && !d; ++s) {
+                    const ggml_tensor * src = t->src[s];
+                    d = src && (dep.count(src) || (src->view_src && dep.count(src->view_src)));
+                }
+                if (d) {
+                    dep.insert(t);
+                    behind.push_back(t);
+                } else {
+                    ahead.push_back(t);
+                }
+            }
+            int k = i;
+            for (ggml_tensor * t : ahead) {
+                nodes[k++] = t;
+            }
+            for (ggml_tensor * t : behind) {
+                nodes[k++] = t;
+            }
+            i = j - 1;
+        }
+    } catch (...) {
+        // out of memory in the sets: the order was not touched (nodes are written only at the end
+        // of a window, without allocating), so the graph stays valid
+    }
+}
+
 //
 // C API
 //
@@ -226,6 +306,7 @@ struct moetier_params moetier_default_params(void) {
         /*.w_fld       =*/ 0.25f,
         /*.prefetch    =*/ 0,
         /*.io_threads  =*/ 2,
+        /*.io_uring    =*/ 1,
         /*.direct_io   =*/ true,
     };
     return p;
@@ -249,6 +330,7 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     info->min_cache_bytes = m->min_cache_bytes;
     info->from_store      = m->store != nullptr;
     info->direct_io       = m->store ? m->store_file->direct() : m->files[0]->direct();
+    info->io_uring        = m->io && m->io->uses_uring();
     for (const auto & c : m->caches) {
         info->n_slots     += c->n_slots(MOETIER_HIGH);
         info->n_slots_low += c->n_slots(MOETIER_LOW);

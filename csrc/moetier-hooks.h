@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+struct ggml_cgraph;
 struct ggml_context;
 struct ggml_tensor;
 struct moetier_model;
@@ -53,3 +54,8 @@ ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * cur, ggml_t
 // pool whose group also has low-precision slots, returns cur + mul_mat_id(low pool, b, low slot ids)
 // (each row comes from exactly one of them; the other is zero); otherwise returns cur.
 ggml_tensor * moetier_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * as, ggml_tensor * b) noexcept;
+
+// llama_model::build_graph, once the graph is complete (before it is allocated): with io_uring, the
+// reads of a served layer start at its routing, so the nodes that do not need its experts (a
+// shared expert, the stacked routers) are moved ahead of its load op to compute while they run
+void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexcept;

@@ -127,6 +127,7 @@ static float * moetier_params_field(struct moetier_params * p, const std::string
 static int32_t * moetier_params_int_field(struct moetier_params * p, const std::string & key) {
     if (key == "prefetch")   return &p->prefetch;
     if (key == "io_threads") return &p->io_threads;
+    if (key == "io_uring")   return &p->io_uring;
     return nullptr;
 }
 
@@ -153,7 +154,7 @@ const char * moetier_params_set_opts(struct moetier_params * p, const char * opt
         int32_t * n = moetier_params_int_field(p, key);
         if (eq == std::string::npos || (f == nullptr && n == nullptr)) {
             g_opts_error = format("expert cache option '%s': expected KEY=VALUE with KEY one of t1, t2, low_frac, "
-                    "w_lru, w_lfu, w_lhu, w_fld, prefetch, io_threads", item.c_str());
+                    "w_lru, w_lfu, w_lhu, w_fld, prefetch, io_threads, io_uring", item.c_str());
             return g_opts_error.c_str();
         }
         const std::string value = item.substr(eq + 1);
@@ -192,8 +193,12 @@ const char * moetier_params_check(const struct moetier_params * p) {
                 "and not all 0", p->w_lru, p->w_lfu, p->w_lhu, p->w_fld);
     } else if (p->prefetch < 0 || p->prefetch > MOETIER_MAX_PREFETCH) {
         g_opts_error = format("expert cache prefetch=%d: must lie in [0, %d]", p->prefetch, MOETIER_MAX_PREFETCH);
-    } else if (p->io_threads < 1 || p->io_threads > 64) {
-        g_opts_error = format("expert cache io_threads=%d: must lie in [1, 64]", p->io_threads);
+    } else if (p->io_threads < 0 || p->io_threads > 64) {
+        g_opts_error = format("expert cache io_threads=%d: must lie in [0, 64]", p->io_threads);
+    } else if (p->io_uring != 0 && p->io_uring != 1) {
+        g_opts_error = format("expert cache io_uring=%d: must be 0 or 1", p->io_uring);
+    } else if (p->prefetch > 0 && p->io_threads == 0) {
+        g_opts_error = format("expert cache prefetch=%d needs io_threads >= 1", p->prefetch);
     } else {
         return nullptr;
     }

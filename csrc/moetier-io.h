@@ -49,6 +49,7 @@ public:
     bool readv(const moetier_iovec * iov, int n, uint64_t offset, std::string & err) const;
 
     const std::string & path() const { return path_; }
+    int      direct_fd() const { return fd_direct_; } // -1 if the file is read through the page cache
     uint64_t size()   const { return size_; }
     bool     direct() const { return direct_; }
 

@@ -1,6 +1,9 @@
 #include "moetier-iopool.h"
 
+#include "moetier-impl.h"
+
 #include <algorithm>
+#include <cstring>
 
 moetier_io_pool::moetier_io_pool(int n_threads, size_t capacity, read_fn fn_) : fn(std::move(fn_)) {
     tasks.resize(capacity);
@@ -13,11 +16,103 @@ moetier_io_pool::moetier_io_pool(int n_threads, size_t capacity, read_fn fn_) : 
     }
 }
 
+moetier_io_pool::moetier_io_pool(std::unique_ptr<moetier_uring> ring_, int depth_prefetch, size_t capacity, prep_fn prep_,
+                                 finish_fn finish_)
+        : ring(std::move(ring_)), prep(std::move(prep_)), finish(std::move(finish_)), depth_pf(std::max(1, depth_prefetch)) {
+    tasks.resize(capacity);
+    reads.resize(capacity);
+    is_urgent_.assign(capacity, 0);
+    free_ids.reserve(capacity);
+    for (size_t i = capacity; i-- > 0;) {
+        free_ids.push_back((int32_t) i);
+    }
+}
+
+void moetier_io_pool::pump() {
+    bool queued = false;
+    for (;;) {
+        const bool pf = urgent.empty();
+        if (pf && (queue.empty() || n_flight_pf >= depth_pf)) {
+            break;
+        }
+        std::deque<int32_t> & q = pf ? queue : urgent;
+        const int32_t id = q.front();
+        std::string err;
+        moetier_io_vec_read & rd = reads[id];
+        rd = moetier_io_vec_read{};
+        if (!prep(tasks[id], rd, err)) {
+            q.pop_front();
+            tasks[id].state = MOETIER_IO_FAILED;
+            if (error_msg.empty()) {
+                error_msg = err;
+            }
+            continue;
+        }
+        if (!ring->prep_readv(rd.fd, rd.iov, rd.n_iov, rd.offset, (uint64_t) id)) {
+            break; // the ring is full: the next completion makes room
+        }
+        q.pop_front();
+        tasks[id].state = MOETIER_IO_RUNNING;
+        is_urgent_[id] = !pf;
+        ++n_flight;
+        n_flight_pf += pf;
+        queued = true;
+    }
+    if (queued && !ring->submit(false) && error_msg.empty()) {
+        error_msg = ring->error();
+    }
+}
+
+void moetier_io_pool::reap(bool block) {
+    if (block && n_flight > 0 && !ring->submit(true) && error_msg.empty()) {
+        error_msg = ring->error();
+    }
+    uint64_t ud  = 0;
+    int32_t  res = 0;
+    bool any = false;
+    while (ring->pop(ud, res)) {
+        const int32_t id = (int32_t) ud;
+        const moetier_io_vec_read & rd = reads[id];
+        std::string err;
+        bool ok = res >= 0 && (size_t) res == rd.bytes;
+        if (!ok) {
+            err = res < 0 ? format("read failed: %s", strerror(-res)) : format("short read: %d of %zu bytes", res, rd.bytes);
+        } else {
+            ok = finish(tasks[id], err);
+        }
+        tasks[id].state = ok ? MOETIER_IO_DONE : MOETIER_IO_FAILED;
+        if (!ok && error_msg.empty()) {
+            error_msg = err;
+        }
+        --n_flight;
+        n_flight_pf -= is_urgent_[id] ? 0 : 1;
+        any = true;
+    }
+    if (any) {
+        pump();
+    }
+}
+
 moetier_io_pool::~moetier_io_pool() {
+    if (ring) {
+        // the kernel may still be writing into the slots: let every read end first
+        std::lock_guard<std::mutex> lock(mu);
+        queue.clear();
+        urgent.clear();
+        while (n_flight > 0) {
+            const int before = n_flight;
+            reap(true);
+            if (n_flight == before && !ring->submit(true)) {
+                break;
+            }
+        }
+        return;
+    }
     {
         std::lock_guard<std::mutex> lock(mu);
         stop = true;
         queue.clear();
+        urgent.clear();
     }
     cv_work.notify_all();
     for (auto & t : threads) {
@@ -25,7 +120,7 @@ moetier_io_pool::~moetier_io_pool() {
     }
 }
 
-int32_t moetier_io_pool::submit(const moetier_io_task & task) {
+int32_t moetier_io_pool::submit(const moetier_io_task & task, bool is_urgent) {
     int32_t id;
     {
         std::lock_guard<std::mutex> lock(mu);
@@ -36,7 +131,11 @@ int32_t moetier_io_pool::submit(const moetier_io_task & task) {
         free_ids.pop_back();
         tasks[id] = task;
         tasks[id].state = MOETIER_IO_QUEUED;
-        queue.push_back(id);
+        (is_urgent ? urgent : queue).push_back(id);
+        if (ring) {
+            pump();
+            return id;
+        }
     }
     cv_work.notify_one();
     return id;
@@ -44,6 +143,9 @@ int32_t moetier_io_pool::submit(const moetier_io_task & task) {
 
 int32_t moetier_io_pool::state(int32_t id) {
     std::lock_guard<std::mutex> lock(mu);
+    if (ring) {
+        reap(false);
+    }
     return tasks[id].state;
 }
 
@@ -52,14 +154,33 @@ bool moetier_io_pool::claim(int32_t id) {
     if (tasks[id].state != MOETIER_IO_QUEUED) {
         return false;
     }
-    queue.erase(std::find(queue.begin(), queue.end(), id));
+    auto it = std::find(urgent.begin(), urgent.end(), id);
+    if (it != urgent.end()) {
+        urgent.erase(it);
+    } else {
+        queue.erase(std::find(queue.begin(), queue.end(), id));
+    }
     tasks[id].state = MOETIER_IO_FREE;
     free_ids.push_back(id);
+    cv_done.notify_all(); // a thread may be waiting for it
     return true;
 }
 
 int32_t moetier_io_pool::wait(int32_t id) {
     std::unique_lock<std::mutex> lock(mu);
+    if (ring) {
+        reap(false);
+        while (tasks[id].state == MOETIER_IO_QUEUED || tasks[id].state == MOETIER_IO_RUNNING) {
+            if (n_flight == 0) {
+                pump(); // queued behind prefetches that have ended meanwhile
+                if (n_flight == 0) {
+                    break; // cannot start (ring error): reported through error()
+                }
+            }
+            reap(true);
+        }
+        return tasks[id].state;
+    }
     cv_done.wait(lock, [&] { return tasks[id].state != MOETIER_IO_QUEUED && tasks[id].state != MOETIER_IO_RUNNING; });
     return tasks[id].state;
 }
@@ -84,12 +205,13 @@ void moetier_io_pool::worker(int thread_id) {
         int32_t id;
         {
             std::unique_lock<std::mutex> lock(mu);
-            cv_work.wait(lock, [&] { return stop || !queue.empty(); });
+            cv_work.wait(lock, [&] { return stop || !queue.empty() || !urgent.empty(); });
             if (stop) {
                 return;
             }
-            id = queue.front();
-            queue.pop_front();
+            std::deque<int32_t> & q = urgent.empty() ? queue : urgent;
+            id = q.front();
+            q.pop_front();
             tasks[id].state = MOETIER_IO_RUNNING;
             task = tasks[id];
         }

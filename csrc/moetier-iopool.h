@@ -1,16 +1,21 @@
 #pragma once
 
-// Background expert reads for prefetch: a few I/O threads that sleep on a condition variable (the
-// compute threads spin at their barriers; on 2 cores a spinning I/O thread would steal their time),
-// a FIFO of read tasks, and the task states the cache's resolve claims, waits for or cancels.
-// Knows nothing of ggml; the read itself is a callback into the cache.
+// Expert reads off the compute threads, as task states the cache claims, waits for or cancels, and
+// two FIFOs (urgent: the on-demand reads of the layer being computed; then prefetches). Two ways to
+// run them: a few I/O threads that sleep on a condition variable (the compute threads spin at their
+// barriers; on 2 cores a spinning I/O thread would steal their time), or an io_uring with no thread
+// at all. Knows nothing of ggml; the read itself is a callback into the cache.
+
+#include "moetier-uring.h"
 
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <sys/uio.h>
 #include <thread>
 #include <vector>
 
@@ -22,6 +27,9 @@ enum moetier_io_state : int32_t {
     MOETIER_IO_FAILED  = 4,
 };
 
+// moetier_io_task::proj of a prefetch: every projection of the expert
+static constexpr int32_t MOETIER_IO_ALL_PROJS = -2;
+
 // what to read: opaque to the pool, interpreted by the read callback
 struct moetier_io_task {
     void *  owner  = nullptr; // the cache
@@ -29,24 +37,47 @@ struct moetier_io_task {
     int32_t prec   = 0;
     int32_t expert = 0;
     int32_t slot   = 0;
+    int32_t proj   = MOETIER_IO_ALL_PROJS; // or one read of the cache's load: a projection, -1 = vectored
     int32_t state  = MOETIER_IO_FREE; // guarded by the pool mutex
+};
+
+// one task as a single vectored O_DIRECT read (io_uring mode)
+struct moetier_io_vec_read {
+    int      fd     = -1;
+    uint64_t offset = 0;
+    size_t   bytes  = 0;
+    unsigned n_iov  = 0;
+    iovec    iov[8] = {};
 };
 
 class moetier_io_pool {
 public:
     // reads task into its slot; false + err on failure. Called on an I/O thread with its own bounce id.
     using read_fn = std::function<bool(const moetier_io_task & task, int thread_id, std::string & err)>;
+    // io_uring mode: describes task as one vectored read (false + err if it cannot be), then checks
+    // what was read (checksums)
+    using prep_fn   = std::function<bool(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err)>;
+    using finish_fn = std::function<bool(const moetier_io_task & task, std::string & err)>;
 
+    // n_threads I/O threads that sleep when idle
     moetier_io_pool(int n_threads, size_t capacity, read_fn fn);
+    // no threads: the kernel reads (ring); every urgent task is in flight at once, prefetches up to
+    // depth_prefetch. Calls must come from one thread at a time (the compute thread that runs the
+    // cache's serial ops); they also collect completions.
+    moetier_io_pool(std::unique_ptr<moetier_uring> ring, int depth_prefetch, size_t capacity, prep_fn prep, finish_fn finish);
     ~moetier_io_pool();
+
+    // io_uring mode: no threads to hand work to; one caller waits for everything
+    bool uses_uring() const { return ring != nullptr; }
 
     moetier_io_pool(const moetier_io_pool &) = delete;
     moetier_io_pool & operator=(const moetier_io_pool &) = delete;
 
-    int n_threads() const { return (int) threads.size(); }
+    int n_threads() const { return ring ? 1 : (int) threads.size(); }
 
-    // queues a read; returns its task id, or -1 if every entry is in use
-    int32_t submit(const moetier_io_task & task);
+    // queues a read; returns its task id, or -1 if every entry is in use. Urgent reads go before
+    // every prefetch, in the order they were submitted.
+    int32_t submit(const moetier_io_task & task, bool is_urgent = false);
 
     // the state of task id
     int32_t state(int32_t id);
@@ -55,7 +86,8 @@ public:
     // it itself or drops it; otherwise leaves it alone (returns false)
     bool claim(int32_t id);
 
-    // blocks until the task is no longer queued or running; returns DONE or FAILED
+    // blocks until the task is no longer queued or running; returns DONE or FAILED (FREE if it was
+    // claimed or released meanwhile)
     int32_t wait(int32_t id);
 
     // frees a DONE or FAILED entry
@@ -67,12 +99,27 @@ public:
 private:
     void worker(int thread_id);
 
+    // io_uring mode, with the mutex held: start queued tasks while there is room; collect
+    // completions (block: wait for at least one if any read is in flight)
+    void pump();
+    void reap(bool block);
+
     read_fn fn;
+
+    std::unique_ptr<moetier_uring>   ring;
+    prep_fn                          prep;
+    finish_fn                        finish;
+    std::vector<moetier_io_vec_read> reads;       // [capacity] io_uring reads (their iovecs live here)
+    std::vector<uint8_t>             is_urgent_;  // [capacity]
+    int                              depth_pf = 1;
+    int                              n_flight = 0;
+    int                              n_flight_pf = 0;
 
     std::mutex                   mu;
     std::condition_variable      cv_work;
     std::condition_variable      cv_done;
-    std::deque<int32_t>          queue;
+    std::deque<int32_t>          queue;  // prefetches
+    std::deque<int32_t>          urgent; // on-demand reads
     std::vector<moetier_io_task> tasks;
     std::vector<int32_t>         free_ids;
     std::string                  error_msg;

@@ -29,6 +29,7 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     low_frac       = params.low_frac;
     prefetch       = params.prefetch;
     io_threads     = params.io_threads;
+    use_uring      = params.io_uring != 0;
     policy_weights = { params.w_lru, params.w_lfu, params.w_lhu, params.w_fld };
     if (!moetier_policy_create(policy_name, policy_weights)) {
         std::string names;

@@ -36,9 +36,12 @@ struct moetier_model {
     // after all tensors exist: forms pool groups and allocates the pools from the budget
     void finish_load();
 
-    // after the model's weights are loaded: stacks the routers for prefetch, starts the I/O threads
-    // (moetier-prefetch.cpp); nothing if prefetch is off
+    // after the model's weights are loaded: stacks the routers for prefetch (moetier-prefetch.cpp);
+    // nothing if prefetch is off
     void init_prefetch(const llama_model & model);
+
+    // then: starts the I/O threads (none if io_threads is 0: the compute threads read)
+    void init_io();
 
     //
     // graph API
@@ -60,6 +63,7 @@ struct moetier_model {
     int32_t                n_model_layers = 0; // for layer distances (set by the load hook)
     int32_t                prefetch    = 0;
     int32_t                io_threads  = 1;
+    bool                   use_uring   = true;
 
     std::vector<std::string>                   paths;  // GGUF files, split order
     std::vector<std::unique_ptr<moetier_file>> files;  // opened on demand for GGUF reads
@@ -71,7 +75,7 @@ struct moetier_model {
     std::vector<std::unique_ptr<moetier_layer>> layers;  // served layers, in layer order after finish_load
     std::vector<std::unique_ptr<moetier_cache>> caches;  // one per pool group
 
-    // prefetch: I/O threads (stopped before the caches go) and the stacked routers
+    // I/O threads (stopped before the caches go) and the stacked routers of prefetch
     std::unique_ptr<moetier_io_pool> io;
     ggml_context *                   router_ctx = nullptr;
     ggml_backend_buffer_t            router_buf = nullptr;

@@ -246,6 +246,10 @@ bool moetier_cache::io_read(const moetier_io_task & task, int thread_id, std::st
     t.prec   = task.prec;
     t.expert = task.expert;
     t.slot   = task.slot;
+    if (task.proj != MOETIER_IO_ALL_PROJS) {
+        t.proj = task.proj; // a read of the load op, started early
+        return read_task(t, bb, err);
+    }
     bool ok = true;
     if (!l.file_order[task.prec].empty()) {
         t.proj = -1;
@@ -260,6 +264,50 @@ bool moetier_cache::io_read(const moetier_io_task & task, int thread_id, std::st
         pf_bytes_read.fetch_add(slot_bytes_unpadded(task.prec), std::memory_order_relaxed);
     }
     return ok;
+}
+
+bool moetier_cache::io_prep(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err) const noexcept {
+    const moetier_layer & l = *(const moetier_layer *) task.layer;
+    const std::vector<int32_t> & order = l.file_order[task.prec];
+    if (order.empty() || task.proj >= 0 || order.size() > 8) {
+        err = "io_uring: the expert is not one contiguous range of the store";
+        return false;
+    }
+    const moetier_proj & first = l.projs[order[0]];
+    rd.fd     = first.file->direct_fd();
+    rd.offset = first.expert_offset(task.expert, task.prec);
+    rd.n_iov  = (unsigned) order.size();
+    rd.bytes  = 0;
+    for (size_t k = 0; k < order.size(); ++k) {
+        const moetier_proj & p = l.projs[order[k]];
+        const ggml_tensor * pool = p.pool[task.prec];
+        rd.iov[k].iov_base = (uint8_t *) pool->data + (uint64_t) task.slot * pool->nb[2];
+        rd.iov[k].iov_len  = moetier_align_up(p.expert_bytes(task.prec));
+        rd.bytes += rd.iov[k].iov_len;
+    }
+    if (rd.fd < 0) {
+        err = format("%s: io_uring reads need O_DIRECT", first.file->path().c_str());
+        return false;
+    }
+    return true;
+}
+
+bool moetier_cache::io_finish(const moetier_io_task & task, std::string & err) noexcept {
+    const moetier_layer & l = *(const moetier_layer *) task.layer;
+    moetier_read_task t;
+    t.layer  = &l;
+    t.prec   = task.prec;
+    t.expert = task.expert;
+    t.slot   = task.slot;
+    for (const auto & p : l.projs) {
+        if (!verify(p, t, err)) {
+            return false;
+        }
+    }
+    if (task.proj == MOETIER_IO_ALL_PROJS) {
+        pf_bytes_read.fetch_add(slot_bytes_unpadded(task.prec), std::memory_order_relaxed);
+    }
+    return true;
 }
 
 void moetier_cache::add_prefetch_stats(moetier_prefetch_stats & out) const {
@@ -285,7 +333,7 @@ void moetier_cache::reset_prefetch_stats() {
 }
 
 //
-// model side: the stacked routers and the I/O threads
+// model side: the stacked routers and the I/O threads (which also serve the on-demand reads)
 //
 
 void moetier_model::init_prefetch(const llama_model & model) {
@@ -373,13 +421,52 @@ void moetier_model::init_prefetch(const llama_model & model) {
         }
     }
 
-    // a read task per predicted expert of up to p layers, with room for reads still in flight
-    const size_t capacity = (size_t) 4 * prefetch * n_expert + 64;
+    MOETIER_LOG_INFO("%s: prefetch: %d layers ahead by stacked routers\n", __func__, prefetch);
+}
+
+void moetier_model::init_io() {
+    if (io_threads <= 0) {
+        return;
+    }
+    // one layer's on-demand reads per group (a read per projection at most, both precisions), a
+    // read per predicted expert of up to p layers, and room for reads still in flight
+    size_t n_proj = 0;
+    bool   vectored = store != nullptr && store_file->direct_fd() >= 0;
+    for (const auto & l : layers) {
+        n_proj = std::max(n_proj, l->projs.size());
+        for (int prec = 0; prec < 2; ++prec) {
+            vectored = vectored && (!l->file_order[prec].empty() || l->cache->n_slots(prec) == 0);
+        }
+    }
+    const size_t capacity = caches.size() * 2 * n_proj * n_expert + (size_t) 4 * prefetch * n_expert + 64;
+
+    // io_uring when every read is one vectored O_DIRECT read of the store: the kernel reads while
+    // the compute threads run; else I/O threads
+    if (use_uring && vectored) {
+        auto ring = std::make_unique<moetier_uring>((unsigned) std::min<size_t>(capacity, 4096));
+        if (ring->ok()) {
+            io = std::make_unique<moetier_io_pool>(std::move(ring), io_threads, capacity,
+                [](const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err) {
+                    return ((moetier_cache *) task.owner)->io_prep(task, rd, err);
+                },
+                [](const moetier_io_task & task, std::string & err) {
+                    return ((moetier_cache *) task.owner)->io_finish(task, err);
+                });
+            for (auto & c : caches) {
+                c->set_io(io.get());
+            }
+            MOETIER_LOG_INFO("%s: io_uring: expert reads start at routing and overlap the compute that does not need them "
+                    "(prefetch: %d reads in flight)\n", __func__, io_threads);
+            return;
+        }
+        MOETIER_LOG_WARN("%s: %s; using %d I/O threads\n", __func__, ring->error().c_str(), io_threads);
+    }
     io = std::make_unique<moetier_io_pool>(io_threads, capacity, [](const moetier_io_task & task, int thread_id, std::string & err) {
         return ((moetier_cache *) task.owner)->io_read(task, thread_id, err);
     });
     for (auto & c : caches) {
         c->set_io(io.get());
     }
-    MOETIER_LOG_INFO("%s: prefetch: %d layers ahead by stacked routers, %d I/O threads\n", __func__, prefetch, io_threads);
+    MOETIER_LOG_INFO("%s: %d I/O threads: expert reads start at routing and overlap the compute that does not need them\n",
+            __func__, io_threads);
 }

@@ -50,7 +50,10 @@ struct moetier_params {
     float w_lhu;
     float w_fld;
     int32_t prefetch;         // layers predicted ahead by the stacked routers (HOBBIT sec. 3.3); 0 = off
-    int32_t io_threads;       // threads reading prefetched experts
+    int32_t io_threads;       // I/O threads: a layer's reads start on them when it is routed, and they serve
+                              // prefetch (0: the compute threads read). With io_uring: prefetch reads in flight
+    int32_t io_uring;         // 1: read with io_uring (no I/O threads) where the kernel allows it and every
+                              // read is one O_DIRECT range of a store; 0: I/O threads
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
     bool direct_io;           // O_DIRECT reads; refused by the file system -> buffered reads + a warning
@@ -64,7 +67,7 @@ MOETIER_API const struct moetier_params * moetier_params_from_strings(struct moe
                                                                       const char * policy);
 
 // Sets options of p from a comma-separated list "key=value,key=value": t1, t2, low_frac, w_lru,
-// w_lfu, w_lhu, w_fld (numbers), prefetch, io_threads (integers). Returns NULL on success, else a message naming the
+// w_lfu, w_lhu, w_fld (numbers), prefetch, io_threads, io_uring (integers). Returns NULL on success, else a message naming the
 // option and what is wrong (valid until the next call on this thread).
 MOETIER_API const char * moetier_params_set_opts(struct moetier_params * p, const char * opts);
 
@@ -94,7 +97,7 @@ struct moetier_layer_stats {
     uint64_t n_hits;
     uint64_t n_misses;
     uint64_t n_bytes_read;
-    uint64_t read_us;      // wall time of this layer's expert reads
+    uint64_t read_us;      // wall time this layer's compute waited for its expert reads (the load op)
     uint64_t n_hits_low;   // hits served by a cached low-precision version
     uint64_t n_loads_high; // misses read in high precision
     uint64_t n_loads_low;  // misses read in low precision
@@ -114,6 +117,7 @@ struct moetier_cache_info {
     uint64_t min_cache_bytes;// smallest budget accepted: one layer's experts per group
     bool     from_store;     // experts are read from a packed store, not from the GGUF
     bool     direct_io;      // reads bypass the page cache
+    bool     io_uring;       // reads run on an io_uring: they start at routing and overlap compute
 };
 
 // Prefetch counters (all zero without prefetch). Distances d = 1..MOETIER_MAX_PREFETCH: predictions

@@ -98,7 +98,8 @@ def test_store_of_another_model(packed: tuple[Path, Path], tiny_model: ModelFact
         Model(other, store=store, cache=CacheConfig.exact(budget="16M"))
 
 
-def test_corrupt_expert_data_fails_decode(packed: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("io_uring", [0, 1])
+def test_corrupt_expert_data_fails_decode(packed: tuple[Path, Path], io_uring: int) -> None:
     path, store = packed
     manifest = json.loads((store / "manifest.json").read_text())
     off = manifest["layers"][0]["projections"][0]["offset_high"]
@@ -107,7 +108,7 @@ def test_corrupt_expert_data_fails_decode(packed: tuple[Path, Path]) -> None:
     for o in off:  # every expert of layer 0, first projection: whatever is routed is corrupt
         raw[o + 5] ^= 0xFF
     data.write_bytes(bytes(raw))
-    m = Model(path, store=store, cache=CacheConfig.exact(budget="16M"))
+    m = Model(path, store=store, cache=CacheConfig.exact(budget="16M", io_uring=io_uring))
     with pytest.raises(ModelError, match=r"experts.bin.*checksum mismatch"):
         m.generate(LONG_PROMPT, max_tokens=4)
     # the failed slots are dropped, not cached: the next decode reads (and fails) again

@@ -67,7 +67,10 @@ def test_prefetch_config_errors() -> None:
     with pytest.raises(ConfigError, match="prefetch"):
         CacheConfig(budget="1M", prefetch=9)
     with pytest.raises(ConfigError, match="io_threads"):
-        CacheConfig(budget="1M", io_threads=0)
+        CacheConfig(budget="1M", io_threads=-1)
+    with pytest.raises(ConfigError, match="needs io_threads"):
+        CacheConfig(budget="1M", prefetch=1, io_threads=0)
+    CacheConfig(budget="1M", io_threads=0)  # the compute threads read
     with pytest.raises(ConfigError, match="integer"):
         CacheConfig(budget="1M", prefetch=1.5)  # type: ignore[arg-type]
 

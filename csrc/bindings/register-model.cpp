@@ -169,6 +169,43 @@ public:
     // and returns, for each graph tensor named in names (e.g. "ffn_norm-3", "ffn_moe_topk-3"), its
     // rows: {name: float32 [n_rows, ne0]} (I32 tensors converted). For calibration tools (moefy,
     // routing traces).
+    // names of the graph nodes in the order one decode of tokens runs them (the scheduler asks the
+    // eval callback about every node, in order)
+    std::vector<std::string> node_order(const std::vector<llama_token> & tokens) {
+        if (tokens.empty()) {
+            throw std::invalid_argument("node_order: no tokens");
+        }
+        for (llama_token t : tokens) {
+            check_token(t);
+        }
+        std::vector<std::string> names;
+        auto cb = [](ggml_tensor * t, bool ask, void * ud) -> bool {
+            if (ask) {
+                ((std::vector<std::string> *) ud)->push_back(ggml_get_name(t));
+            }
+            return false;
+        };
+        py::gil_scoped_release release;
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx             = (uint32_t) tokens.size();
+        cp.n_batch           = (uint32_t) tokens.size();
+        cp.n_ubatch          = (uint32_t) tokens.size();
+        cp.n_threads         = n_threads_;
+        cp.n_threads_batch   = n_threads_;
+        cp.no_perf           = true;
+        cp.cb_eval           = cb;
+        cp.cb_eval_user_data = &names;
+        std::unique_ptr<llama_context, context_deleter> c(llama_init_from_model(model_.get(), cp));
+        if (!c) {
+            throw std::runtime_error(path_ + ": node_order: failed to create a context");
+        }
+        std::vector<llama_token> tok = tokens;
+        if (llama_decode(c.get(), llama_batch_get_one(tok.data(), (int32_t) tok.size())) != 0) {
+            throw std::runtime_error(path_ + ": node_order: decode failed");
+        }
+        return names;
+    }
+
     py::dict collect(const std::vector<llama_token> & tokens, const std::vector<std::string> & names, int32_t n_chunk) {
         for (llama_token t : tokens) {
             check_token(t);
@@ -306,6 +343,7 @@ public:
         d["min_cache_bytes"] = info.min_cache_bytes;
         d["from_store"]      = info.from_store;
         d["direct_io"]       = info.direct_io;
+        d["io_uring"]        = info.io_uring;
         return d;
     }
 
@@ -394,6 +432,7 @@ void register_model(py::module_ & m) {
         .def("generate", &py_model::generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature") = 0.0f,
              py::arg("seed") = 0)
         .def("collect", &py_model::collect, py::arg("tokens"), py::arg("names"), py::arg("n_chunk") = 512)
+        .def("node_order", &py_model::node_order, py::arg("tokens"))
         .def("stats", &py_model::stats)
         .def("cache_info", &py_model::cache_info)
         .def("reset_stats", &py_model::reset_stats)

@@ -94,6 +94,7 @@ void register_store(py::module_ & m) {
         d["w_fld"]       = p.w_fld;
         d["prefetch"]    = p.prefetch;
         d["io_threads"]  = p.io_threads;
+        d["io_uring"]    = p.io_uring;
         d["low_type"]    = moetier_pack_default_params().low_type;
         return d;
     });

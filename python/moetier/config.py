@@ -89,7 +89,19 @@ class CacheConfig:
     )
     io_threads: int = field(
         default=int(_DEFAULTS["io_threads"]),
-        metadata={"help": "threads reading prefetched experts (they sleep when idle)"},
+        metadata={
+            "help": "I/O threads (they sleep when idle): a layer's expert reads start on them as soon as it is "
+            "routed, while the compute that does not need the experts (a shared expert) runs; they also serve "
+            "prefetch. 0: the compute threads read, after that compute. With io_uring: prefetch reads in flight"
+        },
+    )
+    io_uring: int = field(
+        default=int(_DEFAULTS["io_uring"]),
+        metadata={
+            "help": "1: read with io_uring where the kernel allows it and the experts come from a store with "
+            "O_DIRECT: the kernel reads while the compute threads run, no I/O thread takes their cores; "
+            "0: I/O threads"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -110,7 +122,7 @@ class CacheConfig:
         """The options as the C++ core (and --expert-opt of the shipped binaries) takes them."""
         keys = ("t1", "t2", "low_frac", "w_lru", "w_lfu", "w_lhu", "w_fld")
         out = [f"{k}={float(getattr(self, k))!r}" for k in keys]
-        for k in ("prefetch", "io_threads"):
+        for k in ("prefetch", "io_threads", "io_uring"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool):
                 msg = f"cache.{k}: {v!r} must be an integer"

@@ -180,6 +180,13 @@ class Model:
         except RuntimeError as e:
             raise ModelError(str(e)) from None
 
+    def graph_nodes(self, tokens: list[int]) -> list[str]:
+        """Names of the compute graph's nodes in the order one decode of tokens runs them."""
+        try:
+            return list(self._m.node_order(tokens))
+        except RuntimeError as e:
+            raise ModelError(str(e)) from None
+
     def generate(
         self, prompt: str | list[int], max_tokens: int = 64, temperature: float = 0.0, seed: int = 0
     ) -> GenerateResult:
