@@ -157,7 +157,7 @@ def split_of(scores: npt.NDArray[np.float32], t1: float, t2: float) -> dict[str,
     n = scores.size
     high = float(np.count_nonzero(scores <= t1)) / n
     low = float(np.count_nonzero((scores > t1) & (scores <= t2))) / n
-    return {"high": high, "low": low, "skip": 1.0 - high - low}
+    return {"high": high, "low": low, "skip": max(0.0, 1.0 - high - low)}
 
 
 def policy_candidates(grid: int) -> list[tuple[str, tuple[float, float, float, float]]]:
