@@ -229,14 +229,14 @@ void moetier_cache::finish_previous() noexcept {
     }
     for (int32_t i = 0; i < n_tasks; ++i) {
         moetier_read_task & t = tasks[i];
-        if (t.io_id >= 0 && !load_done) {
-            // the graph stopped before the load op: the read must end before the slot is reused
-            if (io->claim(t.io_id)) {
-                t.failed = true; // never read
-            } else {
-                t.failed = t.failed || io->wait(t.io_id) == MOETIER_IO_FAILED;
+        if (!load_done && !simulate) {
+            // the graph stopped before the load op (a failed read aborts it): nothing of this pass
+            // was read, or read and checked; a ring read must end before the slot is reused
+            if (t.io_id >= 0 && !io->claim(t.io_id)) {
+                io->wait(t.io_id);
                 io->release(t.io_id);
             }
+            t.failed = true;
         }
         t.io_id = -1;
         if (t.failed) {
@@ -581,11 +581,14 @@ void moetier_cache::load(int ith, int nth) noexcept {
                     }
                     continue;
                 }
-                if (io->wait(t.io_id) == MOETIER_IO_FAILED) {
-                    t.failed = true;
-                    set_error(io->error());
-                }
+                const bool failed = io->wait(t.io_id) == MOETIER_IO_FAILED;
                 io->release(t.io_id);
+                // once more, synchronously (a short or refused ring read; a bad store fails again,
+                // with the file named)
+                if (failed && !read_task(t, bb, err)) {
+                    t.failed = true;
+                    set_error(err);
+                }
             }
             wait_prefetched();
             load_done = true;
@@ -609,14 +612,31 @@ void moetier_cache::load(int ith, int nth) noexcept {
 }
 
 void moetier_cache::wait_prefetched() noexcept {
-    // prefetches of experts this layer needs that were still being read
+    // prefetches of experts this layer needs that were still being read; a failed one is read again
+    // here, synchronously, before the layer uses it
     for (auto & w : wait_ids) {
-        if (io->wait(w.id) == MOETIER_IO_FAILED) {
-            w.failed = true;
-            set_error(io->error());
-        }
+        const bool failed = io->wait(w.id) == MOETIER_IO_FAILED;
         io->release(w.id);
         w.id = -1;
+        if (!failed) {
+            continue;
+        }
+        moetier_read_task t;
+        t.layer  = task_layer;
+        t.prec   = w.prec;
+        t.expert = sets[w.prec].slot_key[w.slot].expert;
+        t.slot   = w.slot;
+        std::string err;
+        const bool whole = !task_layer->file_order[w.prec].empty();
+        bool ok = true;
+        for (size_t p = 0; ok && p < (whole ? 1 : task_layer->projs.size()); ++p) {
+            t.proj = whole ? -1 : (int32_t) p;
+            ok = read_task(t, bounce[0], err);
+        }
+        if (!ok) {
+            w.failed = true;
+            set_error(err);
+        }
     }
 }
 

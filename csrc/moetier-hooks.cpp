@@ -264,6 +264,11 @@ void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexc
                 }
                 if (d) {
                     dep.insert(t);
+                    if (moetier_writes_elsewhere(t)) {
+                        // what reads the written buffer later (e.g. the KV cache, through its own
+                        // view) must stay behind the write
+                        dep.insert(t->view_src);
+                    }
                     behind.push_back(t);
                 } else {
                     ahead.push_back(t);

@@ -3,6 +3,7 @@
 #include "moetier-impl.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 moetier_io_pool::moetier_io_pool(int n_threads, size_t capacity, read_fn fn_) : fn(std::move(fn_)) {
@@ -29,7 +30,7 @@ moetier_io_pool::moetier_io_pool(std::unique_ptr<moetier_uring> ring_, int depth
 }
 
 void moetier_io_pool::pump() {
-    bool queued = false;
+    round.clear();
     for (;;) {
         const bool pf = urgent.empty();
         if (pf && (queue.empty() || n_flight_pf >= depth_pf)) {
@@ -56,16 +57,31 @@ void moetier_io_pool::pump() {
         is_urgent_[id] = !pf;
         ++n_flight;
         n_flight_pf += pf;
-        queued = true;
+        round.push_back(id);
     }
-    if (queued && !ring->submit(false) && error_msg.empty()) {
-        error_msg = ring->error();
+    if (!round.empty() && !ring->submit(false)) {
+        // the reads the kernel did not take fail (the cache reads them again synchronously)
+        if (error_msg.empty()) {
+            error_msg = ring->error();
+        }
+        for (unsigned n = ring->rollback(); n > 0 && !round.empty(); --n) {
+            const int32_t id = round.back();
+            round.pop_back();
+            tasks[id].state = MOETIER_IO_FAILED;
+            --n_flight;
+            n_flight_pf -= is_urgent_[id] ? 0 : 1;
+        }
     }
 }
 
 void moetier_io_pool::reap(bool block) {
-    if (block && n_flight > 0 && !ring->submit(true) && error_msg.empty()) {
-        error_msg = ring->error();
+    if (block && n_flight > 0 && !ring->submit(true)) {
+        // cannot wait in the kernel: the reads in flight still write into their slots, so keep
+        // waiting for them, without spinning hot
+        if (error_msg.empty()) {
+            error_msg = ring->error();
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     uint64_t ud  = 0;
     int32_t  res = 0;
@@ -100,11 +116,7 @@ moetier_io_pool::~moetier_io_pool() {
         queue.clear();
         urgent.clear();
         while (n_flight > 0) {
-            const int before = n_flight;
-            reap(true);
-            if (n_flight == before && !ring->submit(true)) {
-                break;
-            }
+            reap(true); // the kernel writes into the slots until its reads end
         }
         return;
     }

@@ -111,6 +111,7 @@ private:
     finish_fn                        finish;
     std::vector<moetier_io_vec_read> reads;       // [capacity] io_uring reads (their iovecs live here)
     std::vector<uint8_t>             is_urgent_;  // [capacity]
+    std::vector<int32_t>             round;       // scratch of pump: ids prepared in this call
     int                              depth_pf = 1;
     int                              n_flight = 0;
     int                              n_flight_pf = 0;

@@ -111,6 +111,14 @@ bool moetier_uring::submit(bool wait) {
     }
 }
 
+unsigned moetier_uring::rollback() {
+    // no SQPOLL: the kernel reads submissions only inside io_uring_enter, so the tail can move back
+    const unsigned n = to_submit;
+    __atomic_store_n(sq_tail, *sq_tail - n, __ATOMIC_RELEASE);
+    to_submit = 0;
+    return n;
+}
+
 bool moetier_uring::pop(uint64_t & user_data, int32_t & res) {
     const unsigned head = *cq_head;
     if (head == __atomic_load_n(cq_tail, __ATOMIC_ACQUIRE)) {
@@ -130,5 +138,6 @@ moetier_uring::~moetier_uring() = default;
 bool moetier_uring::prep_readv(int, const iovec *, unsigned, uint64_t, uint64_t) { return false; }
 bool moetier_uring::submit(bool) { return false; }
 bool moetier_uring::pop(uint64_t &, int32_t &) { return false; }
+unsigned moetier_uring::rollback() { return 0; }
 
 #endif

@@ -33,6 +33,10 @@ public:
     // takes one completion; res: bytes read or -errno
     bool pop(uint64_t & user_data, int32_t & res);
 
+    // after a failed submit(): drops the queued reads the kernel has not taken; returns how many (the
+    // last ones prepared)
+    unsigned rollback();
+
 private:
     int         fd = -1;
     std::string err;
