@@ -621,19 +621,8 @@ void moetier_cache::wait_prefetched() noexcept {
         if (!failed) {
             continue;
         }
-        moetier_read_task t;
-        t.layer  = task_layer;
-        t.prec   = w.prec;
-        t.expert = sets[w.prec].slot_key[w.slot].expert;
-        t.slot   = w.slot;
         std::string err;
-        const bool whole = !task_layer->file_order[w.prec].empty();
-        bool ok = true;
-        for (size_t p = 0; ok && p < (whole ? 1 : task_layer->projs.size()); ++p) {
-            t.proj = whole ? -1 : (int32_t) p;
-            ok = read_task(t, bounce[0], err);
-        }
-        if (!ok) {
+        if (!read_expert(*task_layer, w.prec, sets[w.prec].slot_key[w.slot].expert, w.slot, bounce[0], err)) {
             w.failed = true;
             set_error(err);
         }

@@ -263,6 +263,9 @@ private:
     void    wait_prefetched() noexcept; // load op, thread 0: prefetches of this layer still being read
     void    mark_load_end() noexcept;
     bool    read_task(const moetier_read_task & t, moetier_aligned_buffer & bb, std::string & err) const noexcept;
+    // every projection of expert e into slot s (one vectored read when the store allows)
+    bool    read_expert(const moetier_layer & l, int32_t prec, int32_t e, int32_t s, moetier_aligned_buffer & bb,
+                        std::string & err) const noexcept;
     bool    use_prefetched(moetier_layer & layer, int32_t prec, int32_t e, int32_t s) noexcept; // false: read it now
     // the cached version of expert e that a need (see resolve) would use: a high one always, a low
     // one for low and skip needs; false if none

@@ -238,28 +238,25 @@ void moetier_cache::prefetch(moetier_layer & layer, const float * logits, int64_
     }
 }
 
-bool moetier_cache::io_read(const moetier_io_task & task, int thread_id, std::string & err) noexcept {
-    moetier_layer & l = *(moetier_layer *) task.layer;
-    moetier_aligned_buffer & bb = io_bounce[thread_id];
+bool moetier_cache::read_expert(const moetier_layer & l, int32_t prec, int32_t e, int32_t s, moetier_aligned_buffer & bb,
+                                std::string & err) const noexcept {
     moetier_read_task t;
     t.layer  = &l;
-    t.prec   = task.prec;
-    t.expert = task.expert;
-    t.slot   = task.slot;
-    if (task.proj != MOETIER_IO_ALL_PROJS) {
-        t.proj = task.proj; // a read of the load op, started early
-        return read_task(t, bb, err);
-    }
+    t.prec   = prec;
+    t.expert = e;
+    t.slot   = s;
+    const bool whole = !l.file_order[prec].empty();
     bool ok = true;
-    if (!l.file_order[task.prec].empty()) {
-        t.proj = -1;
+    for (size_t p = 0; ok && p < (whole ? 1 : l.projs.size()); ++p) {
+        t.proj = whole ? -1 : (int32_t) p;
         ok = read_task(t, bb, err);
-    } else {
-        for (size_t p = 0; ok && p < l.projs.size(); ++p) {
-            t.proj = (int32_t) p;
-            ok = read_task(t, bb, err);
-        }
     }
+    return ok;
+}
+
+bool moetier_cache::io_read(const moetier_io_task & task, int thread_id, std::string & err) noexcept {
+    // I/O threads serve prefetch only (on-demand reads go to them only in io_uring mode)
+    const bool ok = read_expert(*(const moetier_layer *) task.layer, task.prec, task.expert, task.slot, io_bounce[thread_id], err);
     if (ok) {
         pf_bytes_read.fetch_add(slot_bytes_unpadded(task.prec), std::memory_order_relaxed);
     }

@@ -169,6 +169,21 @@ public:
     // and returns, for each graph tensor named in names (e.g. "ffn_norm-3", "ffn_moe_topk-3"), its
     // rows: {name: float32 [n_rows, ne0]} (I32 tensors converted). For calibration tools (moefy,
     // routing traces).
+    // a context of n_ctx tokens (one batch) whose graph evaluation calls cb on every node
+    std::unique_ptr<llama_context, context_deleter> eval_context(uint32_t n_ctx, uint32_t n_ubatch, ggml_backend_sched_eval_callback cb,
+                                                                 void * ud) const {
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx             = n_ctx;
+        cp.n_batch           = n_ctx;
+        cp.n_ubatch          = n_ubatch;
+        cp.n_threads         = n_threads_;
+        cp.n_threads_batch   = n_threads_;
+        cp.no_perf           = true;
+        cp.cb_eval           = cb;
+        cp.cb_eval_user_data = ud;
+        return std::unique_ptr<llama_context, context_deleter>(llama_init_from_model(model_.get(), cp));
+    }
+
     // names of the graph nodes in the order one decode of tokens runs them (the scheduler asks the
     // eval callback about every node, in order)
     std::vector<std::string> node_order(const std::vector<llama_token> & tokens) {
@@ -186,16 +201,7 @@ public:
             return false;
         };
         py::gil_scoped_release release;
-        llama_context_params cp = llama_context_default_params();
-        cp.n_ctx             = (uint32_t) tokens.size();
-        cp.n_batch           = (uint32_t) tokens.size();
-        cp.n_ubatch          = (uint32_t) tokens.size();
-        cp.n_threads         = n_threads_;
-        cp.n_threads_batch   = n_threads_;
-        cp.no_perf           = true;
-        cp.cb_eval           = cb;
-        cp.cb_eval_user_data = &names;
-        std::unique_ptr<llama_context, context_deleter> c(llama_init_from_model(model_.get(), cp));
+        std::unique_ptr<llama_context, context_deleter> c = eval_context((uint32_t) tokens.size(), (uint32_t) tokens.size(), cb, &names);
         if (!c) {
             throw std::runtime_error(path_ + ": node_order: failed to create a context");
         }
@@ -253,16 +259,7 @@ public:
         };
         {
             py::gil_scoped_release release;
-            llama_context_params cp = llama_context_default_params();
-            cp.n_ctx             = (uint32_t) n_chunk;
-            cp.n_batch           = (uint32_t) n_chunk;
-            cp.n_ubatch          = (uint32_t) std::min(n_chunk, 512);
-            cp.n_threads         = n_threads_;
-            cp.n_threads_batch   = n_threads_;
-            cp.no_perf           = true;
-            cp.cb_eval           = cb;
-            cp.cb_eval_user_data = &col;
-            std::unique_ptr<llama_context, context_deleter> c(llama_init_from_model(model_.get(), cp));
+            std::unique_ptr<llama_context, context_deleter> c = eval_context((uint32_t) n_chunk, (uint32_t) std::min(n_chunk, 512), cb, &col);
             if (!c) {
                 throw std::runtime_error(path_ + ": collect: failed to create a context");
             }
