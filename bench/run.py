@@ -107,6 +107,23 @@ def run_worker(args: list[str], cap: MemoryCap | None, timeout: float) -> dict[s
     return out
 
 
+def prefetch_summary(pf: dict[str, Any] | None, tokens: int) -> dict[str, float] | None:
+    """Prefetch counters of one repeat per token, and the accuracy of the distance-1 predictions."""
+    if not pf or not pf.get("issued"):
+        return None
+    n = max(1, pf["predictions"][0]) if pf.get("predictions") else 1
+    return {
+        "reads_per_token": pf["issued"] / tokens,
+        "hits_per_token": pf["hits"] / tokens,
+        "cancelled_per_token": pf["cancelled"] / tokens,
+        "wasted_per_token": pf["wasted"] / tokens,
+        "bytes_per_token": pf["bytes_read"] / tokens,
+        "bytes_wasted_per_token": pf["bytes_wasted"] / tokens,
+        "top1": pf["top1"][0] / n if pf.get("top1") else 0.0,
+        "allk": pf["allk"][0] / n if pf.get("allk") else 0.0,
+    }
+
+
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and spread over repeats of the per-repeat means over prompts."""
     ok = [r for r in results if "error" not in r]
@@ -135,6 +152,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
         "cgroup_peak_bytes": max((r.get("cgroup_peak_bytes", 0) for r in ok), default=0),
         "token_ids": [run["token_ids"] for run in ok[-1]["runs"]],
+        "prefetch": prefetch_summary(ok[-1].get("prefetch"), tokens),
         "errors": [r["error"] for r in results if "error" in r],
     }
 
@@ -314,6 +332,23 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         )
         if s["disk_read_per_token"] > 0:
             s["io_bound_tok_s"] = bound_bytes / s["disk_read_per_token"]
+    pf_rows = [
+        f"| {name} | {p['reads_per_token']:.1f} | {p['hits_per_token']:.1f} | {p['cancelled_per_token']:.1f} "
+        f"| {p['wasted_per_token']:.1f} | {p['bytes_per_token'] / 1e6:.2f} | {p['bytes_wasted_per_token'] / 1e6:.2f} "
+        f"| {p['top1']:.2f} | {p['allk']:.2f} |"
+        for name in names
+        if name in runs and (p := runs[name].get("prefetch"))
+    ]
+    if pf_rows:
+        rows += [
+            "",
+            "prefetch (per token; accuracy of the predictions one layer ahead):",
+            "",
+            "| config | reads | used | cancelled (queued) | wasted (read, unused) | MB read | MB wasted "
+            "| top-1 | all-k |",
+            "|" + "---|" * 9,
+            *pf_rows,
+        ]
     text = (
         f"model `{Path(report['model']).name}`: {report['model_bytes'] / MiB:.0f} MiB, experts "
         f"{report['expert_bytes'] / MiB:.0f} MiB, token embedding {report.get('embedding_bytes', 0) / MiB:.0f} MiB; "

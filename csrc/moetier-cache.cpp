@@ -72,6 +72,8 @@ moetier_cache::moetier_cache(int32_t n_expert, const int32_t n_slots[2], const m
 
     need.assign(n_expert, 0);
     pred_need.assign(n_expert, 0);
+    pred_w.assign(n_expert, 0.0f);
+    pred_rank.reserve(n_expert);
     tasks.resize((size_t) 2 * n_expert * shapes.size());
     bounce.resize(MOETIER_MAX_THREADS);
 }

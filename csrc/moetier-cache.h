@@ -318,6 +318,8 @@ private:
     std::vector<std::pair<int32_t, int32_t>> zombies; // (prec, slot) unneeded prefetches still being read
     std::vector<moetier_aligned_buffer> io_bounce; // per I/O thread
     std::vector<uint8_t>               pred_need; // scratch [n_expert]
+    std::vector<float>                 pred_w;    // scratch [n_expert]: highest predicted weight
+    std::vector<int32_t>               pred_rank; // scratch: predicted experts, surest first
     moetier_prefetch_stats             pf = {};   // resolve-side counters (thread 0)
     std::atomic<uint64_t>              pf_bytes_read{0};
 

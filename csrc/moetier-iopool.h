@@ -75,6 +75,9 @@ public:
 
     int n_threads() const { return ring ? 1 : (int) threads.size(); }
 
+    // how many prefetches read at once: the ring's prefetch depth, or one per I/O thread
+    int prefetch_depth() const { return ring ? depth_pf : (int) threads.size(); }
+
     // queues a read; returns its task id, or -1 if every entry is in use. Urgent reads go before
     // every prefetch, in the order they were submitted.
     int32_t submit(const moetier_io_task & task, bool is_urgent = false);

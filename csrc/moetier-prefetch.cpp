@@ -4,11 +4,11 @@
 // At layer L, after its experts are loaded, one matmul of L's gate input with the routers of the
 // next p layers stacked ([n_embd, p * n_expert]) predicts their experts. Walking forward, a layer
 // whose predicted experts are all cached has them held against eviction, and the walk goes on; the
-// first layer with a missing one gets background reads on the I/O threads (in the precision the rule
-// gives the predicted weights), held too, and the walk stops. When a layer resolves, its needed
-// experts that a prefetch is still reading are waited for (or, if the read has not started, read
-// at once by the compute threads: on-demand reads go first); queued prefetches it does not need are
-// cancelled, and the ones already read are counted as waste.
+// first layer with a missing one gets background reads (in the precision the rule gives the
+// predicted weights; the surest predictions first, only as many as are read at once), held too, and
+// the walk stops. When a layer resolves, its needed experts that a prefetch is still reading are
+// waited for (or, if the read has not started, read at once: on-demand reads go first); queued
+// prefetches it does not need are cancelled, and the ones already read are counted as waste.
 
 #include "moetier-cache.h"
 #include "moetier-impl.h"
@@ -157,10 +157,16 @@ void moetier_cache::prefetch(moetier_layer & layer, const float * logits, int64_
     int32_t top[64];
     float   w[64];
     uint8_t lv[64];
+    // reads started per walk: one per prefetch lane. More would wait in the queue, each holding a
+    // slot it evicted a cached expert for, and a wrong one is cancelled when its layer resolves:
+    // the eviction is all that is left of it.
+    const int32_t max_reads = std::max(1, io->prefetch_depth());
+    int32_t n_reads = 0;
     bool walking = true;
     for (size_t j = 0; j < layer.next.size(); ++j) {
         moetier_layer & T = *layer.next[j];
         std::fill(pred_need.begin(), pred_need.end(), 0);
+        std::fill(pred_w.begin(), pred_w.end(), 0.0f);
         for (int64_t t = 0; t < n_tokens; ++t) {
             const float * row = (const float *) ((const char *) logits + t * nb1) + j * E;
             const int32_t k = moetier_top_k(row, E, n_used_last, top);
@@ -176,6 +182,7 @@ void moetier_cache::prefetch(moetier_layer & layer, const float * logits, int64_
             moetier_precision_levels(rule, w, k, lv);
             for (int32_t i = 0; i < k; ++i) {
                 pred_need[top[i]] = std::max<uint8_t>(pred_need[top[i]], lv[i] + 1);
+                pred_w[top[i]]    = std::max(pred_w[top[i]], w[i]);
             }
             if (n_tokens == 1 && j < T.pred_pass.size()) {
                 // a prediction made j + 1 layers ahead, checked when T resolves in this pass
@@ -189,12 +196,17 @@ void moetier_cache::prefetch(moetier_layer & layer, const float * logits, int64_
         if (!walking) {
             continue;
         }
-        bool all_cached = true;
+        // surest first: with few reads in flight, the likeliest experts are the ones read
+        pred_rank.clear();
         for (int32_t e = 0; e < E; ++e) {
-            const uint8_t nd = pred_need[e];
-            if (nd == 0) {
-                continue;
+            if (pred_need[e] > 0) {
+                pred_rank.push_back(e);
             }
+        }
+        std::stable_sort(pred_rank.begin(), pred_rank.end(), [&](int32_t a, int32_t b) { return pred_w[a] > pred_w[b]; });
+        bool all_cached = true;
+        for (const int32_t e : pred_rank) {
+            const uint8_t nd = pred_need[e];
             // held against eviction until T runs: the cached version the rule would use
             int32_t prec = MOETIER_HIGH;
             int32_t s    = -1;
@@ -209,6 +221,9 @@ void moetier_cache::prefetch(moetier_layer & layer, const float * logits, int64_
                 continue; // would be skipped on a miss
             }
             all_cached = false;
+            if (n_reads == max_reads) {
+                continue;
+            }
             prec = nd == 2 && sets[MOETIER_LOW].n_slots() > 0 ? MOETIER_LOW : MOETIER_HIGH;
             moetier_pool_set & set = sets[prec];
             const moetier_key key = { T.il, e };
@@ -233,6 +248,7 @@ void moetier_cache::prefetch(moetier_layer & layer, const float * logits, int64_
             set.pf_hold[s] = 1;
             T.prefetched.push_back({ prec, s });
             ++pf.n_issued;
+            ++n_reads;
         }
         walking = all_cached;
     }

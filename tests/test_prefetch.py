@@ -80,3 +80,20 @@ def test_no_prefetch_no_counters(model_and_store: tuple[Path, Path]) -> None:
     m = Model(path, cache=CacheConfig.exact("64M"))
     m.generate("hello", max_tokens=4)
     assert m.prefetch_stats().issued == 0 and m.prefetch_stats().predictions == ()
+
+
+def test_prefetch_reads_per_layer_at_most_in_flight(model_and_store: tuple[Path, Path]) -> None:
+    """A walk starts at most io_threads reads (one per prefetch lane, surest prediction first): more
+    would sit in the queue holding slots they evicted cached experts for."""
+    path, store = model_and_store
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    n_walks = 5 * (1 + 16)  # layers with a next layer x (prefill + decode steps)
+    issued = {}
+    for lanes in (1, 4):
+        m = Model(path, store=store, cache=CacheConfig.exact(budget=lo, prefetch=1, io_threads=lanes))
+        assert m.generate(tokens, max_tokens=16).tokens == stock.generate(tokens, max_tokens=16).tokens
+        _settled(m)
+        issued[lanes] = m.prefetch_stats().issued
+    assert issued[1] <= n_walks < issued[4], issued
