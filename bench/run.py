@@ -35,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import moetier
 from cgroup import MemoryCap, available
 from moetier import CacheConfig, Model
 
@@ -108,7 +109,7 @@ def run_worker(args: list[str], cap: MemoryCap | None, timeout: float) -> dict[s
 
 
 def prefetch_summary(pf: dict[str, Any] | None, tokens: int) -> dict[str, float] | None:
-    """Prefetch counters of one repeat per token, and the accuracy of the distance-1 predictions."""
+    """Prefetch counters of one generation per token, and the accuracy of the distance-1 predictions."""
     if not pf or not pf.get("issued"):
         return None
     n = max(1, pf["predictions"][0]) if pf.get("predictions") else 1
@@ -152,7 +153,10 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
         "cgroup_peak_bytes": max((r.get("cgroup_peak_bytes", 0) for r in ok), default=0),
         "token_ids": [run["token_ids"] for run in ok[-1]["runs"]],
-        "prefetch": prefetch_summary(ok[-1].get("prefetch"), tokens),
+        # the counters cover the last generation (each resets them)
+        "prefetch": prefetch_summary(
+            ok[-1].get("prefetch"), ok[-1]["runs"][-1]["tokens"] + ok[-1]["runs"][-1]["prompt_tokens"]
+        ),
         "errors": [r["error"] for r in results if "error" in r],
     }
 
@@ -218,12 +222,16 @@ def main() -> None:
         "non_expert_bytes": non_expert,
         "embedding_bytes": embedding,
         "min_cache_bytes": int(info["min_cache_bytes"]),
+        # which build ran (the workers inherit this interpreter's environment): a stale installed
+        # package and a fresh build tree give different numbers
+        "moetier": str(Path(moetier.__file__).parent),
         "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg(), "platform": platform.platform()},
         "disk_odirect_bytes_per_s": bw,
         "config": vars(a),
         "variants": [v[0] for v in variants],
         "runs": {},
     }
+    print(f"moetier from {report['moetier']}", file=sys.stderr)
     print(f"disk O_DIRECT at {expert_bytes // n_experts / 1024:.0f} KiB: {bw / 1e6:.0f} MB/s", file=sys.stderr)
 
     def measure(name: str, extra: list[str], cap_bytes: int | None) -> dict[str, Any]:

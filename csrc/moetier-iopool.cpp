@@ -145,6 +145,8 @@ int32_t moetier_io_pool::submit(const moetier_io_task & task, bool is_urgent) {
         tasks[id].state = MOETIER_IO_QUEUED;
         (is_urgent ? urgent : queue).push_back(id);
         if (ring) {
+            // reads that ended since the last call still hold their prefetch lanes until reaped
+            reap(false);
             pump();
             return id;
         }
