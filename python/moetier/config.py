@@ -90,9 +90,10 @@ class CacheConfig:
     io_threads: int = field(
         default=int(_DEFAULTS["io_threads"]),
         metadata={
-            "help": "I/O threads (they sleep when idle): a layer's expert reads start on them as soon as it is "
-            "routed, while the compute that does not need the experts (a shared expert) runs; they also serve "
-            "prefetch. 0: the compute threads read, after that compute. With io_uring: prefetch reads in flight"
+            "help": "prefetch lanes: with io_uring, prefetch reads in flight on the ring; without it, I/O threads "
+            "(they sleep when idle) that read prefetches while the compute threads read a layer's misses. A "
+            "prefetch walk starts at most this many reads, the surest predictions first. 0: no background "
+            "reads (prefetch needs 1 or more)"
         },
     )
     io_uring: int = field(
