@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, Model, PackConfig, pack
+from moetier import CacheConfig, ConfigError, ContextConfig, Model, PackConfig, pack
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +61,37 @@ def test_overlap_output_equals_stock(model_and_store: tuple[Path, Path]) -> None
             res = m.generate(tokens, max_tokens=16)
             assert res.tokens == ref
             assert res.stats.misses > 0 and res.stats.bytes_read > 0
+
+
+def test_overlap_keeps_kv_cache_reads_behind_writes(model_and_store: tuple[Path, Path]) -> None:
+    """With an F32 KV cache, flash attention casts the cache views to F16: casts that depend on the
+    cache only, not on this token. Moved ahead of the load op they would read the cache before this
+    token's keys and values are written into it; they must stay behind the write."""
+    path, store = model_and_store
+    ctx = ContextConfig(n_ctx=512, type_k="f32", type_v="f32", flash_attn="on")
+    stock = Model(path, context=ctx)
+    tokens = stock.tokenize(LONG_PROMPT)
+    ref = stock.generate(tokens, max_tokens=16).tokens
+    lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    m = Model(path, store=store, cache=CacheConfig.exact(lo, io_uring=1), context=ctx)
+    if not m.cache_info()["io_uring"]:
+        pytest.skip("the kernel refuses io_uring here (no reorder)")
+    nodes = m.graph_nodes(tokens[:1])
+    for il in range(1, int(m.cache_info()["n_layers"])):
+        # layer il writes this token into its cache after layer il - 1's experts were loaded; the
+        # casts that read it stay behind that load
+        for kv in ("k", "v"):
+            cast = _index(nodes, f"cache_{kv}_l{il} (view) (permuted) (copy)")
+            assert cast > _index(nodes, f"moetier_load-{il - 1}")
+    np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-4)
+    assert m.generate(tokens, max_tokens=16).tokens == ref
+
+
+def test_context_config_errors(model_and_store: tuple[Path, Path]) -> None:
+    path, _ = model_and_store
+    with pytest.raises(ConfigError, match="flash_attn"):
+        ContextConfig(flash_attn="yes")
+    with pytest.raises(ConfigError, match="type_k"):
+        ContextConfig(type_k="")
+    with pytest.raises(ConfigError, match="unknown ggml type 'f99'"):
+        Model(path, context=ContextConfig(type_v="f99"))

@@ -28,8 +28,12 @@ class py_model {
 public:
     py_model(const std::string & path, uint64_t cache_bytes, const std::string & store_dir, const std::string & policy,
              bool direct_io, uint32_t n_ctx, int32_t n_threads, uint32_t n_batch, uint32_t n_ubatch, bool repack,
-             const std::string & opts)
-            : path_(path), store_(store_dir), policy_(policy), n_threads_(n_threads) {
+             const std::string & opts, const std::string & type_k, const std::string & type_v, int flash_attn)
+            : path_(path), store_(store_dir), policy_(policy), n_threads_(n_threads),
+              type_k_(kv_type_of("type_k", type_k)), type_v_(kv_type_of("type_v", type_v)), flash_attn_(flash_attn) {
+        if (flash_attn < -1 || flash_attn > 1) {
+            throw std::invalid_argument("flash_attn: expected -1 (auto), 0 (off) or 1 (on)");
+        }
         moetier_params mp = moetier_default_params();
         mp.cache_bytes = cache_bytes;
         mp.direct_io   = direct_io;
@@ -66,6 +70,7 @@ public:
         cp.n_threads       = n_threads;
         cp.n_threads_batch = n_threads;
         cp.no_perf         = true;
+        set_attention(cp);
         llama_context * c = llama_init_from_model(m, cp);
         if (!c) {
             throw std::runtime_error(path + ": failed to create a context: " + moetier_py_last_logged_error());
@@ -181,6 +186,7 @@ public:
         cp.no_perf           = true;
         cp.cb_eval           = cb;
         cp.cb_eval_user_data = ud;
+        set_attention(cp);
         return std::unique_ptr<llama_context, context_deleter>(llama_init_from_model(model_.get(), cp));
     }
 
@@ -414,15 +420,38 @@ private:
     std::unique_ptr<llama_model, model_deleter>     model_;
     std::unique_ptr<llama_context, context_deleter> ctx_;
     const llama_vocab * vocab_ = nullptr;
+
+    ggml_type type_k_;
+    ggml_type type_v_;
+    int       flash_attn_;
+
+    static ggml_type kv_type_of(const char * what, const std::string & name) {
+        for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+            const char * n = ggml_type_name((ggml_type) t);
+            if (n != nullptr && name == n) {
+                return (ggml_type) t;
+            }
+        }
+        throw std::invalid_argument(std::string(what) + ": unknown ggml type '" + name + "' (e.g. f16, f32, bf16, q8_0)");
+    }
+
+    // every context of the model (generation, collect, node_order) attends the same way
+    void set_attention(llama_context_params & cp) const {
+        cp.type_k          = type_k_;
+        cp.type_v          = type_v_;
+        cp.flash_attn_type = (llama_flash_attn_type) flash_attn_;
+    }
 };
 
 } // namespace
 
 void register_model(py::module_ & m) {
     py::class_<py_model>(m, "Model")
-        .def(py::init<const std::string &, uint64_t, const std::string &, const std::string &, bool, uint32_t, int32_t, uint32_t, uint32_t, bool, const std::string &>(),
+        .def(py::init<const std::string &, uint64_t, const std::string &, const std::string &, bool, uint32_t, int32_t, uint32_t,
+                      uint32_t, bool, const std::string &, const std::string &, const std::string &, int>(),
              py::arg("path"), py::arg("cache_bytes"), py::arg("store_dir"), py::arg("policy"), py::arg("direct_io"),
-             py::arg("n_ctx"), py::arg("n_threads"), py::arg("n_batch"), py::arg("n_ubatch"), py::arg("repack") = true, py::arg("opts") = "")
+             py::arg("n_ctx"), py::arg("n_threads"), py::arg("n_batch"), py::arg("n_ubatch"), py::arg("repack") = true, py::arg("opts") = "", py::arg("type_k") = "f16",
+             py::arg("type_v") = "f16", py::arg("flash_attn") = -1)
         .def("tokenize", &py_model::tokenize, py::arg("text"), py::arg("add_special") = true)
         .def("detokenize", &py_model::detokenize, py::arg("tokens"))
         .def("logits", &py_model::logits, py::arg("tokens"))

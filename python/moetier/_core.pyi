@@ -68,6 +68,9 @@ class Model:
         n_ubatch: int,
         repack: bool = ...,
         opts: str = ...,
+        type_k: str = ...,
+        type_v: str = ...,
+        flash_attn: int = ...,
     ) -> None: ...
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
     def detokenize(self, tokens: list[int]) -> bytes: ...

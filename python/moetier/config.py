@@ -162,6 +162,10 @@ class CacheConfig:
         return int(self.budget)  # normalised to bytes in __post_init__
 
 
+# ContextConfig.flash_attn -> llama_flash_attn_type
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
 @dataclass(frozen=True)
 class ContextConfig:
     """The llama.cpp context a Model runs in."""
@@ -173,13 +177,28 @@ class ContextConfig:
     )
     n_batch: int = field(default=512, metadata={"help": "logical batch size for prompt processing"})
     n_ubatch: int = field(default=512, metadata={"help": "physical batch size (tokens per graph run)"})
+    type_k: str = field(
+        default="f16", metadata={"help": "KV cache type of the keys (a ggml type: f16, f32, q8_0, ...)"}
+    )
+    type_v: str = field(
+        default="f16",
+        metadata={"help": "KV cache type of the values (a ggml type; a quantized one needs flash attention)"},
+    )
+    flash_attn: str = field(default="auto", metadata={"help": "flash attention: auto (llama.cpp decides), on or off"})
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if f.type in ("str", str):
+                if not isinstance(v, str) or not v:
+                    msg = f"context.{f.name}: {v!r} must be a non-empty string"
+                    raise ConfigError(msg)
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 msg = f"context.{f.name}: {v!r} must be a positive integer"
                 raise ConfigError(msg)
+        if self.flash_attn not in FLASH_ATTN:
+            msg = f"context.flash_attn: {self.flash_attn!r} must be one of {', '.join(FLASH_ATTN)}"
+            raise ConfigError(msg)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -11,8 +12,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _core
-from .config import CacheConfig, ContextConfig
-from .errors import ModelError, StoreError
+from .config import FLASH_ATTN, CacheConfig, ContextConfig
+from .errors import ConfigError, ModelError, StoreError
 
 
 @dataclass(frozen=True)
@@ -130,11 +131,10 @@ class Model:
             raise StoreError(msg)
         ctx = context or ContextConfig()
         if n_ctx is not None or n_threads is not None:
-            ctx = ContextConfig(
+            ctx = dataclasses.replace(
+                ctx,
                 n_ctx=n_ctx if n_ctx is not None else ctx.n_ctx,
                 n_threads=n_threads if n_threads is not None else ctx.n_threads,
-                n_batch=ctx.n_batch,
-                n_ubatch=ctx.n_ubatch,
             )
         self.cache = cache
         self.context = ctx
@@ -152,7 +152,13 @@ class Model:
                 ctx.n_ubatch,
                 repack,
                 cache.opts() if cache else "",
+                ctx.type_k,
+                ctx.type_v,
+                FLASH_ATTN[ctx.flash_attn],
             )
+        except ValueError as e:  # e.g. a KV cache type the core does not know
+            msg = f"{self.path}: {e}"
+            raise ConfigError(msg) from None
         except RuntimeError as e:
             text = str(e)
             if self.store is not None and str(self.store) in text:
