@@ -203,25 +203,32 @@ void moetier_cache::prefetch(moetier_layer & layer, const float * logits, int64_
                 pred_rank.push_back(e);
             }
         }
-        std::stable_sort(pred_rank.begin(), pred_rank.end(), [&](int32_t a, int32_t b) { return pred_w[a] > pred_w[b]; });
+        std::sort(pred_rank.begin(), pred_rank.end(), [&](int32_t a, int32_t b) {
+            return pred_w[a] != pred_w[b] ? pred_w[a] > pred_w[b] : a < b;
+        });
+        // the cached ones are held against eviction until T runs (all of them, before any read
+        // takes a slot: a read must not evict a predicted expert of the same walk)
         bool all_cached = true;
         for (const int32_t e : pred_rank) {
-            const uint8_t nd = pred_need[e];
-            // held against eviction until T runs: the cached version the rule would use
             int32_t prec = MOETIER_HIGH;
             int32_t s    = -1;
-            if (cached_version(T, e, nd, prec, s)) {
+            if (cached_version(T, e, pred_need[e], prec, s)) {
                 if (!sets[prec].pf_hold[s]) {
                     sets[prec].pf_hold[s] = 1;
                     T.prefetched.push_back({ prec, s });
                 }
-                continue;
+            } else if (pred_need[e] > 1) { // a low need is skipped on a miss
+                all_cached = false;
             }
-            if (nd == 1) {
-                continue; // would be skipped on a miss
-            }
-            all_cached = false;
+        }
+        for (const int32_t e : pred_rank) {
+            const uint8_t nd = pred_need[e];
             if (n_reads == max_reads) {
+                break;
+            }
+            int32_t prec = MOETIER_HIGH;
+            int32_t s    = -1;
+            if (nd == 1 || cached_version(T, e, nd, prec, s)) {
                 continue;
             }
             prec = nd == 2 && sets[MOETIER_LOW].n_slots() > 0 ? MOETIER_LOW : MOETIER_HIGH;

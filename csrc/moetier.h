@@ -52,7 +52,8 @@ struct moetier_params {
     int32_t prefetch;         // layers predicted ahead by the stacked routers (HOBBIT sec. 3.3); 0 = off
     int32_t io_threads;       // prefetch lanes: reads in flight on the io_uring, or I/O threads that read
                               // prefetches (the compute threads read the misses); a prefetch walk starts at most
-                              // this many reads. 0: no background reads
+                              // this many reads. 0: no I/O pool (no io_uring, no prefetch): the compute
+                              // threads read every miss
     int32_t io_uring;         // 1: read with io_uring (no I/O threads) where the kernel allows it and every
                               // read is one O_DIRECT range of a store; 0: I/O threads
 

@@ -93,5 +93,9 @@ def test_context_config_errors(model_and_store: tuple[Path, Path]) -> None:
         ContextConfig(flash_attn="yes")
     with pytest.raises(ConfigError, match="type_k"):
         ContextConfig(type_k="")
-    with pytest.raises(ConfigError, match="unknown ggml type 'f99'"):
+    with pytest.raises(ConfigError, match="'f99' is not a KV cache type"):
         Model(path, context=ContextConfig(type_v="f99"))
+    with pytest.raises(ConfigError, match="'iq2_xxs' is not a KV cache type"):
+        Model(path, context=ContextConfig(type_k="iq2_xxs"))
+    with pytest.raises(ConfigError, match="needs flash attention"):
+        ContextConfig(type_v="q8_0", flash_attn="off")

@@ -89,7 +89,7 @@ def test_prefetch_reads_per_layer_at_most_in_flight(model_and_store: tuple[Path,
     stock = Model(path)
     tokens = stock.tokenize(LONG_PROMPT)
     lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
-    n_walks = 5 * (1 + 16)  # layers with a next layer x (prefill + decode steps)
+    n_walks = 5 * 16  # layers with a next layer x graph runs (the prompt, then 15 decodes)
     issued = {}
     for lanes in (1, 4):
         m = Model(path, store=store, cache=CacheConfig.exact(budget=lo, prefetch=1, io_threads=lanes))

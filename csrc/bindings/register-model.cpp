@@ -426,13 +426,20 @@ private:
     int       flash_attn_;
 
     static ggml_type kv_type_of(const char * what, const std::string & name) {
-        for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
-            const char * n = ggml_type_name((ggml_type) t);
-            if (n != nullptr && name == n) {
-                return (ggml_type) t;
+        // the types the KV cache can hold (llama.cpp's common/arg.cpp kv_cache_types): others fail
+        // deep in llama.cpp, or abort in compute
+        static const ggml_type kv_types[] = {
+            GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
+            GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
+        };
+        std::string names;
+        for (ggml_type t : kv_types) {
+            if (name == ggml_type_name(t)) {
+                return t;
             }
+            names += std::string(names.empty() ? "" : ", ") + ggml_type_name(t);
         }
-        throw std::invalid_argument(std::string(what) + ": unknown ggml type '" + name + "' (e.g. f16, f32, bf16, q8_0)");
+        throw std::invalid_argument(std::string(what) + ": '" + name + "' is not a KV cache type (one of " + names + ")");
     }
 
     // every context of the model (generation, collect, node_order) attends the same way

@@ -92,8 +92,8 @@ class CacheConfig:
         metadata={
             "help": "prefetch lanes: with io_uring, prefetch reads in flight on the ring; without it, I/O threads "
             "(they sleep when idle) that read prefetches while the compute threads read a layer's misses. A "
-            "prefetch walk starts at most this many reads, the surest predictions first. 0: no background "
-            "reads (prefetch needs 1 or more)"
+            "prefetch walk starts at most this many reads, the surest predictions first. 0: no I/O "
+            "pool at all: the compute threads read every miss, no io_uring, no prefetch"
         },
     )
     io_uring: int = field(
@@ -198,6 +198,9 @@ class ContextConfig:
                 raise ConfigError(msg)
         if self.flash_attn not in FLASH_ATTN:
             msg = f"context.flash_attn: {self.flash_attn!r} must be one of {', '.join(FLASH_ATTN)}"
+            raise ConfigError(msg)
+        if self.flash_attn == "off" and self.type_v not in ("f32", "f16", "bf16"):
+            msg = f"context.type_v: a quantized value cache ({self.type_v}) needs flash attention (auto or on)"
             raise ConfigError(msg)
 
 
