@@ -137,3 +137,23 @@ def _text(tmp_path: Path) -> Path:
     p = tmp_path / "corpus.txt"
     p.write_text(LONG_PROMPT * 4)
     return p
+
+
+def test_calibrate_searches_the_pool_split(moe: Path, tmp_path: Path) -> None:
+    """With a store whose low copies the thresholds use, the share of the budget for low slots is
+    searched by replay too; the config gets the split with the fewest bytes read."""
+    from moetier import PackConfig, pack
+
+    store = pack(moe, tmp_path / "s", PackConfig(low_type="q4_0"), progress=False)
+    budget = 3 * int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    cfg = CalibrateConfig(tokens=96, seq_len=32, grid=2, target_low=0.5)
+    rep = calibrate(moe, LONG_PROMPT * 3, budget, tmp_path / "m.cache.json", cfg, store=store)
+    splits = rep["low_frac_search"]
+    assert [r["low_frac"] for r in splits] == [0.05, 0.1, 0.15, 0.25, 0.4]
+    assert len({r["n_slots_low"] for r in splits}) > 1  # the splits differ
+    best = min(splits, key=lambda r: r["bytes_read"])
+    assert rep["config"]["low_frac"] == best["low_frac"]
+    assert rep["policies"][0]["bytes_read"] == best["bytes_read"]
+    # a given split is kept
+    rep = calibrate(moe, LONG_PROMPT * 3, budget, tmp_path / "n.cache.json", cfg, store=store, low_frac=0.3)
+    assert rep["config"]["low_frac"] == 0.3 and len(rep["low_frac_search"]) == 1

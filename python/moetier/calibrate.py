@@ -6,9 +6,11 @@
 2. Precision thresholds (HOBBIT sec. 3.2): the distribution of the unimportance scores (eq. 2)
    over the trace; t1 and t2 are the score quantiles that put `target_low` of the selections in low
    precision and `target_skip` in skip. A PNG shows the distribution and the split.
-3. Policy weights (sec. 3.4): the trace is replayed at the budget through the engine's own cache
-   code (C++, no reads) for every weight vector on a grid and the single policies; the lowest miss
-   penalty (bytes that would be read) wins. Penalties are reported relative to random replacement.
+3. Policy weights (sec. 3.4) and the pool split: the trace is replayed at the budget through the
+   engine's own cache code (C++, no reads) for every weight vector on a grid and the single
+   policies, at each share of the budget for low-precision slots (`low_frac`, when the store has low
+   copies and the thresholds use them); the lowest miss penalty (bytes that would be read) wins.
+   Penalties are reported relative to random replacement.
 4. A JSON config file that `CacheConfig.from_file`, `moetier run --cache-config` and `moetier serve
    --cache-config` load.
 """
@@ -214,6 +216,11 @@ def search_policy(
     return rows
 
 
+# low_frac candidates: low copies serve the less important selections, which come back less often
+# than the important ones, so small low pools tend to win; past ~0.4 the high pool starves
+LOW_FRACS = (0.05, 0.1, 0.15, 0.25, 0.4)
+
+
 def plot_scores(scores: npt.NDArray[np.float32], t1: float, t2: float, out: Path) -> bool:
     """Histogram of the non-top-1 scores with the thresholds; False if matplotlib is missing."""
     try:
@@ -258,10 +265,31 @@ def calibrate(
     trace_path = trace.save(outp.with_name(outp.stem + ".trace.npz"))
     scores = scores_of(trace)
     t1, t2 = choose_thresholds(scores, cfg.target_low, cfg.target_skip)
-    lf = low_frac if low_frac is not None else CacheConfig(budget=budget).low_frac
-    cache = CacheConfig(budget=budget, t1=t1, t2=t2, low_frac=lf)
-    info = Model(model_path, store=store, cache=cache, n_threads=n_threads).cache_info()
-    rows = search_policy(trace, info, t1, t2, cfg.grid, progress)
+    # the split of the budget is searched only where low copies are read at all
+    uses_low = store is not None and t1 < min(t2, 1.0)
+    fracs = [CacheConfig(budget=budget).low_frac] if not uses_low else list(LOW_FRACS)
+    if low_frac is not None:
+        fracs = [low_frac]
+    splits: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    lf = fracs[0]
+    for i, f in enumerate(fracs):
+        cache = CacheConfig(budget=budget, t1=t1, t2=t2, low_frac=f)
+        info = Model(model_path, store=store, cache=cache, n_threads=n_threads).cache_info()
+        step = (lambda done, total, i=i: progress(i * total + done, len(fracs) * total)) if progress else None
+        r = search_policy(trace, info, t1, t2, cfg.grid, step)
+        splits.append(
+            {
+                "low_frac": f,
+                "n_slots": int(info["n_slots"]),
+                "n_slots_low": int(info.get("n_slots_low", 0)),
+                "policy": r[0]["policy"],
+                "weights": r[0]["weights"],
+                "bytes_read": r[0]["bytes_read"],
+            }
+        )
+        if not rows or r[0]["bytes_read"] < rows[0]["bytes_read"]:
+            rows, lf = r, f
     best = rows[0]
     w = dict(zip(("w_lru", "w_lfu", "w_lhu", "w_fld"), best["weights"], strict=True))
     config = {"budget": cache.budget_bytes, "policy": best["policy"], "t1": t1, "t2": t2, "low_frac": lf, **w}
@@ -274,6 +302,7 @@ def calibrate(
         "plot_path": str(plot) if plot_scores(scores, t1, t2, plot) else None,
         "split": split_of(scores, t1, t2),
         "tokens": int(trace.ids.shape[0]),
+        "low_frac_search": splits,
         "policies": rows,
     }
     outp.with_name(outp.stem + ".report.json").write_text(json.dumps(report, indent=1) + "\n")

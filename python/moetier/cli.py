@@ -132,6 +132,16 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         hit = r["hits"] / r["lookups"] if r["lookups"] else 0.0
         pen = r["penalty_vs_random"]
         sys.stdout.write(f"| {r['policy']} | {w} | {_fmt_bytes(r['bytes_read'])} | {pen:.3f} | {100 * hit:.1f}% |\n")
+    if len(rep["low_frac_search"]) > 1:
+        sys.stdout.write(
+            f"\nlow_frac {rep['config']['low_frac']} (the policy table is at it):\n"
+            "| low_frac | slots high / low | best policy | bytes read |\n|---|---|---|---|\n"
+        )
+        for r in rep["low_frac_search"]:
+            sys.stdout.write(
+                f"| {r['low_frac']} | {r['n_slots']} / {r['n_slots_low']} | {r['policy']} "
+                f"{', '.join(f'{x:.2f}' for x in r['weights'])} | {_fmt_bytes(r['bytes_read'])} |\n"
+            )
     sys.stderr.write(
         f"moetier: wrote {rep['config_path']} (trace {rep['trace_path']}"
         + (f", plot {rep['plot_path']})" if rep["plot_path"] else ", no plot: matplotlib is not installed)")
@@ -301,7 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--corpus", nargs="+", required=True, help="calibration text file(s), not the evaluation text")
     c.add_argument("--budget", required=True, help="expert cache budget the policy is tuned for, e.g. 256M")
     c.add_argument("--store", default=None, help="expert store (gives the low-precision sizes; default: none)")
-    c.add_argument("--low-frac", type=float, default=None, help="share of the budget for low-precision slots")
+    c.add_argument(
+        "--low-frac",
+        type=float,
+        default=None,
+        help="share of the budget for low-precision slots (default: searched by replay, with a store whose "
+        "low copies the thresholds use)",
+    )
     c.add_argument("-o", "--output", default=None, help="config file to write (default: MODEL.cache.json)")
     c.add_argument("--show", type=int, default=12, help="policy table rows to print (default: 12)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
