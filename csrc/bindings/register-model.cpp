@@ -63,15 +63,7 @@ public:
         model_.reset(m);
         vocab_ = llama_model_get_vocab(m);
 
-        llama_context_params cp = llama_context_default_params();
-        cp.n_ctx           = n_ctx;
-        cp.n_batch         = n_batch;
-        cp.n_ubatch        = n_ubatch;
-        cp.n_threads       = n_threads;
-        cp.n_threads_batch = n_threads;
-        cp.no_perf         = true;
-        set_attention(cp);
-        llama_context * c = llama_init_from_model(m, cp);
+        llama_context * c = llama_init_from_model(m, context_params(n_ctx, n_batch, n_ubatch));
         if (!c) {
             throw std::runtime_error(path + ": failed to create a context: " + moetier_py_last_logged_error());
         }
@@ -177,16 +169,9 @@ public:
     // a context of n_ctx tokens (one batch) whose graph evaluation calls cb on every node
     std::unique_ptr<llama_context, context_deleter> eval_context(uint32_t n_ctx, uint32_t n_ubatch, ggml_backend_sched_eval_callback cb,
                                                                  void * ud) const {
-        llama_context_params cp = llama_context_default_params();
-        cp.n_ctx             = n_ctx;
-        cp.n_batch           = n_ctx;
-        cp.n_ubatch          = n_ubatch;
-        cp.n_threads         = n_threads_;
-        cp.n_threads_batch   = n_threads_;
-        cp.no_perf           = true;
+        llama_context_params cp = context_params(n_ctx, n_ctx, n_ubatch);
         cp.cb_eval           = cb;
         cp.cb_eval_user_data = ud;
-        set_attention(cp);
         return std::unique_ptr<llama_context, context_deleter>(llama_init_from_model(model_.get(), cp));
     }
 
@@ -442,11 +427,19 @@ private:
         throw std::invalid_argument(std::string(what) + ": '" + name + "' is not a KV cache type (one of " + names + ")");
     }
 
-    // every context of the model (generation, collect, node_order) attends the same way
-    void set_attention(llama_context_params & cp) const {
+    // every context of the model (generation, collect, node_order): the same threads and attention
+    llama_context_params context_params(uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch) const {
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx           = n_ctx;
+        cp.n_batch         = n_batch;
+        cp.n_ubatch        = n_ubatch;
+        cp.n_threads       = n_threads_;
+        cp.n_threads_batch = n_threads_;
+        cp.no_perf         = true;
         cp.type_k          = type_k_;
         cp.type_v          = type_v_;
         cp.flash_attn_type = (llama_flash_attn_type) flash_attn_;
+        return cp;
     }
 };
 
