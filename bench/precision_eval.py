@@ -44,11 +44,11 @@ def load_split(trace: Trace, info: dict[str, Any], t1: float, t2: float) -> dict
         t2,
         list(trace.seq_starts),
     )
-    loads = max(1, c["loads_high"] + c["loads_low"])
+    loads = max(1, c.n_loads_high + c.n_loads_low)
     return {
-        "loads_low": c["loads_low"] / loads,
-        "skipped": c["skipped"] / max(1, c["lookups"]),
-        "mb_per_token": c["bytes_read"] / trace.ids.shape[0] / 1e6,
+        "loads_low": c.n_loads_low / loads,
+        "skipped": c.n_skipped / max(1, c.n_lookups),
+        "mb_per_token": c.n_bytes_read / trace.ids.shape[0] / 1e6,
     }
 
 

@@ -110,18 +110,18 @@ def run_worker(args: list[str], cap: MemoryCap | None, timeout: float) -> dict[s
 
 def prefetch_summary(pf: dict[str, Any] | None, tokens: int) -> dict[str, float] | None:
     """Prefetch counters of one generation per token, and the accuracy of the distance-1 predictions."""
-    if not pf or not pf.get("issued"):
+    if not pf or not pf.get("n_issued"):
         return None
-    n = max(1, pf["predictions"][0]) if pf.get("predictions") else 1
+    n = max(1, pf["n_pred"][0])
     return {
-        "reads_per_token": pf["issued"] / tokens,
-        "hits_per_token": pf["hits"] / tokens,
-        "cancelled_per_token": pf["cancelled"] / tokens,
-        "wasted_per_token": pf["wasted"] / tokens,
+        "reads_per_token": pf["n_issued"] / tokens,
+        "hits_per_token": pf["n_hits"] / tokens,
+        "cancelled_per_token": pf["n_cancelled"] / tokens,
+        "wasted_per_token": pf["n_wasted"] / tokens,
         "bytes_per_token": pf["bytes_read"] / tokens,
         "bytes_wasted_per_token": pf["bytes_wasted"] / tokens,
-        "top1": pf["top1"][0] / n if pf.get("top1") else 0.0,
-        "allk": pf["allk"][0] / n if pf.get("allk") else 0.0,
+        "top1": pf["n_top1"][0] / n,
+        "allk": pf["n_allk"][0] / n,
     }
 
 
@@ -138,15 +138,15 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
     tokens = sum(run["tokens"] + run["prompt_tokens"] for run in ok[-1]["runs"])
-    lookups = sum(run["lookups"] for run in ok[-1]["runs"])
-    hits = sum(run["hits"] for run in ok[-1]["runs"])
+    lookups = sum(run["n_lookups"] for run in ok[-1]["runs"])
+    hits = sum(run["n_hits"] for run in ok[-1]["runs"])
     return {
         "repeats": len(ok),
         "decode_tok_s": stat(per_repeat("decode_tok_s")),
         "prefill_tok_s": stat(per_repeat("prefill_tok_s")),
         "ttft_s": stat(per_repeat("ttft_s")),
         "hit_rate": hits / lookups if lookups else None,
-        "bytes_read_per_token": sum(run["bytes_read"] for run in ok[-1]["runs"]) / tokens,
+        "bytes_read_per_token": sum(run["n_bytes_read"] for run in ok[-1]["runs"]) / tokens,
         "disk_read_per_token": statistics.median(r["disk_read_bytes"] / tokens for r in ok),
         "major_faults_per_token": statistics.median(r["major_faults"] / tokens for r in ok),
         "rss_anon_bytes": max(r["rss_anon_bytes"] for r in ok),

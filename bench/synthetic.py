@@ -14,8 +14,8 @@ import os
 import statistics
 from pathlib import Path
 
-from moetier import CacheConfig, ContextConfig, Model
-from moetier.tiny import write_tiny_model
+from moetier import CacheConfig, CacheStats, ContextConfig, Model
+from moetier.tools.tiny import write_tiny_model
 
 PROMPT = "The expert cache reads the experts of each MoE layer on demand from the disk. " * 3
 
@@ -28,7 +28,7 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def run(model: Model, n: int, repeats: int) -> tuple[float, float, object]:
+def run(model: Model, n: int, repeats: int) -> tuple[float, float, CacheStats | None]:
     """Median decode tok/s over repeats (first run is the warm-up), hit rate and stats of the last."""
     rates, hit = [], 0.0
     stats = None
@@ -96,8 +96,8 @@ def main() -> None:
         m = Model(path, cache=CacheConfig(budget=budget), context=ctx)
         rate, hit, s = run(m, a.n, a.repeats)
         assert s is not None
-        mb_tok = s.bytes_read / 1e6 / a.n  # type: ignore[attr-defined]
-        bw = s.bytes_read / 1e6 / s.read_seconds if s.read_seconds else 0.0  # type: ignore[attr-defined]
+        mb_tok = s.total.n_bytes_read / 1e6 / a.n
+        bw = s.total.n_bytes_read / 1e6 / s.read_seconds if s.read_seconds else 0.0
         print(
             f"| moetier {pct}% ({budget / 2**20:.0f} MiB) | {rate:.2f} | {rate / base:.2f} | {100 * hit:.1f}% "
             f"| {mb_tok:.2f} | {bw:.0f} |"

@@ -4,12 +4,12 @@ model with or without the expert cache, warms up once, generates on each prompt,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from moetier import CacheConfig, ContextConfig, Model
 
@@ -53,7 +53,7 @@ def main() -> None:
     a = p.parse_args()
 
     t0 = time.perf_counter()
-    opts: dict[str, float | int] = {}
+    opts: dict[str, Any] = {}  # CacheConfig fields of several types
     for k, v in (kv.split("=", 1) for kv in a.opts.split(",") if kv):
         if k == "repack":  # a model option, not a cache one: repack=0 is --no-repack
             a.no_repack = a.no_repack or v == "0"
@@ -82,9 +82,9 @@ def main() -> None:
                 "prefill_tok_s": r.prefill_tokens_per_second,
                 "decode_tok_s": r.decode_tokens_per_second,
                 "decode_s": r.decode_seconds,
-                "lookups": r.stats.lookups,
-                "hits": r.stats.hits,
-                "bytes_read": r.stats.bytes_read,
+                "n_lookups": r.stats.n_lookups,
+                "n_hits": r.stats.n_hits,
+                "n_bytes_read": r.stats.n_bytes_read,
                 "read_s": r.stats.read_seconds,
                 "token_ids": r.tokens,
             }
@@ -98,7 +98,7 @@ def main() -> None:
         "rss_anon_bytes": status_bytes("RssAnon"),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "cache_info": m.cache_info(),
-        "prefetch": dataclasses.asdict(m.prefetch_stats()),
+        "prefetch": m.prefetch_stats()._asdict(),
         "runs": runs,
     }
     json.dump(out, sys.stdout)

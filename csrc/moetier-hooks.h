@@ -1,11 +1,13 @@
 #pragma once
 
 // The only moetier header that the patched llama.cpp includes. Each hook is a thin adapter: the
-// patch passes upstream objects in and uses the result; the logic lives in csrc/.
+// patch passes upstream objects in and uses the result; the logic lives in csrc/ (the model in
+// moetier-model, the graph in moetier-graph).
 //
 // Load-time hooks throw std::runtime_error, as llama.cpp's loader does (llama_model_load catches
-// and reports it); graph hooks and custom-op bodies are noexcept.
+// and reports it); graph hooks are noexcept.
 
+#include "moetier-graph.h"
 #include "moetier.h"
 
 #include <cstddef>
@@ -17,43 +19,59 @@
 struct ggml_cgraph;
 struct ggml_context;
 struct ggml_tensor;
+struct llama_model;
 struct moetier_model;
 
 struct moetier_model_deleter {
     void operator()(moetier_model * m) const;
 };
+
 using moetier_model_ptr = std::unique_ptr<moetier_model, moetier_model_deleter>;
 
 // llama_model_load, before the loader: nullptr if params is NULL or the cache is off. Served experts
 // must never be faulted in: the loader keeps them out of the mapping's prefetch, and mmap+mlock
 // becomes read+mlock (*load_mode).
-moetier_model_ptr moetier_hook_model_init(const moetier_params * params, const std::string & fname,
-                                          const std::vector<std::string> & splits, int * load_mode);
+moetier_model_ptr moetier_hook_model_init(const moetier_params *           params,
+                                          const std::string &              fname,
+                                          const std::vector<std::string> & splits,
+                                          int *                            load_mode);
 
 // llama_model_loader::create_tensor: the data-less tensor of a served expert tensor, or nullptr
-ggml_tensor * moetier_hook_create_tensor(moetier_model * m, const std::string & name, const ggml_tensor * cur,
-                                         uint16_t file_idx, size_t offs);
+ggml_tensor * moetier_hook_create_tensor(moetier_model *     m,
+                                         const std::string & name,
+                                         const ggml_tensor * cur,
+                                         uint16_t            file_idx,
+                                         size_t              offs);
 
-struct llama_model;
-
-// llama_model_load, after load_tensors: allocates the slot pools from the budget and, with
-// prefetch, stacks the routers of the loaded model
+// llama_model_load, after load_tensors: allocates the slot pools from the budget, starts the I/O
+// pool and, with prefetch, stacks the routers of the loaded model
 void moetier_hook_model_loaded(llama_model & model);
 
 // build_moe_ffn, once the top-k ids and their weights exist: if the layer's experts are served,
 // inserts the resolve and load ops, points the expert tensors at the high-precision slot pools and
-// returns the slot ids that the mul_mat_ids must use; otherwise returns selected_experts unchanged.
-// weights: the gate weights of the selected experts [1, n_expert_used, n_tokens] (they decide the
-// precision of a miss); cur: the gate input [n_embd, n_tokens] (the stacked routers of the next layers
-// run on it for prefetch); warmup: cparams.warmup.
-ggml_tensor * moetier_hook_moe_ids(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * selected_experts, ggml_tensor * weights, bool warmup,
-                                   ggml_tensor ** up_exps, ggml_tensor ** gate_exps, ggml_tensor ** down_exps,
-                                   ggml_tensor ** gate_up_exps) noexcept;
+// returns the slot ids that the mul_mat_ids must use (moe.ids); otherwise moe.ids is
+// selected_experts. weights: the gate weights of the selected experts [1, n_expert_used, n_tokens]
+// (they decide the precision of a miss); cur: the gate input [n_embd, n_tokens] (the stacked routers
+// of the next layers run on it for prefetch); warmup: cparams.warmup. The caller keeps the result
+// for moetier_hook_mul_mat_id.
+moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
+                                 ggml_tensor *  cur,
+                                 ggml_tensor *  selected_experts,
+                                 ggml_tensor *  weights,
+                                 bool           warmup,
+                                 ggml_tensor ** up_exps,
+                                 ggml_tensor ** gate_exps,
+                                 ggml_tensor ** down_exps,
+                                 ggml_tensor ** gate_up_exps) noexcept;
 
-// build_moe_ffn, after each mul_mat_id: cur = mul_mat_id(as, b, slot ids). If as is a high-precision
-// pool whose group also has low-precision slots, returns cur + mul_mat_id(low pool, b, low slot ids)
+// build_moe_ffn, after each mul_mat_id: cur = mul_mat_id(as, b, moe.ids). If as is a high-precision
+// pool whose group also has low-precision slots, returns cur + mul_mat_id(low pool, b, moe.low_ids)
 // (each row comes from exactly one of them; the other is zero); otherwise returns cur.
-ggml_tensor * moetier_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * as, ggml_tensor * b) noexcept;
+ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
+                                      const moetier_moe & moe,
+                                      ggml_tensor *       cur,
+                                      ggml_tensor *       as,
+                                      ggml_tensor *       b) noexcept;
 
 // llama_model::build_graph, once the graph is complete (before it is allocated): with io_uring, the
 // reads of a served layer start at its routing, so the nodes that do not need its experts (a

@@ -2,16 +2,17 @@
 
 #include "moetier-impl.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fcntl.h>
 #include <new>
 #include <stdexcept>
-#include <sys/stat.h>
-#include <sys/uio.h>
-#include <unistd.h>
 
 void moetier_aligned_deleter::operator()(void * p) const {
     free(p);
@@ -21,7 +22,7 @@ void moetier_aligned_buffer::reserve(size_t n) {
     if (n <= size) {
         return;
     }
-    n = moetier_align_up(n);
+    n        = moetier_align_up(n);
     void * p = nullptr;
     if (posix_memalign(&p, MOETIER_ALIGN, n) != 0) {
         throw std::bad_alloc();
@@ -46,11 +47,14 @@ moetier_file::moetier_file(const std::string & path, bool direct_io) : path_(pat
 #ifdef O_DIRECT
         fd_direct_ = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
         if (fd_direct_ < 0) {
-            MOETIER_LOG_WARN("%s: %s: O_DIRECT refused (%s); reading through the page cache and dropping the pages after each read\n",
-                    __func__, path.c_str(), strerror(errno));
+            MOETIER_LOG_WARN(
+                "%s: %s: O_DIRECT refused (%s); reading through the page cache and dropping the pages after each "
+                "read\n",
+                __func__, path.c_str(), strerror(errno));
         }
 #else
-        MOETIER_LOG_WARN("%s: %s: O_DIRECT is not available on this platform; using buffered reads\n", __func__, path.c_str());
+        MOETIER_LOG_WARN("%s: %s: O_DIRECT is not available on this platform; using buffered reads\n", __func__,
+                         path.c_str());
 #endif
     }
     direct_ = fd_direct_ >= 0;
@@ -66,8 +70,8 @@ moetier_file::~moetier_file() {
 }
 
 bool moetier_file::pread_full(int fd, void * dst, uint64_t offset, size_t n, std::string & err) const {
-    uint8_t * p = (uint8_t *) dst;
-    size_t done = 0;
+    uint8_t * p    = (uint8_t *) dst;
+    size_t    done = 0;
     while (done < n) {
         const ssize_t r = pread(fd, p + done, n - done, (off_t) (offset + done));
         if (r < 0) {
@@ -75,7 +79,7 @@ bool moetier_file::pread_full(int fd, void * dst, uint64_t offset, size_t n, std
                 continue;
             }
             err = format("%s: read of %zu bytes at offset %llu failed: %s", path_.c_str(), n,
-                    (unsigned long long) offset, strerror(errno));
+                         (unsigned long long) offset, strerror(errno));
             return false;
         }
         if (r == 0) {
@@ -85,16 +89,20 @@ bool moetier_file::pread_full(int fd, void * dst, uint64_t offset, size_t n, std
     }
     if (done < n) {
         err = format("%s: file is truncated: wanted %zu bytes at offset %llu, file has %llu bytes", path_.c_str(), n,
-                (unsigned long long) offset, (unsigned long long) size_);
+                     (unsigned long long) offset, (unsigned long long) size_);
         return false;
     }
     return true;
 }
 
-bool moetier_file::read(void * dst, uint64_t offset, size_t n, moetier_aligned_buffer & bounce, std::string & err) const {
+bool moetier_file::read(void *                   dst,
+                        uint64_t                 offset,
+                        size_t                   n,
+                        moetier_aligned_buffer & bounce,
+                        std::string &            err) const {
     if (offset + n > size_) {
         err = format("%s: file is truncated: wanted %zu bytes at offset %llu, file has %llu bytes", path_.c_str(), n,
-                (unsigned long long) offset, (unsigned long long) size_);
+                     (unsigned long long) offset, (unsigned long long) size_);
         return false;
     }
     if (!direct_) {
@@ -109,7 +117,8 @@ bool moetier_file::read(void * dst, uint64_t offset, size_t n, moetier_aligned_b
 
     // O_DIRECT: transfers must be block aligned in address, offset and length; the tail of the last
     // block may lie past EOF, where pread returns short, which is fine as long as [offset, offset+n) came
-    const bool aligned = ((uintptr_t) dst % MOETIER_ALIGN) == 0 && offset % MOETIER_ALIGN == 0 && n % MOETIER_ALIGN == 0;
+    const bool aligned =
+        ((uintptr_t) dst % MOETIER_ALIGN) == 0 && offset % MOETIER_ALIGN == 0 && n % MOETIER_ALIGN == 0;
     if (aligned) {
         return pread_full(fd_direct_, dst, offset, n, err);
     }
@@ -117,15 +126,15 @@ bool moetier_file::read(void * dst, uint64_t offset, size_t n, moetier_aligned_b
     const uint64_t a_begin = offset / MOETIER_ALIGN * MOETIER_ALIGN;
     const uint64_t a_end   = moetier_align_up(offset + n);
     const size_t   chunk   = bounce.size;
-    GGML_ASSERT(chunk >= 2*MOETIER_ALIGN);
+    GGML_ASSERT(chunk >= 2 * MOETIER_ALIGN);
 
     uint8_t * out = (uint8_t *) dst;
     for (uint64_t pos = a_begin; pos < a_end; pos += chunk) {
-        const size_t want = (size_t) std::min<uint64_t>(chunk, a_end - pos);
+        const size_t   want = (size_t) std::min<uint64_t>(chunk, a_end - pos);
         // bytes of [offset, offset+n) inside [pos, pos+want)
-        const uint64_t lo = std::max<uint64_t>(pos, offset);
-        const uint64_t hi = std::min<uint64_t>(pos + want, offset + n);
-        size_t got = 0;
+        const uint64_t lo   = std::max<uint64_t>(pos, offset);
+        const uint64_t hi   = std::min<uint64_t>(pos + want, offset + n);
+        size_t         got  = 0;
         while (got < want) {
             const ssize_t r = pread(fd_direct_, (uint8_t *) bounce.data.get() + got, want - got, (off_t) (pos + got));
             if (r < 0) {
@@ -133,7 +142,7 @@ bool moetier_file::read(void * dst, uint64_t offset, size_t n, moetier_aligned_b
                     continue;
                 }
                 err = format("%s: read of %zu bytes at offset %llu failed: %s", path_.c_str(), want,
-                        (unsigned long long) (pos + got), strerror(errno));
+                             (unsigned long long) (pos + got), strerror(errno));
                 return false;
             }
             if (r == 0) {
@@ -153,19 +162,19 @@ bool moetier_file::read(void * dst, uint64_t offset, size_t n, moetier_aligned_b
 bool moetier_file::readv(const moetier_iovec * iov, int n, uint64_t offset, std::string & err) const {
     GGML_ASSERT(n > 0 && n <= 8);
     struct iovec v[8];
-    size_t total = 0;
+    size_t       total = 0;
     for (int i = 0; i < n; ++i) {
         v[i].iov_base = iov[i].base;
         v[i].iov_len  = iov[i].len;
         total += iov[i].len;
     }
     if (offset + total > size_) {
-        err = format("%s: file is truncated: wanted %zu bytes at offset %llu, file has %llu bytes", path_.c_str(), total,
-                (unsigned long long) offset, (unsigned long long) size_);
+        err = format("%s: file is truncated: wanted %zu bytes at offset %llu, file has %llu bytes", path_.c_str(),
+                     total, (unsigned long long) offset, (unsigned long long) size_);
         return false;
     }
     const int fd = direct_ ? fd_direct_ : fd_;
-    ssize_t r;
+    ssize_t   r;
     do {
         r = preadv(fd, v, n, (off_t) offset);
     } while (r < 0 && errno == EINTR);
@@ -179,7 +188,7 @@ bool moetier_file::readv(const moetier_iovec * iov, int n, uint64_t offset, std:
     }
     if (r < 0) {
         err = format("%s: read of %zu bytes at offset %llu failed: %s", path_.c_str(), total,
-                (unsigned long long) offset, strerror(errno));
+                     (unsigned long long) offset, strerror(errno));
         return false;
     }
     // short read: finish destination by destination

@@ -21,7 +21,7 @@ struct moetier_aligned_deleter {
 // page-aligned heap buffer, as O_DIRECT needs for its destination
 struct moetier_aligned_buffer {
     std::unique_ptr<void, moetier_aligned_deleter> data;
-    size_t size = 0;
+    size_t                                         size = 0;
 
     // throws std::bad_alloc
     void reserve(size_t n);
@@ -31,12 +31,12 @@ struct moetier_aligned_buffer {
 // reads bypass the page cache: an expert read once must not stay resident behind the cache's back
 // (that is what a memory cap counts). Otherwise reads are buffered and the pages are dropped after.
 class moetier_file {
-public:
+  public:
     // throws std::runtime_error naming the path
     moetier_file(const std::string & path, bool direct_io);
     ~moetier_file();
 
-    moetier_file(const moetier_file &) = delete;
+    moetier_file(const moetier_file &)             = delete;
     moetier_file & operator=(const moetier_file &) = delete;
 
     // Reads n bytes at offset into dst. Aligned transfers go straight into dst; others use bounce
@@ -49,16 +49,19 @@ public:
     bool readv(const moetier_iovec * iov, int n, uint64_t offset, std::string & err) const;
 
     const std::string & path() const { return path_; }
-    int      direct_fd() const { return fd_direct_; } // -1 if the file is read through the page cache
-    uint64_t size()   const { return size_; }
-    bool     direct() const { return direct_; }
 
-private:
+    int direct_fd() const { return fd_direct_; }  // -1 if the file is read through the page cache
+
+    uint64_t size() const { return size_; }
+
+    bool direct() const { return direct_; }
+
+  private:
     bool pread_full(int fd, void * dst, uint64_t offset, size_t n, std::string & err) const;
 
     std::string path_;
-    int      fd_        = -1; // buffered
-    int      fd_direct_ = -1; // O_DIRECT, -1 if refused
-    uint64_t size_      = 0;
-    bool     direct_    = false;
+    int         fd_        = -1;  // buffered
+    int         fd_direct_ = -1;  // O_DIRECT, -1 if refused
+    uint64_t    size_      = 0;
+    bool        direct_    = false;
 };

@@ -17,9 +17,15 @@ moetier_io_pool::moetier_io_pool(int n_threads, size_t capacity, read_fn fn_) : 
     }
 }
 
-moetier_io_pool::moetier_io_pool(std::unique_ptr<moetier_uring> ring_, int depth_prefetch, size_t capacity, prep_fn prep_,
-                                 finish_fn finish_)
-        : ring(std::move(ring_)), prep(std::move(prep_)), finish(std::move(finish_)), depth_pf(std::max(1, depth_prefetch)) {
+moetier_io_pool::moetier_io_pool(std::unique_ptr<moetier_uring> ring_,
+                                 int                            depth_prefetch,
+                                 size_t                         capacity,
+                                 prep_fn                        prep_,
+                                 finish_fn                      finish_) :
+    ring(std::move(ring_)),
+    prep(std::move(prep_)),
+    finish(std::move(finish_)),
+    depth_pf(std::max(1, depth_prefetch)) {
     tasks.resize(capacity);
     reads.resize(capacity);
     is_urgent_.assign(capacity, 0);
@@ -36,11 +42,11 @@ void moetier_io_pool::pump() {
         if (pf && (queue.empty() || n_flight_pf >= depth_pf)) {
             break;
         }
-        std::deque<int32_t> & q = pf ? queue : urgent;
-        const int32_t id = q.front();
-        std::string err;
+        std::deque<int32_t> & q  = pf ? queue : urgent;
+        const int32_t         id = q.front();
+        std::string           err;
         moetier_io_vec_read & rd = reads[id];
-        rd = moetier_io_vec_read{};
+        rd                       = moetier_io_vec_read{};
         if (!prep(tasks[id], rd, err)) {
             q.pop_front();
             tasks[id].state = MOETIER_IO_FAILED;
@@ -50,11 +56,11 @@ void moetier_io_pool::pump() {
             continue;
         }
         if (!ring->prep_readv(rd.fd, rd.iov, rd.n_iov, rd.offset, (uint64_t) id)) {
-            break; // the ring is full: the next completion makes room
+            break;  // the ring is full: the next completion makes room
         }
         q.pop_front();
         tasks[id].state = MOETIER_IO_RUNNING;
-        is_urgent_[id] = !pf;
+        is_urgent_[id]  = !pf;
         ++n_flight;
         n_flight_pf += pf;
         round.push_back(id);
@@ -85,14 +91,15 @@ void moetier_io_pool::reap(bool block) {
     }
     uint64_t ud  = 0;
     int32_t  res = 0;
-    bool any = false;
+    bool     any = false;
     while (ring->pop(ud, res)) {
-        const int32_t id = (int32_t) ud;
+        const int32_t               id = (int32_t) ud;
         const moetier_io_vec_read & rd = reads[id];
-        std::string err;
-        bool ok = res >= 0 && (size_t) res == rd.bytes;
+        std::string                 err;
+        bool                        ok = res >= 0 && (size_t) res == rd.bytes;
         if (!ok) {
-            err = res < 0 ? format("read failed: %s", strerror(-res)) : format("short read: %d of %zu bytes", res, rd.bytes);
+            err = res < 0 ? format("read failed: %s", strerror(-res)) :
+                            format("short read: %d of %zu bytes", res, rd.bytes);
         } else {
             ok = finish(tasks[id], err);
         }
@@ -116,7 +123,7 @@ moetier_io_pool::~moetier_io_pool() {
         queue.clear();
         urgent.clear();
         while (n_flight > 0) {
-            reap(true); // the kernel writes into the slots until its reads end
+            reap(true);  // the kernel writes into the slots until its reads end
         }
         return;
     }
@@ -141,7 +148,7 @@ int32_t moetier_io_pool::submit(const moetier_io_task & task, bool is_urgent) {
         }
         id = free_ids.back();
         free_ids.pop_back();
-        tasks[id] = task;
+        tasks[id]       = task;
         tasks[id].state = MOETIER_IO_QUEUED;
         (is_urgent ? urgent : queue).push_back(id);
         if (ring) {
@@ -176,7 +183,7 @@ bool moetier_io_pool::claim(int32_t id) {
     }
     tasks[id].state = MOETIER_IO_FREE;
     free_ids.push_back(id);
-    cv_done.notify_all(); // a thread may be waiting for it
+    cv_done.notify_all();  // a thread may be waiting for it
     return true;
 }
 
@@ -186,9 +193,9 @@ int32_t moetier_io_pool::wait(int32_t id) {
         reap(false);
         while (tasks[id].state == MOETIER_IO_QUEUED || tasks[id].state == MOETIER_IO_RUNNING) {
             if (n_flight == 0) {
-                pump(); // queued behind prefetches that have ended meanwhile
+                pump();     // queued behind prefetches that have ended meanwhile
                 if (n_flight == 0) {
-                    break; // cannot start (ring error): reported through error()
+                    break;  // cannot start (ring error): reported through error()
                 }
             }
             reap(true);
@@ -216,7 +223,7 @@ void moetier_io_pool::worker(int thread_id) {
     std::string err;
     for (;;) {
         moetier_io_task task;
-        int32_t id;
+        int32_t         id;
         {
             std::unique_lock<std::mutex> lock(mu);
             cv_work.wait(lock, [&] { return stop || !queue.empty() || !urgent.empty(); });
@@ -224,10 +231,10 @@ void moetier_io_pool::worker(int thread_id) {
                 return;
             }
             std::deque<int32_t> & q = urgent.empty() ? queue : urgent;
-            id = q.front();
+            id                      = q.front();
             q.pop_front();
             tasks[id].state = MOETIER_IO_RUNNING;
-            task = tasks[id];
+            task            = tasks[id];
         }
         err.clear();
         const bool ok = fn(task, thread_id, err);

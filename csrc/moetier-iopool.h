@@ -4,10 +4,13 @@
 // two FIFOs (urgent: the on-demand reads of the layer being computed; then prefetches). Two ways to
 // run them: a few I/O threads that sleep on a condition variable (the compute threads spin at their
 // barriers; on 2 cores a spinning I/O thread would steal their time), or an io_uring with no thread
-// at all. Knows nothing of ggml; the read itself is a callback into the cache.
+// at all. Knows nothing of ggml; the read itself is a callback (moetier_model wires it to moetier-read).
 
 #include "moetier-uring.h"
 
+#include <sys/uio.h>
+
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -15,30 +18,27 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <sys/uio.h>
 #include <thread>
 #include <vector>
 
 enum moetier_io_state : int32_t {
-    MOETIER_IO_FREE    = 0, // entry unused
+    MOETIER_IO_FREE    = 0,  // entry unused
     MOETIER_IO_QUEUED  = 1,
     MOETIER_IO_RUNNING = 2,
     MOETIER_IO_DONE    = 3,
     MOETIER_IO_FAILED  = 4,
 };
 
-// moetier_io_task::proj of a prefetch: every projection of the expert
-static constexpr int32_t MOETIER_IO_ALL_PROJS = -2;
-
-// what to read: opaque to the pool, interpreted by the read callback
+// what to read: opaque to the pool, interpreted by the read callbacks
 struct moetier_io_task {
-    void *  owner  = nullptr; // the cache
-    void *  layer  = nullptr;
-    int32_t prec   = 0;
-    int32_t expert = 0;
-    int32_t slot   = 0;
-    int32_t proj   = MOETIER_IO_ALL_PROJS; // or one read of the cache's load: a projection, -1 = vectored
-    int32_t state  = MOETIER_IO_FREE; // guarded by the pool mutex
+    const void *            layer      = nullptr;  // the served layer (moetier_layer)
+    int32_t                 prec       = 0;
+    int32_t                 expert     = 0;
+    int32_t                 slot       = 0;
+    int32_t                 proj       = -1;  // one projection, -1 = every projection of the expert
+    // if set, the read callback adds the bytes it read (prefetch accounting)
+    std::atomic<uint64_t> * bytes_done = nullptr;
+    int32_t                 state      = MOETIER_IO_FREE;  // guarded by the pool mutex
 };
 
 // one task as a single vectored O_DIRECT read (io_uring mode)
@@ -51,9 +51,9 @@ struct moetier_io_vec_read {
 };
 
 class moetier_io_pool {
-public:
+  public:
     // reads task into its slot; false + err on failure. Called on an I/O thread with its own bounce id.
-    using read_fn = std::function<bool(const moetier_io_task & task, int thread_id, std::string & err)>;
+    using read_fn   = std::function<bool(const moetier_io_task & task, int thread_id, std::string & err)>;
     // io_uring mode: describes task as one vectored read (false + err if it cannot be), then checks
     // what was read (checksums)
     using prep_fn   = std::function<bool(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err)>;
@@ -64,13 +64,17 @@ public:
     // no threads: the kernel reads (ring); every urgent task is in flight at once, prefetches up to
     // depth_prefetch. Calls must come from one thread at a time (the compute thread that runs the
     // cache's serial ops); they also collect completions.
-    moetier_io_pool(std::unique_ptr<moetier_uring> ring, int depth_prefetch, size_t capacity, prep_fn prep, finish_fn finish);
+    moetier_io_pool(std::unique_ptr<moetier_uring> ring,
+                    int                            depth_prefetch,
+                    size_t                         capacity,
+                    prep_fn                        prep,
+                    finish_fn                      finish);
     ~moetier_io_pool();
 
     // io_uring mode: no threads to hand work to; one caller waits for everything
     bool uses_uring() const { return ring != nullptr; }
 
-    moetier_io_pool(const moetier_io_pool &) = delete;
+    moetier_io_pool(const moetier_io_pool &)             = delete;
     moetier_io_pool & operator=(const moetier_io_pool &) = delete;
 
     int n_threads() const { return ring ? 1 : (int) threads.size(); }
@@ -99,7 +103,7 @@ public:
     // first read error of a task, "" if none
     std::string error();
 
-private:
+  private:
     void worker(int thread_id);
 
     // io_uring mode, with the mutex held: start queued tasks while there is room; collect
@@ -115,19 +119,19 @@ private:
     std::vector<moetier_io_vec_read> reads;       // [capacity] io_uring reads (their iovecs live here)
     std::vector<uint8_t>             is_urgent_;  // [capacity]
     std::vector<int32_t>             round;       // scratch of pump: ids prepared in this call
-    int                              depth_pf = 1;
-    int                              n_flight = 0;
+    int                              depth_pf    = 1;
+    int                              n_flight    = 0;
     int                              n_flight_pf = 0;
 
     std::mutex                   mu;
     std::condition_variable      cv_work;
     std::condition_variable      cv_done;
-    std::deque<int32_t>          queue;  // prefetches
-    std::deque<int32_t>          urgent; // on-demand reads
+    std::deque<int32_t>          queue;   // prefetches
+    std::deque<int32_t>          urgent;  // on-demand reads
     std::vector<moetier_io_task> tasks;
     std::vector<int32_t>         free_ids;
     std::string                  error_msg;
     bool                         stop = false;
 
-    std::vector<std::thread>     threads;
+    std::vector<std::thread> threads;
 };

@@ -1,26 +1,34 @@
 #include "moetier-replay.h"
 
+#include "moetier-cache.h"
 #include "moetier-impl.h"
 
 #include <algorithm>
 #include <memory>
 #include <stdexcept>
 
-moetier_layer_counters moetier_replay(const moetier_replay_params & p, const int32_t * ids, const float * weights,
-                                      int64_t n_tokens, const std::vector<int64_t> & seq_starts) {
+moetier_layer_stats moetier_replay(const moetier_replay_params & p,
+                                   const int32_t *               ids,
+                                   const float *                 weights,
+                                   int64_t                       n_tokens,
+                                   const std::vector<int64_t> &  seq_starts) {
     if (p.n_layers < 1 || p.n_expert < 1 || p.n_used < 1 || p.n_used > p.n_expert || p.bytes_high == 0) {
-        throw std::invalid_argument("replay: n_layers, n_expert, n_used and bytes_high must be positive, n_used <= n_expert");
+        throw std::invalid_argument(
+            "replay: n_layers, n_expert, n_used and bytes_high must be positive, n_used <= n_expert");
     }
     if (p.n_slots_high < p.n_expert || p.n_slots_low < 0 || (p.n_slots_low > 0 && p.bytes_low == 0)) {
-        throw std::invalid_argument(format("replay: %d high slots is below one layer's %d experts, or low slots without "
-                "low bytes", p.n_slots_high, p.n_expert));
+        throw std::invalid_argument(
+            format("replay: %d high slots is below one layer's %d experts, or low slots without "
+                   "low bytes",
+                   p.n_slots_high, p.n_expert));
     }
     if (!moetier_policy_create(p.policy, p.weights)) {
         throw std::invalid_argument("replay: unknown policy '" + p.policy + "'");
     }
     for (int64_t i = 0; i < n_tokens * p.n_layers * p.n_used; ++i) {
         if (ids[i] < 0 || ids[i] >= p.n_expert) {
-            throw std::invalid_argument(format("replay: expert id %d at position %lld is out of range", ids[i], (long long) i));
+            throw std::invalid_argument(
+                format("replay: expert id %d at position %lld is out of range", ids[i], (long long) i));
         }
     }
 
@@ -33,8 +41,9 @@ moetier_layer_counters moetier_replay(const moetier_replay_params & p, const int
     proj.bytes = p.bytes_high;
     proj.store = &sp;
 
-    const int32_t n_slots[2] = { std::min(p.n_slots_high, p.n_expert * p.n_layers), std::min(p.n_slots_low, p.n_expert * p.n_layers) };
-    moetier_cache cache(p.n_expert, n_slots, p.rule, p.policy, p.weights, { proj }, /*simulate =*/ true);
+    const int32_t n_slots[2] = { std::min(p.n_slots_high, p.n_expert * p.n_layers),
+                                 std::min(p.n_slots_low, p.n_expert * p.n_layers) };
+    moetier_cache cache(p.n_expert, n_slots, p.rule, p.policy, p.weights, { proj }, /*simulate =*/true);
     cache.set_n_model_layers(p.n_layers);
     std::vector<std::unique_ptr<moetier_layer>> layers;
     for (int32_t il = 0; il < p.n_layers; ++il) {
@@ -45,8 +54,8 @@ moetier_layer_counters moetier_replay(const moetier_replay_params & p, const int
     }
 
     std::vector<int32_t> out(2 * p.n_used);
-    size_t next_seq = 0;
-    const size_t row = (size_t) p.n_used * sizeof(int32_t);
+    size_t               next_seq = 0;
+    const size_t         row      = (size_t) p.n_used * sizeof(int32_t);
     for (int64_t t = 0; t < n_tokens; ++t) {
         while (next_seq < seq_starts.size() && seq_starts[next_seq] <= t) {
             if (seq_starts[next_seq] == t) {
@@ -56,15 +65,16 @@ moetier_layer_counters moetier_replay(const moetier_replay_params & p, const int
         }
         for (int32_t il = 0; il < p.n_layers; ++il) {
             const int64_t off = (t * p.n_layers + il) * p.n_used;
-            cache.resolve(*layers[il], ids + off, weights ? weights + off : nullptr, p.n_used, 1, row, row,
-                    out.data(), false);
+            cache.resolve(*layers[il], ids + off, weights ? weights + off : nullptr, p.n_used, 1, row, row, out.data(),
+                          false);
         }
     }
     cache.sync();
 
-    moetier_layer_counters total;
+    moetier_layer_stats total = {};
     for (const auto & l : layers) {
-        total += l->counters;
+        moetier_stats_add(total, l->stats);
     }
+    total.layer = -1;
     return total;
 }

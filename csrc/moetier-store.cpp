@@ -1,24 +1,23 @@
 #include "moetier-store.h"
 
+#include "gguf.h"
 #include "moetier-impl.h"
 #include "moetier-io.h"
 #include "moetier.h"
 
-#include "gguf.h"
-
-#include <nlohmann/json.hpp>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
-#include <fcntl.h>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <stdexcept>
-#include <sys/stat.h>
-#include <unistd.h>
 
 using json = nlohmann::ordered_json;
 
@@ -33,7 +32,7 @@ std::string moetier_expert_tensor_proj(const std::string & name, int32_t * layer
         return "";
     }
     static const char * const projs[] = { "gate_up", "gate", "up", "down" };
-    const std::string rest = name.substr(n);
+    const std::string         rest    = name.substr(n);
     for (const char * p : projs) {
         if (rest == std::string("ffn_") + p + "_exps.weight") {
             *layer = il;
@@ -67,10 +66,12 @@ static uint64_t parse_hex64(const std::string & s, const std::string & what) {
 struct gguf_deleter {
     void operator()(gguf_context * c) const { gguf_free(c); }
 };
+
 struct ggml_ctx_deleter {
     void operator()(ggml_context * c) const { ggml_free(c); }
 };
-using gguf_ptr     = std::unique_ptr<gguf_context, gguf_deleter>;
+
+using gguf_ptr      = std::unique_ptr<gguf_context, gguf_deleter>;
 using ggml_ctx_ptr_ = std::unique_ptr<ggml_context, ggml_ctx_deleter>;
 
 // a GGUF's metadata, with tensor shapes, without its data
@@ -79,8 +80,8 @@ struct moetier_gguf_meta {
     ggml_ctx_ptr_ ctx;
 
     explicit moetier_gguf_meta(const std::string & path) {
-        ggml_context * c = nullptr;
-        gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ &c };
+        ggml_context *   c  = nullptr;
+        gguf_init_params ip = { /*.no_alloc =*/true, /*.ctx =*/&c };
         gguf.reset(gguf_init_from_file(path.c_str(), ip));
         ctx.reset(c);
         if (!gguf) {
@@ -91,15 +92,15 @@ struct moetier_gguf_meta {
 
 moetier_model_identity moetier_model_identity_compute(const std::string & path) {
     moetier_gguf_meta meta(path);
-    moetier_file f(path, /*direct_io =*/ false);
+    moetier_file      f(path, /*direct_io =*/false);
 
     moetier_model_identity id;
     id.file_size = f.size();
 
-    const size_t data_off = gguf_get_data_offset(meta.gguf.get());
-    std::vector<uint8_t> buf(data_off);
+    const size_t           data_off = gguf_get_data_offset(meta.gguf.get());
+    std::vector<uint8_t>   buf(data_off);
     moetier_aligned_buffer bounce;
-    std::string err;
+    std::string            err;
     if (!f.read(buf.data(), 0, data_off, bounce, err)) {
         throw std::runtime_error(err);
     }
@@ -107,13 +108,13 @@ moetier_model_identity moetier_model_identity_compute(const std::string & path) 
 
     const int64_t n = gguf_get_n_tensors(meta.gguf.get());
     for (int64_t i = 0; i < n; ++i) {
-        int32_t il = -1;
+        int32_t      il   = -1;
         const char * name = gguf_get_tensor_name(meta.gguf.get(), i);
         if (moetier_expert_tensor_proj(name, &il).empty()) {
             continue;
         }
-        const ggml_tensor * t = ggml_get_tensor(meta.ctx.get(), name);
-        const size_t n_sample = std::min<size_t>(t->nb[2], 1u << 20);
+        const ggml_tensor * t        = ggml_get_tensor(meta.ctx.get(), name);
+        const size_t        n_sample = std::min<size_t>(t->nb[2], 1u << 20);
         buf.resize(n_sample);
         if (!f.read(buf.data(), data_off + gguf_get_tensor_offset(meta.gguf.get(), i), n_sample, bounce, err)) {
             throw std::runtime_error(err);
@@ -126,7 +127,7 @@ moetier_model_identity moetier_model_identity_compute(const std::string & path) 
 
 static json identity_to_json(const moetier_model_identity & id) {
     return json{
-        { "file_size",       id.file_size },
+        { "file_size",       id.file_size              },
         { "header_checksum", hex64(id.header_checksum) },
         { "sample_checksum", hex64(id.sample_checksum) },
     };
@@ -142,13 +143,14 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
 
     struct stat st;
     if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-        throw std::runtime_error(format("%s: expert store directory does not exist; create it with `moetier pack MODEL -o %s`",
-                dir.c_str(), dir.c_str()));
+        throw std::runtime_error(
+            format("%s: expert store directory does not exist; create it with `moetier pack MODEL -o %s`", dir.c_str(),
+                   dir.c_str()));
     }
     std::ifstream in(manifest_path_);
     if (!in) {
         throw std::runtime_error(format("%s: missing store manifest; the store is incomplete, re-run `moetier pack`",
-                manifest_path_.c_str()));
+                                        manifest_path_.c_str()));
     }
 
     json j;
@@ -156,7 +158,7 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
         j = json::parse(in);
     } catch (const std::exception & e) {
         throw std::runtime_error(format("%s: corrupt store manifest (not valid JSON: %s); re-run `moetier pack`",
-                manifest_path_.c_str(), e.what()));
+                                        manifest_path_.c_str(), e.what()));
     }
 
     try {
@@ -166,23 +168,24 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
         const int version = j.at("version").get<int>();
         if (version != MOETIER_STORE_VERSION) {
             throw std::runtime_error(format("store version %d, this build reads version %d; re-run `moetier pack`",
-                    version, MOETIER_STORE_VERSION));
+                                            version, MOETIER_STORE_VERSION));
         }
         moetier_model_identity id;
-        const json & jm = j.at("model");
-        id.file_size       = jm.at("file_size").get<uint64_t>();
-        id.header_checksum = parse_hex64(jm.at("header_checksum").get<std::string>(), "model.header_checksum");
-        id.sample_checksum = parse_hex64(jm.at("sample_checksum").get<std::string>(), "model.sample_checksum");
+        const json &           jm = j.at("model");
+        id.file_size              = jm.at("file_size").get<uint64_t>();
+        id.header_checksum        = parse_hex64(jm.at("header_checksum").get<std::string>(), "model.header_checksum");
+        id.sample_checksum        = parse_hex64(jm.at("sample_checksum").get<std::string>(), "model.sample_checksum");
         if (!(id == model)) {
             throw std::runtime_error(format("the store was packed from a different model (%s, %" PRIu64 " bytes); "
-                    "re-run `moetier pack` on this model", jm.value("path", "?").c_str(), id.file_size));
+                                            "re-run `moetier pack` on this model",
+                                            jm.value("path", "?").c_str(), id.file_size));
         }
         low_type_ = moetier_type_from_name(j.at("low_type").get<std::string>());
         if (low_type_ == GGML_TYPE_COUNT) {
             throw std::runtime_error("unknown low_type");
         }
-        const std::string store_id = j.at("store_id").get<std::string>();
-        const uint64_t data_size = j.at("data_size").get<uint64_t>();
+        const std::string store_id  = j.at("store_id").get<std::string>();
+        const uint64_t    data_size = j.at("data_size").get<uint64_t>();
 
         for (const json & jl : j.at("layers")) {
             moetier_store_layer l;
@@ -190,14 +193,14 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
             l.n_expert = jl.at("n_expert").get<int32_t>();
             for (const json & jp : jl.at("projections")) {
                 moetier_store_proj p;
-                p.name       = jp.at("name").get<std::string>();
-                p.tensor     = jp.at("tensor").get<std::string>();
-                p.ne0        = jp.at("ne").at(0).get<int64_t>();
-                p.ne1        = jp.at("ne").at(1).get<int64_t>();
-                p.type_high  = moetier_type_from_name(jp.at("type_high").get<std::string>());
-                p.type_low   = moetier_type_from_name(jp.at("type_low").get<std::string>());
-                p.bytes_high = jp.at("bytes_high").get<uint64_t>();
-                p.bytes_low  = jp.at("bytes_low").get<uint64_t>();
+                p.name        = jp.at("name").get<std::string>();
+                p.tensor      = jp.at("tensor").get<std::string>();
+                p.ne0         = jp.at("ne").at(0).get<int64_t>();
+                p.ne1         = jp.at("ne").at(1).get<int64_t>();
+                p.type_high   = moetier_type_from_name(jp.at("type_high").get<std::string>());
+                p.type_low    = moetier_type_from_name(jp.at("type_low").get<std::string>());
+                p.bytes_high  = jp.at("bytes_high").get<uint64_t>();
+                p.bytes_low   = jp.at("bytes_low").get<uint64_t>();
                 p.offset_high = jp.at("offset_high").get<std::vector<uint64_t>>();
                 p.offset_low  = jp.at("offset_low").get<std::vector<uint64_t>>();
                 for (const auto & s : jp.at("checksum_high")) {
@@ -209,14 +212,15 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
                 const size_t ne = (size_t) l.n_expert;
                 if (p.type_high == GGML_TYPE_COUNT || p.type_low == GGML_TYPE_COUNT || p.offset_high.size() != ne ||
                     p.offset_low.size() != ne || p.checksum_high.size() != ne || p.checksum_low.size() != ne) {
-                    throw std::runtime_error(format("projection %s: bad types or per-expert list lengths", p.tensor.c_str()));
+                    throw std::runtime_error(
+                        format("projection %s: bad types or per-expert list lengths", p.tensor.c_str()));
                 }
                 for (size_t e = 0; e < ne; ++e) {
                     if (p.offset_high[e] % MOETIER_ALIGN || p.offset_low[e] % MOETIER_ALIGN ||
                         p.offset_high[e] + moetier_align_up(p.bytes_high) > data_size ||
-                        p.offset_low[e]  + moetier_align_up(p.bytes_low)  > data_size) {
-                        throw std::runtime_error(format("projection %s expert %zu: offset unaligned or past the data size",
-                                p.tensor.c_str(), e));
+                        p.offset_low[e] + moetier_align_up(p.bytes_low) > data_size) {
+                        throw std::runtime_error(format(
+                            "projection %s expert %zu: offset unaligned or past the data size", p.tensor.c_str(), e));
                     }
                 }
                 l.projs.push_back(std::move(p));
@@ -225,24 +229,26 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
         }
 
         // experts.bin must be the one this manifest was written with, and complete
-        moetier_file f(data_path_, /*direct_io =*/ false);
+        moetier_file f(data_path_, /*direct_io =*/false);
         if (f.size() != data_size) {
-            throw std::runtime_error(format("%s: expert data is truncated or altered: %" PRIu64 " bytes, manifest says %" PRIu64
-                    "; re-run `moetier pack`", data_path_.c_str(), f.size(), data_size));
+            throw std::runtime_error(format("%s: expert data is truncated or altered: %" PRIu64
+                                            " bytes, manifest says %" PRIu64 "; re-run `moetier pack`",
+                                            data_path_.c_str(), f.size(), data_size));
         }
-        char head[64] = {};
+        char                   head[64] = {};
         moetier_aligned_buffer bounce;
-        std::string err;
+        std::string            err;
         if (!f.read(head, 0, sizeof(head), bounce, err)) {
             throw std::runtime_error(err);
         }
         const std::string want = std::string(MOETIER_STORE_MAGIC) + store_id;
         if (memcmp(head, want.data(), std::min(want.size(), sizeof(head))) != 0) {
-            throw std::runtime_error(format("%s: does not belong to this manifest (store id mismatch); re-run `moetier pack`",
-                    data_path_.c_str()));
+            throw std::runtime_error(format(
+                "%s: does not belong to this manifest (store id mismatch); re-run `moetier pack`", data_path_.c_str()));
         }
     } catch (const json::exception & e) {
-        throw std::runtime_error(format("%s: corrupt store manifest (%s); re-run `moetier pack`", manifest_path_.c_str(), e.what()));
+        throw std::runtime_error(
+            format("%s: corrupt store manifest (%s); re-run `moetier pack`", manifest_path_.c_str(), e.what()));
     } catch (const std::runtime_error & e) {
         const std::string msg = e.what();
         if (msg.rfind(dir_, 0) == 0) {
@@ -272,22 +278,24 @@ const moetier_store_proj * moetier_store::find(int32_t layer, const std::string 
 
 // RAII output file: written under a temporary name, renamed into place only by commit()
 class moetier_out_file {
-public:
+  public:
     moetier_out_file(const std::string & path) : path_(path), tmp_(path + ".tmp") {
         fd_ = open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
         if (fd_ < 0) {
             throw std::runtime_error(format("%s: cannot create: %s", tmp_.c_str(), strerror(errno)));
         }
     }
+
     ~moetier_out_file() {
         if (fd_ >= 0) {
             close(fd_);
             unlink(tmp_.c_str());
         }
     }
+
     void write_at(const void * data, size_t n, uint64_t offset) {
-        const uint8_t * p = (const uint8_t *) data;
-        size_t done = 0;
+        const uint8_t * p    = (const uint8_t *) data;
+        size_t          done = 0;
         while (done < n) {
             const ssize_t r = pwrite(fd_, p + done, n - done, (off_t) (offset + done));
             if (r < 0) {
@@ -299,11 +307,13 @@ public:
             done += (size_t) r;
         }
     }
+
     void truncate(uint64_t size) {
         if (ftruncate(fd_, (off_t) size) != 0) {
             throw std::runtime_error(format("%s: ftruncate failed: %s", tmp_.c_str(), strerror(errno)));
         }
     }
+
     void commit() {
         if (fsync(fd_) != 0) {
             throw std::runtime_error(format("%s: fsync failed: %s", tmp_.c_str(), strerror(errno)));
@@ -316,10 +326,10 @@ public:
             throw std::runtime_error(format("%s: rename failed: %s", path_.c_str(), strerror(e)));
         }
     }
-private:
+  private:
     std::string path_;
     std::string tmp_;
-    int fd_ = -1;
+    int         fd_ = -1;
 };
 
 static void fsync_dir(const std::string & dir) {
@@ -332,37 +342,40 @@ static void fsync_dir(const std::string & dir) {
 
 struct moetier_pack_cancelled {};
 
-static void moetier_pack_impl(const std::string & model_path, const std::string & out_dir, const moetier_pack_params & params) {
+static void moetier_pack_impl(const std::string &         model_path,
+                              const std::string &         out_dir,
+                              const moetier_pack_params & params) {
     const ggml_type low_type = moetier_type_from_name(params.low_type ? params.low_type : "");
     if (low_type == GGML_TYPE_COUNT) {
         throw std::runtime_error(format("unknown low-precision type '%s'; use a ggml type name such as q4_0, q8_0, f16",
-                params.low_type ? params.low_type : "(null)"));
+                                        params.low_type ? params.low_type : "(null)"));
     }
     if (ggml_quantize_requires_imatrix(low_type)) {
         throw std::runtime_error(format("low-precision type %s needs an importance matrix; choose e.g. q4_0 or q4_k",
-                ggml_type_name(low_type)));
+                                        ggml_type_name(low_type)));
     }
     if (ggml_get_type_traits(low_type)->from_float_ref == nullptr && low_type != GGML_TYPE_F32) {
         throw std::runtime_error(format("low-precision type %s cannot be quantized to", ggml_type_name(low_type)));
     }
 
-    moetier_gguf_meta meta(model_path);
+    moetier_gguf_meta            meta(model_path);
     const moetier_model_identity id = moetier_model_identity_compute(model_path);
-    moetier_file src(model_path, /*direct_io =*/ false);
-    const size_t data_off = gguf_get_data_offset(meta.gguf.get());
+    moetier_file                 src(model_path, /*direct_io =*/false);
+    const size_t                 data_off = gguf_get_data_offset(meta.gguf.get());
 
     // collect the served projections, grouped by layer
     struct src_proj {
-        std::string name;
-        std::string tensor;
+        std::string         name;
+        std::string         tensor;
         const ggml_tensor * t;
-        uint64_t offset; // of expert 0 in the GGUF
+        uint64_t            offset;  // of expert 0 in the GGUF
     };
+
     std::map<int32_t, std::vector<src_proj>> layers;
-    const int64_t n_tensors = gguf_get_n_tensors(meta.gguf.get());
+    const int64_t                            n_tensors = gguf_get_n_tensors(meta.gguf.get());
     for (int64_t i = 0; i < n_tensors; ++i) {
-        const char * name = gguf_get_tensor_name(meta.gguf.get(), i);
-        int32_t il = -1;
+        const char *      name = gguf_get_tensor_name(meta.gguf.get(), i);
+        int32_t           il   = -1;
         const std::string proj = moetier_expert_tensor_proj(name, &il);
         if (proj.empty()) {
             continue;
@@ -372,46 +385,57 @@ static void moetier_pack_impl(const std::string & model_path, const std::string 
             throw std::runtime_error(format("%s: tensor %s is not 3-D", model_path.c_str(), name));
         }
         if (t->ne[0] % ggml_blck_size(low_type) != 0) {
-            throw std::runtime_error(format("%s: tensor %s rows of %" PRId64 " values are not a multiple of the %s block size %" PRId64,
-                    model_path.c_str(), name, t->ne[0], ggml_type_name(low_type), ggml_blck_size(low_type)));
+            throw std::runtime_error(
+                format("%s: tensor %s rows of %" PRId64 " values are not a multiple of the %s block size %" PRId64,
+                       model_path.c_str(), name, t->ne[0], ggml_type_name(low_type), ggml_blck_size(low_type)));
         }
         layers[il].push_back({ proj, name, t, data_off + gguf_get_tensor_offset(meta.gguf.get(), i) });
     }
     if (layers.empty()) {
-        throw std::runtime_error(format("%s: no expert tensors (blk.N.ffn_*_exps.weight): not a MoE model", model_path.c_str()));
+        throw std::runtime_error(
+            format("%s: no expert tensors (blk.N.ffn_*_exps.weight): not a MoE model", model_path.c_str()));
     }
 
     // layout: header block, then per layer, per expert: high projections, then low projections
-    std::mt19937_64 rng(std::random_device{}() ^ (uint64_t) moetier_time_us());
+    std::mt19937_64   rng(std::random_device{}() ^ (uint64_t) moetier_time_us());
     const std::string store_id = hex64(rng()) + hex64(rng());
 
     uint64_t total_high = 0;
-    uint64_t pos = MOETIER_ALIGN;
-    json jlayers = json::array();
+    uint64_t pos        = MOETIER_ALIGN;
+    json     jlayers    = json::array();
+
     struct job {
         const src_proj * sp;
-        int32_t expert;
-        uint64_t off_high;
-        uint64_t off_low;
-        json * jp;
+        int32_t          expert;
+        uint64_t         off_high;
+        uint64_t         off_low;
+        json *           jp;
     };
-    std::vector<job> jobs;
+
+    std::vector<job>                     jobs;
     std::map<int32_t, std::vector<json>> jprojs;
 
     for (auto & [il, projs] : layers) {
         const int32_t n_expert = (int32_t) projs[0].t->ne[2];
         for (const auto & sp : projs) {
             if (sp.t->ne[2] != n_expert) {
-                throw std::runtime_error(format("%s: layer %d expert tensors disagree on the number of experts", model_path.c_str(), il));
+                throw std::runtime_error(
+                    format("%s: layer %d expert tensors disagree on the number of experts", model_path.c_str(), il));
             }
             const uint64_t bytes_high = sp.t->nb[2];
             const uint64_t bytes_low  = ggml_row_size(low_type, sp.t->ne[0]) * sp.t->ne[1];
-            json jp = {
-                { "name", sp.name }, { "tensor", sp.tensor }, { "ne", { sp.t->ne[0], sp.t->ne[1] } },
-                { "type_high", ggml_type_name(sp.t->type) }, { "bytes_high", bytes_high },
-                { "type_low", ggml_type_name(low_type) },    { "bytes_low", bytes_low },
-                { "offset_high", json::array() }, { "offset_low", json::array() },
-                { "checksum_high", json::array() }, { "checksum_low", json::array() },
+            json           jp         = {
+                { "name",          sp.name                      },
+                { "tensor",        sp.tensor                    },
+                { "ne",            { sp.t->ne[0], sp.t->ne[1] } },
+                { "type_high",     ggml_type_name(sp.t->type)   },
+                { "bytes_high",    bytes_high                   },
+                { "type_low",      ggml_type_name(low_type)     },
+                { "bytes_low",     bytes_low                    },
+                { "offset_high",   json::array()                },
+                { "offset_low",    json::array()                },
+                { "checksum_high", json::array()                },
+                { "checksum_low",  json::array()                },
             };
             jprojs[il].push_back(std::move(jp));
             total_high += bytes_high * n_expert;
@@ -422,7 +446,7 @@ static void moetier_pack_impl(const std::string & model_path, const std::string 
                 pos += moetier_align_up(projs[k].t->nb[2]);
             }
             for (size_t k = 0; k < projs.size(); ++k) {
-                job & jb = jobs[jobs.size() - projs.size() + k];
+                job & jb   = jobs[jobs.size() - projs.size() + k];
                 jb.off_low = pos;
                 pos += moetier_align_up(ggml_row_size(low_type, projs[k].t->ne[0]) * projs[k].t->ne[1]);
             }
@@ -441,22 +465,22 @@ static void moetier_pack_impl(const std::string & model_path, const std::string 
     moetier_out_file out(out_dir + "/experts.bin");
     {
         std::vector<uint8_t> head(MOETIER_ALIGN, 0);
-        const std::string h = std::string(MOETIER_STORE_MAGIC) + store_id;
+        const std::string    h = std::string(MOETIER_STORE_MAGIC) + store_id;
         memcpy(head.data(), h.data(), h.size());
         out.write_at(head.data(), head.size(), 0);
     }
 
     moetier_aligned_buffer bounce;
-    std::vector<uint8_t> high, low;
-    std::vector<float>   f32;
-    std::string err;
-    uint64_t done = 0;
+    std::vector<uint8_t>   high, low;
+    std::vector<float>     f32;
+    std::string            err;
+    uint64_t               done = 0;
     for (const job & jb : jobs) {
-        const ggml_tensor * t = jb.sp->t;
-        const uint64_t bytes_high = t->nb[2];
-        const int64_t  n_per_row  = t->ne[0];
-        const int64_t  n_rows     = t->ne[1];
-        const uint64_t bytes_low  = ggml_row_size(low_type, n_per_row) * n_rows;
+        const ggml_tensor * t          = jb.sp->t;
+        const uint64_t      bytes_high = t->nb[2];
+        const int64_t       n_per_row  = t->ne[0];
+        const int64_t       n_rows     = t->ne[1];
+        const uint64_t      bytes_low  = ggml_row_size(low_type, n_per_row) * n_rows;
 
         high.assign(moetier_align_up(bytes_high), 0);
         if (!src.read(high.data(), jb.sp->offset + (uint64_t) jb.expert * bytes_high, bytes_high, bounce, err)) {
@@ -474,14 +498,14 @@ static void moetier_pack_impl(const std::string & model_path, const std::string 
                 tr->to_float(high.data(), f32.data(), n_per_row * n_rows);
             } else {
                 throw std::runtime_error(format("%s: tensor %s of type %s cannot be dequantized", model_path.c_str(),
-                        t->name, ggml_type_name(t->type)));
+                                                t->name, ggml_type_name(t->type)));
             }
             ggml_quantize_chunk(low_type, f32.data(), low.data(), 0, n_rows, n_per_row, nullptr);
         }
         out.write_at(high.data(), high.size(), jb.off_high);
         out.write_at(low.data(), low.size(), jb.off_low);
 
-        json * jp = nullptr;
+        json *  jp = nullptr;
         int32_t il = -1;
         moetier_expert_tensor_proj(t->name, &il);
         for (auto & p : jprojs[il]) {
@@ -495,7 +519,8 @@ static void moetier_pack_impl(const std::string & model_path, const std::string 
         (*jp)["checksum_low"].push_back(hex64(moetier_checksum(low.data(), bytes_low)));
 
         done += bytes_high;
-        if (params.progress_callback && !params.progress_callback(done, total_high, params.progress_callback_user_data)) {
+        if (params.progress_callback &&
+            !params.progress_callback(done, total_high, params.progress_callback_user_data)) {
             throw moetier_pack_cancelled();
         }
     }
@@ -503,22 +528,26 @@ static void moetier_pack_impl(const std::string & model_path, const std::string 
     out.commit();
 
     for (auto & [il, projs] : layers) {
-        jlayers.push_back({ { "layer", il }, { "n_expert", projs[0].t->ne[2] }, { "projections", jprojs[il] } });
+        jlayers.push_back({
+            { "layer",       il                },
+            { "n_expert",    projs[0].t->ne[2] },
+            { "projections", jprojs[il]        }
+        });
     }
-    json jm = identity_to_json(id);
-    jm["path"] = model_path;
+    json jm             = identity_to_json(id);
+    jm["path"]          = model_path;
     const json manifest = {
-        { "format", "moetier-store" },
-        { "version", MOETIER_STORE_VERSION },
-        { "store_id", store_id },
-        { "model", jm },
-        { "low_type", ggml_type_name(low_type) },
-        { "alignment", MOETIER_ALIGN },
-        { "data_file", "experts.bin" },
-        { "data_size", data_size },
-        { "layers", jlayers },
+        { "format",    "moetier-store"          },
+        { "version",   MOETIER_STORE_VERSION    },
+        { "store_id",  store_id                 },
+        { "model",     jm                       },
+        { "low_type",  ggml_type_name(low_type) },
+        { "alignment", MOETIER_ALIGN            },
+        { "data_file", "experts.bin"            },
+        { "data_size", data_size                },
+        { "layers",    jlayers                  },
     };
-    moetier_out_file mf(manifest_path);
+    moetier_out_file  mf(manifest_path);
     const std::string text = manifest.dump(1) + "\n";
     mf.write_at(text.data(), text.size(), 0);
     mf.commit();
@@ -527,24 +556,25 @@ static void moetier_pack_impl(const std::string & model_path, const std::string 
 
 struct moetier_pack_params moetier_pack_default_params(void) {
     moetier_pack_params p = {
-        /*.low_type                    =*/ "q4_0",
-        /*.progress_callback           =*/ nullptr,
-        /*.progress_callback_user_data =*/ nullptr,
+        /*.low_type                    =*/"q4_0",
+        /*.progress_callback           =*/nullptr,
+        /*.progress_callback_user_data =*/nullptr,
     };
     return p;
 }
 
 int32_t moetier_pack(const char * model_path, const char * out_dir, struct moetier_pack_params params) {
-    moetier_set_last_error("");
+    moetier_set_last_error(MOETIER_ERROR_NONE, "");
     try {
         moetier_pack_impl(model_path, out_dir, params);
         return 0;
     } catch (const moetier_pack_cancelled &) {
-        moetier_set_last_error("cancelled");
+        moetier_set_last_error(MOETIER_ERROR_STORE, "cancelled");
         return -2;
     } catch (const std::exception & e) {
+        // whatever went wrong, no store was written: a store error
         MOETIER_LOG_ERROR("%s: %s\n", __func__, e.what());
-        moetier_set_last_error(e.what());
+        moetier_set_last_error(MOETIER_ERROR_STORE, e.what());
         return -1;
     }
 }

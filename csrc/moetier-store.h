@@ -42,43 +42,46 @@ std::string moetier_expert_tensor_proj(const std::string & tensor_name, int32_t 
 moetier_model_identity moetier_model_identity_compute(const std::string & gguf_path);
 
 struct moetier_store_proj {
-    std::string name;   // "gate", "up", "down" or "gate_up"
-    std::string tensor; // GGUF tensor name
-    int64_t     ne0 = 0; // per-expert shape [ne0, ne1]
-    int64_t     ne1 = 0;
-    ggml_type   type_high = GGML_TYPE_COUNT;
-    ggml_type   type_low  = GGML_TYPE_COUNT;
-    uint64_t    bytes_high = 0; // unpadded bytes of one expert
-    uint64_t    bytes_low  = 0;
-    std::vector<uint64_t> offset_high;   // [n_expert]
-    std::vector<uint64_t> offset_low;    // [n_expert]
-    std::vector<uint64_t> checksum_high; // [n_expert] moetier_checksum of the unpadded bytes
-    std::vector<uint64_t> checksum_low;  // [n_expert]
+    std::string           name;            // "gate", "up", "down" or "gate_up"
+    std::string           tensor;          // GGUF tensor name
+    int64_t               ne0        = 0;  // per-expert shape [ne0, ne1]
+    int64_t               ne1        = 0;
+    ggml_type             type_high  = GGML_TYPE_COUNT;
+    ggml_type             type_low   = GGML_TYPE_COUNT;
+    uint64_t              bytes_high = 0;  // unpadded bytes of one expert
+    uint64_t              bytes_low  = 0;
+    std::vector<uint64_t> offset_high;     // [n_expert]
+    std::vector<uint64_t> offset_low;      // [n_expert]
+    std::vector<uint64_t> checksum_high;   // [n_expert] moetier_checksum of the unpadded bytes
+    std::vector<uint64_t> checksum_low;    // [n_expert]
 };
 
 struct moetier_store_layer {
-    int32_t layer    = -1;
-    int32_t n_expert = 0;
+    int32_t                         layer    = -1;
+    int32_t                         n_expert = 0;
     std::vector<moetier_store_proj> projs;
 };
 
 class moetier_store {
-public:
+  public:
     // Opens DIR, parses and validates the manifest against experts.bin and the model identity.
     // throws std::runtime_error naming the file and the problem
     moetier_store(const std::string & dir, const moetier_model_identity & model);
 
     const moetier_store_proj * find(int32_t layer, const std::string & proj) const;
 
-    const std::string & dir()       const { return dir_; }
+    const std::string & dir() const { return dir_; }
+
     const std::string & data_path() const { return data_path_; }
+
     const std::string & manifest_path() const { return manifest_path_; }
+
     ggml_type low_type() const { return low_type_; }
 
-private:
-    std::string dir_;
-    std::string data_path_;
-    std::string manifest_path_;
-    ggml_type   low_type_ = GGML_TYPE_COUNT;
+  private:
+    std::string                      dir_;
+    std::string                      data_path_;
+    std::string                      manifest_path_;
+    ggml_type                        low_type_ = GGML_TYPE_COUNT;
     std::vector<moetier_store_layer> layers_;
 };

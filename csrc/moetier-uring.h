@@ -12,15 +12,16 @@
 struct iovec;
 
 class moetier_uring {
-public:
+  public:
     // a ring of `entries` submissions; check ok(): the kernel may refuse (old, or seccomp)
     explicit moetier_uring(unsigned entries);
     ~moetier_uring();
 
-    moetier_uring(const moetier_uring &) = delete;
+    moetier_uring(const moetier_uring &)             = delete;
     moetier_uring & operator=(const moetier_uring &) = delete;
 
     bool ok() const { return fd >= 0; }
+
     const std::string & error() const { return err; }
 
     // queues a vectored read (iov must stay valid until submit()); false if the queue is full
@@ -37,25 +38,25 @@ public:
     // last ones prepared)
     unsigned rollback();
 
-private:
+  private:
     int         fd = -1;
     std::string err;
 
-    unsigned   to_submit = 0;
-    void     * sq_ring   = nullptr;
-    size_t     sq_size   = 0;
-    void     * cq_ring   = nullptr;
-    size_t     cq_size   = 0;
-    void     * sqes      = nullptr;
-    size_t     sqes_size = 0;
+    unsigned to_submit = 0;
+    void *   sq_ring   = nullptr;
+    size_t   sq_size   = 0;
+    void *   cq_ring   = nullptr;
+    size_t   cq_size   = 0;
+    void *   sqes      = nullptr;
+    size_t   sqes_size = 0;
 
-    unsigned * sq_head = nullptr;
-    unsigned * sq_tail = nullptr;
-    unsigned * sq_mask = nullptr;
-    unsigned * sq_array = nullptr;
+    unsigned * sq_head    = nullptr;
+    unsigned * sq_tail    = nullptr;
+    unsigned * sq_mask    = nullptr;
+    unsigned * sq_array   = nullptr;
     unsigned   sq_entries = 0;
-    unsigned * cq_head = nullptr;
-    unsigned * cq_tail = nullptr;
-    unsigned * cq_mask = nullptr;
-    void     * cqes    = nullptr;
+    unsigned * cq_head    = nullptr;
+    unsigned * cq_tail    = nullptr;
+    unsigned * cq_mask    = nullptr;
+    void *     cqes       = nullptr;
 };

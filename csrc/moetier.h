@@ -32,45 +32,74 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-// Expert cache configuration of one model.
+// Expert cache configuration of one model. Every field is a row of the option table
+// (moetier_param_info): its name, type, range and help text live there once.
 struct moetier_params {
-    uint64_t     cache_bytes; // expert cache budget in bytes; 0 = cache off (stock llama.cpp loading)
-    const char * store_dir;   // packed expert store (moetier pack); NULL = read experts from the GGUF
-    const char * policy;      // eviction policy: lru, lfu, lhu, fld, multi; NULL = default
+    uint64_t     cache_bytes;  // expert cache budget in bytes; 0 = cache off (stock llama.cpp loading)
+    const char * store_dir;    // packed expert store (moetier pack); NULL = read experts from the GGUF
+    const char * policy;       // eviction policy: lru, lfu, lhu, fld, multi, random; NULL = default
 
     // Precision on a miss (HOBBIT eq. 2): a token's selected experts are ranked by gate weight
     // (normalised over the selected ones); an expert's score is the weight ranked above it. Score
     // <= t1: read the high-precision version; <= t2: the low one (needs a store); above: skip the
     // expert. The top-1 is always high. t1 = t2 = 1: every expert in high precision (exact).
-    float t1;
-    float t2;
-    float low_frac;           // share of the budget for low-precision slots (with a store)
-    float w_lru;              // weights of the "multi" policy's priority (HOBBIT eq. 3)
-    float w_lfu;
-    float w_lhu;
-    float w_fld;
-    int32_t prefetch;         // layers predicted ahead by the stacked routers (HOBBIT sec. 3.3); 0 = off
-    int32_t io_threads;       // prefetch lanes: reads in flight on the io_uring, or I/O threads that read
-                              // prefetches (the compute threads read the misses); a prefetch walk starts at most
-                              // this many reads. 0: no I/O pool (no io_uring, no prefetch): the compute
-                              // threads read every miss
-    int32_t io_uring;         // 1: read with io_uring (no I/O threads) where the kernel allows it and every
-                              // read is one O_DIRECT range of a store; 0: I/O threads
+    float   t1;
+    float   t2;
+    float   low_frac;  // share of the budget for low-precision slots (with a store)
+    float   w_lru;     // weights of the "multi" policy's priority (HOBBIT eq. 3)
+    float   w_lfu;
+    float   w_lhu;
+    float   w_fld;
+    int32_t prefetch;    // layers predicted ahead by the stacked routers (HOBBIT sec. 3.3); 0 = off
+    int32_t io_threads;  // prefetch lanes: reads in flight on the io_uring, or I/O threads that read
+                         // prefetches; a prefetch walk starts at most this many reads. 0: no I/O pool
+                         // (no io_uring, no prefetch): the compute threads read every miss
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
-    bool direct_io;           // O_DIRECT reads; refused by the file system -> buffered reads + a warning
+    bool io_uring;   // read with io_uring (no I/O threads) where the kernel allows it and every
+                     // read is one O_DIRECT range of a store; false: I/O threads
+    bool direct_io;  // O_DIRECT reads; refused by the file system -> buffered reads + a warning
 };
 
 MOETIER_API struct moetier_params moetier_default_params(void);
 
+// Types of the option table's rows.
+enum moetier_param_type {
+    MOETIER_PARAM_TYPE_SIZE   = 0,  // uint64_t bytes, written as a size ("512M")
+    MOETIER_PARAM_TYPE_STRING = 1,  // const char *
+    MOETIER_PARAM_TYPE_FLOAT  = 2,  // float
+    MOETIER_PARAM_TYPE_INT    = 3,  // int32_t
+    MOETIER_PARAM_TYPE_BOOL   = 4,  // bool (KEY=VALUE: 0/1, true/false)
+};
+
+// One row of the option table: a field of moetier_params.
+struct moetier_param_info {
+    const char * name;    // the field's name, also the KEY of --expert-opt
+    int32_t      type;    // enum moetier_param_type
+    double       min;     // valid range of numbers (inclusive)
+    double       max;
+    bool         is_opt;  // settable as KEY=VALUE (moetier_params_set_opts, --expert-opt)
+    const char * help;    // one line, without the default
+    size_t       offset;  // of the field in struct moetier_params
+};
+
+// The option table: n_params rows, in field order.
+MOETIER_API int32_t                           moetier_param_count(void);
+MOETIER_API const struct moetier_param_info * moetier_param_get(int32_t i);
+
+// Help text of the KEY=VALUE options, one "- key: help (default ...)" line each, defaults from
+// moetier_default_params(). Valid for the life of the program.
+MOETIER_API const char * moetier_params_help(void);
+
 // Fills p's strings for use as llama_model_params.moetier: an empty store means none. The strings
 // must outlive the model load. Returns p.
-MOETIER_API const struct moetier_params * moetier_params_from_strings(struct moetier_params * p, const char * store_dir,
-                                                                      const char * policy);
+MOETIER_API const struct moetier_params * moetier_params_from_strings(struct moetier_params * p,
+                                                                      const char *            store_dir,
+                                                                      const char *            policy);
 
-// Sets options of p from a comma-separated list "key=value,key=value": t1, t2, low_frac, w_lru,
-// w_lfu, w_lhu, w_fld (numbers), prefetch, io_threads, io_uring (integers). Returns NULL on success, else a message naming the
-// option and what is wrong (valid until the next call on this thread).
+// Sets options of p from a comma-separated list "key=value,key=value" of the table's KEY=VALUE
+// options, then checks p. Returns NULL on success, else a message naming the option and what is
+// wrong (valid until the next call on this thread).
 MOETIER_API const char * moetier_params_set_opts(struct moetier_params * p, const char * opts);
 
 // NULL if p is valid, else a message naming the bad field.
@@ -80,60 +109,78 @@ MOETIER_API const char * moetier_params_check(const struct moetier_params * p);
 // optional trailing B or iB), e.g. "512M", "1.5G", "4096". Returns false if text is not a size.
 MOETIER_API bool moetier_parse_size(const char * text, uint64_t * out);
 
+// Writes n as a human-readable size in powers of 1024 ("3.25 MiB") into buf (NUL-terminated,
+// truncated to buf_size). Returns the length of the full text.
+MOETIER_API int32_t moetier_format_size(uint64_t n, char * buf, size_t buf_size);
+
 // Names of the available eviction policies, NULL-terminated.
 MOETIER_API const char * const * moetier_policy_names(void);
+
+// What kind of problem an error is, so that callers can tell a bad store from a bad model.
+enum moetier_error_kind {
+    MOETIER_ERROR_NONE   = 0,
+    MOETIER_ERROR_CONFIG = 1,  // a parameter is invalid (range, unknown name, a budget below the minimum)
+    MOETIER_ERROR_STORE  = 2,  // the expert store is missing, incomplete, corrupt or of another model
+    MOETIER_ERROR_IO     = 3,  // reading a file failed (the file system, not its content)
+    MOETIER_ERROR_MODEL  = 4,  // the model cannot be served (no expert tensors, unsupported layout)
+};
 
 // The message of the last moetier error on this thread ("" if none): set when a model load with a
 // cache configured fails, or when moetier_pack fails. Valid until the next moetier call.
 MOETIER_API const char * moetier_last_error(void);
 
+// The kind of that error (MOETIER_ERROR_NONE if none).
+MOETIER_API enum moetier_error_kind moetier_last_error_kind(void);
+
 //
 // expert cache of a loaded model
 //
 
-// Per-layer counters. A lookup is one distinct expert needed by one layer in one ubatch.
-// hits + misses = lookups; misses = loads_high + loads_low + skipped.
+// Per-layer counters, also the cache's own (one schema from the counters to Python). A lookup is
+// one distinct expert needed by one layer in one ubatch. hits + misses = lookups; misses =
+// loads_high + loads_low + skipped.
 struct moetier_layer_stats {
     int32_t  layer;
     uint64_t n_lookups;
     uint64_t n_hits;
     uint64_t n_misses;
     uint64_t n_bytes_read;
-    uint64_t read_us;      // wall time this layer's compute waited for its expert reads (the load op)
-    uint64_t n_hits_low;   // hits served by a cached low-precision version
-    uint64_t n_loads_high; // misses read in high precision
-    uint64_t n_loads_low;  // misses read in low precision
-    uint64_t n_skipped;    // misses not computed (score above t2)
-    uint64_t n_bytes_low;  // bytes read for low-precision loads (part of n_bytes_read)
+    uint64_t read_us;       // wall time this layer's compute waited for its expert reads (the load op)
+    uint64_t n_hits_low;    // hits served by a cached low-precision version
+    uint64_t n_loads_high;  // misses read in high precision
+    uint64_t n_loads_low;   // misses read in low precision
+    uint64_t n_skipped;     // misses not computed (score above t2)
+    uint64_t n_bytes_low;   // bytes read for low-precision loads (part of n_bytes_read)
 };
 
 struct moetier_cache_info {
-    int32_t  n_layers;       // MoE layers served by the cache
-    int32_t  n_expert;       // experts per layer
-    int32_t  n_groups;       // slot pool groups (layers whose experts share types and shapes)
-    int32_t  n_slots;        // high-precision slots over all groups
-    int32_t  n_slots_low;    // low-precision slots over all groups
-    uint64_t expert_bytes_low; // bytes of all served experts' low versions (0 without a store)
-    uint64_t cache_bytes;    // bytes held by the slot pools
-    uint64_t expert_bytes;   // bytes of all served experts (what stock llama.cpp loads)
-    uint64_t min_cache_bytes;// smallest budget accepted: one layer's experts per group
-    bool     from_store;     // experts are read from a packed store, not from the GGUF
-    bool     direct_io;      // reads bypass the page cache
-    bool     io_uring;       // reads run on an io_uring: they start at routing and overlap compute
+    int32_t  n_layers;          // MoE layers served by the cache
+    int32_t  n_expert;          // experts per layer
+    int32_t  n_groups;          // slot pool groups (layers whose experts share types and shapes)
+    int32_t  n_slots;           // high-precision slots over all groups
+    int32_t  n_slots_low;       // low-precision slots over all groups
+    uint64_t expert_bytes_low;  // bytes of all served experts' low versions (0 without a store)
+    uint64_t cache_bytes;       // bytes held by the slot pools
+    uint64_t expert_bytes;      // bytes of all served experts (what stock llama.cpp loads)
+    uint64_t min_cache_bytes;   // smallest budget accepted: one layer's experts per group
+    bool     from_store;        // experts are read from a packed store, not from the GGUF
+    bool     direct_io;         // reads bypass the page cache
+    bool     io_uring;          // reads run on an io_uring: they start at routing and overlap compute
 };
 
 // Prefetch counters (all zero without prefetch). Distances d = 1..MOETIER_MAX_PREFETCH: predictions
 // made d layers ahead (decode tokens only), checked when the layer runs.
 #define MOETIER_MAX_PREFETCH 8
+
 struct moetier_prefetch_stats {
-    uint64_t n_issued;      // expert reads queued by prefetch
-    uint64_t n_hits;        // needed experts that a prefetch had read (or was reading)
-    uint64_t n_waits;       // ... of which the layer had to wait for the read to finish
-    uint64_t n_claimed;     // queued prefetches of needed experts taken over by the on-demand load
-    uint64_t n_cancelled;   // queued prefetches of experts the layer did not need, dropped unread
-    uint64_t n_wasted;      // prefetched experts the layer did not need, read anyway
-    uint64_t bytes_read;    // bytes read by prefetch
-    uint64_t bytes_wasted;  // ... for experts the layer did not need
+    uint64_t n_issued;                      // expert reads queued by prefetch
+    uint64_t n_hits;                        // needed experts that a prefetch had read (or was reading)
+    uint64_t n_waits;                       // ... of which the layer had to wait for the read to finish
+    uint64_t n_claimed;                     // queued prefetches of needed experts taken over by the on-demand load
+    uint64_t n_cancelled;                   // queued prefetches of experts the layer did not need, dropped unread
+    uint64_t n_wasted;                      // prefetched experts the layer did not need, read anyway
+    uint64_t bytes_read;                    // bytes read by prefetch
+    uint64_t bytes_wasted;                  // ... for experts the layer did not need
     uint64_t n_pred[MOETIER_MAX_PREFETCH];  // predictions checked per distance
     uint64_t n_top1[MOETIER_MAX_PREFETCH];  // predicted top-1 == actual top-1
     uint64_t n_allk[MOETIER_MAX_PREFETCH];  // predicted set == actual set
@@ -149,7 +196,9 @@ MOETIER_API bool moetier_model_has_cache(const struct llama_model * model);
 MOETIER_API int32_t moetier_model_cache_info(const struct llama_model * model, struct moetier_cache_info * info);
 
 // Copies up to n_max per-layer counters into out; returns the number of served layers.
-MOETIER_API int32_t moetier_model_layer_stats(const struct llama_model * model, struct moetier_layer_stats * out, int32_t n_max);
+MOETIER_API int32_t moetier_model_layer_stats(const struct llama_model *   model,
+                                              struct moetier_layer_stats * out,
+                                              int32_t                      n_max);
 
 // The counters summed over layers (layer = -1); all zero if the model has no expert cache.
 MOETIER_API struct moetier_layer_stats moetier_model_stats_total(const struct llama_model * model);
@@ -164,9 +213,11 @@ MOETIER_API void moetier_model_reset_sequence(struct llama_model * model);
 // slot that holds no data. moetier_model_error() then tells why.
 MOETIER_API bool moetier_abort_callback(void * model);
 
-// The first expert read error since the last moetier_model_clear_error ("" if none).
-MOETIER_API const char * moetier_model_error(const struct llama_model * model);
-MOETIER_API void         moetier_model_clear_error(struct llama_model * model);
+// The first expert read error since the last moetier_model_clear_error ("" if none), and its kind
+// (a checksum mismatch is MOETIER_ERROR_STORE, a failed read MOETIER_ERROR_IO).
+MOETIER_API const char *            moetier_model_error(const struct llama_model * model);
+MOETIER_API enum moetier_error_kind moetier_model_error_kind(const struct llama_model * model);
+MOETIER_API void                    moetier_model_clear_error(struct llama_model * model);
 
 //
 // expert store
@@ -176,9 +227,9 @@ MOETIER_API void         moetier_model_clear_error(struct llama_model * model);
 typedef bool (*moetier_progress_callback)(uint64_t done, uint64_t total, void * user_data);
 
 struct moetier_pack_params {
-    const char * low_type;       // ggml type name of the low-precision copy, e.g. "q4_0"
+    const char *              low_type;  // ggml type name of the low-precision copy, e.g. "q4_0"
     moetier_progress_callback progress_callback;
-    void *       progress_callback_user_data;
+    void *                    progress_callback_user_data;
 };
 
 MOETIER_API struct moetier_pack_params moetier_pack_default_params(void);
@@ -186,7 +237,8 @@ MOETIER_API struct moetier_pack_params moetier_pack_default_params(void);
 // Writes the expert store of model_path into out_dir (created if missing): experts.bin holding each
 // expert's projections in the model's precision and in low_type at 4096-aligned offsets, and
 // manifest.json. Written to temporary names, fsynced, then renamed, so a failed pack never leaves a
-// store that looks complete. Returns 0 on success, -1 on error (moetier_last_error), -2 if cancelled.
+// store that looks complete. Returns 0 on success, -1 on error (moetier_last_error and its kind),
+// -2 if cancelled.
 MOETIER_API int32_t moetier_pack(const char * model_path, const char * out_dir, struct moetier_pack_params params);
 
 #ifdef __cplusplus

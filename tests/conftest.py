@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moetier.tiny import write_tiny_model
+from moetier.tools.tiny import write_tiny_model
 
 ModelFactory = Callable[..., Path]
 

@@ -21,18 +21,18 @@ def test_counters_add_up(tiny_model: ModelFactory) -> None:
     m = Model(path, cache=CacheConfig.exact(budget=lo))
     r = m.generate(LONG_PROMPT, max_tokens=32)
     s = r.stats
-    assert s.lookups > 0
-    assert s.misses > 0 and s.hits > 0, "a one-layer budget over 3 layers must both hit and miss"
-    assert s.hits + s.misses == s.lookups
-    assert s.bytes_read == s.misses * expert_bytes(m)
+    assert s.n_lookups > 0
+    assert s.n_misses > 0 and s.n_hits > 0, "a one-layer budget over 3 layers must both hit and miss"
+    assert s.n_hits + s.n_misses == s.n_lookups
+    assert s.n_bytes_read == s.n_misses * expert_bytes(m)
     for layer in s.layers:
-        assert layer.hits + layer.misses == layer.lookups
-        assert layer.bytes_read == layer.misses * expert_bytes(m)
+        assert layer.n_hits + layer.n_misses == layer.n_lookups
+        assert layer.n_bytes_read == layer.n_misses * expert_bytes(m)
     assert s.read_seconds > 0
 
     m.reset_stats()
     z = m.stats()
-    assert (z.lookups, z.hits, z.misses, z.bytes_read) == (0, 0, 0, 0)
+    assert (z.n_lookups, z.n_hits, z.n_misses, z.n_bytes_read) == (0, 0, 0, 0)
 
 
 def test_full_budget_reads_each_expert_once(tiny_model: ModelFactory) -> None:
@@ -44,14 +44,14 @@ def test_full_budget_reads_each_expert_once(tiny_model: ModelFactory) -> None:
     total_misses = 0
     for prompt in [LONG_PROMPT, "hello world", LONG_PROMPT[::-1]]:
         r = m.generate(prompt, max_tokens=32)
-        total_misses += r.stats.misses
+        total_misses += r.stats.n_misses
         for layer in r.stats.layers:
-            assert layer.misses <= int(info["n_expert"])
+            assert layer.n_misses <= int(info["n_expert"])
     # every expert read at most once over all three generations
     assert total_misses <= int(info["n_layers"]) * int(info["n_expert"])
     r = m.generate(LONG_PROMPT, max_tokens=8)
-    assert r.stats.misses == 0, "a repeated prompt with every expert cached reads nothing"
-    assert r.stats.hits == r.stats.lookups > 0
+    assert r.stats.n_misses == 0, "a repeated prompt with every expert cached reads nothing"
+    assert r.stats.n_hits == r.stats.n_lookups > 0
 
 
 def test_layers_keep_a_share_of_the_cache(tiny_model: ModelFactory) -> None:

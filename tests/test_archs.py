@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ModelFactory
 from moetier import CacheConfig, Model
-from moetier.tiny import MOE_ARCHS
+from moetier.tools.tiny import MOE_ARCHS
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. Sphinx of quartz!"
 
@@ -30,4 +30,4 @@ def test_arch_cache_matches_stock(tiny_model: ModelFactory, arch: str) -> None:
     got = cached.generate(PROMPT, max_tokens=16).tokens
     assert want, f"{arch}: stock generated nothing"
     assert got == want, arch
-    assert cached.stats().misses > 0
+    assert cached.stats().n_misses > 0

@@ -1,4 +1,4 @@
-"""bench/corpora.py (HTML to text, document splits, cache) and moetier.models (chunk assembly).
+"""bench/corpora.py (HTML to text, document splits, cache) and moetier.tools.models (chunk assembly).
 
 Fast and offline: small in-test HTML, and a tiny GGUF written here and split into fake wheels.
 """
@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import corpora
-from moetier import models
+from moetier.tools import models
 
 # ---------------------------------------------------------------------------------------------
 # HTML to text

@@ -18,7 +18,7 @@ import cgroup
 import run
 
 
-def _worker(decode: list[float], hits: int, lookups: int, bytes_read: int, disk: int = 0) -> dict[str, object]:
+def _worker(decode: list[float], n_hits: int, n_lookups: int, n_bytes_read: int, disk: int = 0) -> dict[str, object]:
     return {
         "peak_rss_bytes": 100 << 20,
         "rss_anon_bytes": 40 << 20,
@@ -32,9 +32,9 @@ def _worker(decode: list[float], hits: int, lookups: int, bytes_read: int, disk:
                 "prefill_tok_s": 100.0,
                 "decode_tok_s": d,
                 "decode_s": 1.0,
-                "lookups": lookups,
-                "hits": hits,
-                "bytes_read": bytes_read,
+                "n_lookups": n_lookups,
+                "n_hits": n_hits,
+                "n_bytes_read": n_bytes_read,
                 "read_s": 0.1,
                 "token_ids": [1, 2, 3],
             }
@@ -62,6 +62,30 @@ def test_summarize_medians_and_counters() -> None:
 
 def test_summarize_all_failed() -> None:
     assert run.summarize([{"error": "boom"}]) == {"error": "boom"}
+
+
+def test_prefetch_summary() -> None:
+    """The worker's Model.prefetch_stats()._asdict(): per token, and the distance-1 accuracy."""
+    pf: dict[str, object] = {
+        "n_issued": 40,
+        "n_hits": 30,
+        "n_waits": 2,
+        "n_claimed": 4,
+        "n_cancelled": 4,
+        "n_wasted": 2,
+        "bytes_read": 4000,
+        "bytes_wasted": 200,
+        "n_pred": [10, 8, 0, 0, 0, 0, 0, 0],
+        "n_top1": [6, 4, 0, 0, 0, 0, 0, 0],
+        "n_allk": [5, 2, 0, 0, 0, 0, 0, 0],
+        "n_any": [9, 8, 0, 0, 0, 0, 0, 0],
+    }
+    s = run.prefetch_summary(pf, 20)
+    assert s is not None
+    assert (s["reads_per_token"], s["hits_per_token"], s["bytes_per_token"]) == (2.0, 1.5, 200.0)
+    assert (s["top1"], s["allk"]) == (0.6, 0.5)
+    assert run.prefetch_summary({**pf, "n_issued": 0}, 20) is None
+    assert run.prefetch_summary(None, 20) is None
 
 
 def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:

@@ -62,8 +62,8 @@ def test_replay_matches_the_live_engine(moe: Path, policy: str) -> None:
         1.0,
         [0],
     )
-    assert (r["lookups"], r["hits"], r["misses"], r["bytes_read"]) == (s.lookups, s.hits, s.misses, s.bytes_read)
-    assert r["hits"] > 0 and r["misses"] > 0
+    assert (r.n_lookups, r.n_hits, r.n_misses, r.n_bytes_read) == (s.n_lookups, s.n_hits, s.n_misses, s.n_bytes_read)
+    assert r.n_hits > 0 and r.n_misses > 0
 
 
 def test_replay_counts_precision_and_checks_input(moe: Path) -> None:
@@ -71,10 +71,10 @@ def test_replay_counts_precision_and_checks_input(moe: Path) -> None:
     args = (tr.ids, tr.weights, 16, 1000, 250, 16, 8, "lru", [0.25] * 4)
     exact = _core.replay(*args, 1.0, 1.0)
     mixed = _core.replay(*args, 0.3, 0.95)
-    assert exact["loads_low"] == 0 and exact["bytes_read"] == 1000 * exact["misses"]
-    assert mixed["loads_low"] > 0 and mixed["skipped"] >= 0
-    assert mixed["bytes_read"] == 1000 * mixed["loads_high"] + 250 * mixed["loads_low"]
-    assert mixed["misses"] == mixed["loads_high"] + mixed["loads_low"] + mixed["skipped"]
+    assert exact.n_loads_low == 0 and exact.n_bytes_read == 1000 * exact.n_misses
+    assert mixed.n_loads_low > 0 and mixed.n_skipped >= 0
+    assert mixed.n_bytes_read == 1000 * mixed.n_loads_high + 250 * mixed.n_loads_low
+    assert mixed.n_misses == mixed.n_loads_high + mixed.n_loads_low + mixed.n_skipped
     with pytest.raises(ValueError, match="below one layer"):
         _core.replay(tr.ids, tr.weights, 16, 1000, 0, 8, 0, "lru", [0.25] * 4, 1.0, 1.0)
     with pytest.raises(ValueError, match="out of range"):
@@ -102,7 +102,7 @@ def test_calibrate_writes_a_config_the_engine_loads(moe: Path, tmp_path: Path) -
     rows = rep["policies"]
     assert {r["policy"] for r in rows} >= {"random", "lru", "lfu", "lhu", "fld", "multi"}
     assert next(r for r in rows if r["policy"] == "random")["penalty_vs_random"] == 1.0
-    assert rows[0]["bytes_read"] == min(r["bytes_read"] for r in rows)
+    assert rows[0]["n_bytes_read"] == min(r["n_bytes_read"] for r in rows)
     assert (cfg["policy"], [cfg[k] for k in ("w_lru", "w_lfu", "w_lhu", "w_fld")]) == (
         rows[0]["policy"],
         rows[0]["weights"],
@@ -151,9 +151,9 @@ def test_calibrate_searches_the_pool_split(moe: Path, tmp_path: Path) -> None:
     splits = rep["low_frac_search"]
     assert [r["low_frac"] for r in splits] == [0.05, 0.1, 0.15, 0.25, 0.4]
     assert len({r["n_slots_low"] for r in splits}) > 1  # the splits differ
-    best = min(splits, key=lambda r: r["bytes_read"])
+    best = min(splits, key=lambda r: r["n_bytes_read"])
     assert rep["config"]["low_frac"] == best["low_frac"]
-    assert rep["policies"][0]["bytes_read"] == best["bytes_read"]
+    assert rep["policies"][0]["n_bytes_read"] == best["n_bytes_read"]
     # a given split is kept
     rep = calibrate(moe, LONG_PROMPT * 3, budget, tmp_path / "n.cache.json", cfg, store=store, low_frac=0.3)
     assert rep["config"]["low_frac"] == 0.3 and len(rep["low_frac_search"]) == 1

@@ -31,7 +31,7 @@ def test_run_matches_stock_at_quarter_budget(tiny_model: ModelFactory) -> None:
     assert stock.returncode == 0, stock.stderr
     assert cached.returncode == 0, cached.stderr
     assert cached.stdout == stock.stdout and stock.stdout.strip()
-    assert "hit rate" in cached.stderr and "tok/s" in cached.stderr and "MB" in cached.stderr
+    assert "hit rate" in cached.stderr and "tok/s" in cached.stderr and "iB" in cached.stderr
     assert ", 0 low, 0 skipped)" in cached.stderr
     assert "expert cache off" in stock.stderr
 

@@ -44,7 +44,7 @@ def test_cache_matches_stock(tiny_model: ModelFactory, arch: str, n_expert: int,
             np.testing.assert_allclose(got, logits, rtol=0, atol=1e-5, err_msg=f"{arch} budget {name}")
             assert m.generate(p, max_tokens=24).tokens == tokens, f"{arch} budget {name} prompt {len(p)}"
         s = m.stats()
-        assert s.lookups > 0
+        assert s.n_lookups > 0
 
 
 def test_prefill_larger_than_ubatch(tiny_model: ModelFactory) -> None:

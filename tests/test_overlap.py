@@ -60,7 +60,7 @@ def test_overlap_output_equals_stock(model_and_store: tuple[Path, Path]) -> None
             np.testing.assert_allclose(m.logits(tokens), want, rtol=0, atol=1e-4)
             res = m.generate(tokens, max_tokens=16)
             assert res.tokens == ref
-            assert res.stats.misses > 0 and res.stats.bytes_read > 0
+            assert res.stats.n_misses > 0 and res.stats.n_bytes_read > 0
 
 
 def test_overlap_keeps_kv_cache_reads_behind_writes(model_and_store: tuple[Path, Path]) -> None:

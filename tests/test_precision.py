@@ -55,7 +55,7 @@ def test_exact_with_low_pools_equals_stock(stored: tuple[Path, Path]) -> None:
     assert m.cache_info()["n_slots_low"] == 0
     np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)
     s = m.stats()
-    assert s.loads_low == 0 and s.skipped == 0 and s.loads_high == s.misses > 0
+    assert s.n_loads_low == 0 and s.n_skipped == 0 and s.n_loads_high == s.n_misses > 0
 
 
 def test_low_precision_loads(stored: tuple[Path, Path]) -> None:
@@ -73,11 +73,11 @@ def test_low_precision_loads(stored: tuple[Path, Path]) -> None:
     s = m.stats()
     n_layers = int(ci["n_layers"])
     # one token, 4 experts per layer: 1 high + 3 low each
-    assert (s.loads_high, s.loads_low, s.skipped) == (n_layers, 3 * n_layers, 0)
+    assert (s.n_loads_high, s.n_loads_low, s.n_skipped) == (n_layers, 3 * n_layers, 0)
     low_bytes = int(ci["expert_bytes_low"]) // (n_layers * 16)
     high_bytes = int(ci["expert_bytes"]) // (n_layers * 16)
-    assert s.bytes_low == s.loads_low * low_bytes
-    assert s.bytes_read == s.loads_high * high_bytes + s.bytes_low
+    assert s.n_bytes_low == s.n_loads_low * low_bytes
+    assert s.n_bytes_read == s.n_loads_high * high_bytes + s.n_bytes_low
     # q4_0 copies of three of four experts: close to, not equal to, the f16 model
     assert not np.array_equal(got, ref)
     assert np.corrcoef(got, ref)[0, 1] > 0.99
@@ -85,7 +85,7 @@ def test_low_precision_loads(stored: tuple[Path, Path]) -> None:
     m.reset_stats()
     assert np.array_equal(m.logits(tokens), got)
     s = m.stats()
-    assert s.misses == 0 and s.hits_low == 3 * n_layers
+    assert s.n_misses == 0 and s.n_hits_low == 3 * n_layers
 
 
 def test_skip_changes_output_only_when_stats_say_so(stored: tuple[Path, Path]) -> None:
@@ -99,9 +99,9 @@ def test_skip_changes_output_only_when_stats_say_so(stored: tuple[Path, Path]) -
         m = Model(path, store=store, cache=CacheConfig(budget=full, t1=t2, t2=t2))
         got = m.logits(tokens)
         s = m.stats()
-        assert s.loads_low == 0 and s.misses == s.loads_high + s.skipped
+        assert s.n_loads_low == 0 and s.n_misses == s.n_loads_high + s.n_skipped
         exact = bool(np.allclose(got, ref, rtol=0, atol=1e-5))
-        assert exact == (s.skipped == 0), f"t2={t2}: {s.skipped} skipped, output equal to stock: {exact}"
+        assert exact == (s.n_skipped == 0), f"t2={t2}: {s.n_skipped} skipped, output equal to stock: {exact}"
         seen.add(exact)
     assert seen == {True, False}, "both a skipping and a non-skipping threshold were exercised"
 
@@ -114,4 +114,4 @@ def test_no_store_means_no_low_slots(tiny_model: ModelFactory) -> None:
     tokens = stock.tokenize(LONG_PROMPT)
     # a low verdict reads the high version: exact
     np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)
-    assert m.stats().loads_low == 0
+    assert m.stats().n_loads_low == 0

@@ -43,7 +43,7 @@ def test_oracle_through_store(tiny_model: ModelFactory, tmp_path: Path) -> None:
     np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)
     assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
     s = m.stats()
-    assert s.misses > 0 and s.bytes_read > 0
+    assert s.n_misses > 0 and s.n_bytes_read > 0
 
 
 def test_repack_replaces_atomically(tiny_model: ModelFactory, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 // at INFO or DEBUG level, since the exception already carries it).
 
 #include "bindings.h"
-
 #include "llama.h"
 
 #include <atomic>
@@ -16,10 +15,10 @@ namespace py = pybind11;
 namespace {
 
 struct log_state {
-    std::atomic<int> min_level{GGML_LOG_LEVEL_WARN};
+    std::atomic<int> min_level{ GGML_LOG_LEVEL_WARN };
     std::mutex       mutex;
     std::string      last_error;
-    std::string      partial; // an ERROR message may arrive in pieces (GGML_LOG_LEVEL_CONT)
+    std::string      partial;  // an ERROR message may arrive in pieces (GGML_LOG_LEVEL_CONT)
     int              last_level = GGML_LOG_LEVEL_NONE;
 };
 
@@ -59,7 +58,7 @@ void log_callback(ggml_log_level level, const char * text, void * /*user_data*/)
     }
 }
 
-} // namespace
+}  // namespace
 
 std::string moetier_py_last_logged_error() {
     std::lock_guard<std::mutex> lock(g_log.mutex);
@@ -73,8 +72,9 @@ void moetier_py_clear_logged_error() {
 
 void register_log(py::module_ & m) {
     llama_log_set(log_callback, nullptr);
-    m.def("set_log_level", [](int level) { g_log.min_level.store(level); },
-          py::arg("level"), "messages at or above level (1 debug, 2 info, 3 warn, 4 error, 6 none) go to stderr");
+    m.def(
+        "set_log_level", [](int level) { g_log.min_level.store(level); }, py::arg("level"),
+        "messages at or above level (1 debug, 2 info, 3 warn, 4 error, 6 none) go to stderr");
     m.attr("LOG_DEBUG") = (int) GGML_LOG_LEVEL_DEBUG;
     m.attr("LOG_INFO")  = (int) GGML_LOG_LEVEL_INFO;
     m.attr("LOG_WARN")  = (int) GGML_LOG_LEVEL_WARN;

@@ -2,8 +2,7 @@
 // for tools that reason about them (the same C++ code the cache runs).
 
 #include "bindings.h"
-
-#include "moetier-cache.h"
+#include "moetier-precision.h"
 #include "moetier-replay.h"
 #include "policies/policies.h"
 
@@ -20,7 +19,7 @@ namespace {
 
 // one policy over n_slots slots, driven by explicit clocks
 class py_policy {
-public:
+  public:
     py_policy(const std::string & name, int32_t n_slots, const std::vector<float> & w) {
         if (w.size() != 4) {
             throw std::invalid_argument("weights: expected [w_lru, w_lfu, w_lhu, w_fld]");
@@ -58,9 +57,10 @@ public:
     }
 
     void reset_sequence() { policy_->reset_sequence(ctx_); }
+
     bool across_layers() const { return policy_->across_layers(); }
 
-private:
+  private:
     void check(int32_t slot) const {
         if (slot < 0 || slot >= n_slots_) {
             throw std::out_of_range("slot out of range");
@@ -72,81 +72,89 @@ private:
     int32_t            n_slots_ = 0;
 };
 
-} // namespace
+}  // namespace
 
 void register_policy(py::module_ & m) {
-    m.def("precision_levels", [](const std::vector<float> & weights, float t1, float t2) {
-        std::vector<uint8_t> levels(weights.size());
-        moetier_precision_levels({ t1, t2 }, weights.data(), (int32_t) weights.size(), levels.data());
-        return std::vector<int>(levels.begin(), levels.end());
-    }, py::arg("weights"), py::arg("t1"), py::arg("t2"),
-    "HOBBIT eq. 2 for one token's selected experts: 2 = high, 1 = low, 0 = skip");
-
-    m.def("precision_scores", [](py::array_t<float, py::array::c_style | py::array::forcecast> w) {
-        if (w.ndim() != 2) {
-            throw std::invalid_argument("precision_scores: weights [n_tokens, n_used]");
-        }
-        py::array_t<float> out({ w.shape(0), w.shape(1) });
-        for (py::ssize_t t = 0; t < w.shape(0); ++t) {
-            moetier_precision_scores(w.data(t, 0), (int32_t) w.shape(1), out.mutable_data(t, 0));
-        }
-        return out;
-    }, py::arg("weights"), "HOBBIT eq. 2 scores of each token's selected experts (0 for the top-1)");
-
-    m.def("replay", [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids, py::object weights,
-                       int32_t n_expert, uint64_t bytes_high, uint64_t bytes_low, int32_t n_slots_high,
-                       int32_t n_slots_low, const std::string & policy, const std::vector<float> & w, float t1, float t2,
-                       const std::vector<int64_t> & seq_starts) {
-        if (ids.ndim() != 3) {
-            throw std::invalid_argument("replay: ids [n_tokens, n_layers, n_used]");
-        }
-        if (w.size() != 4) {
-            throw std::invalid_argument("replay: weights of the policy: [w_lru, w_lfu, w_lhu, w_fld]");
-        }
-        py::array_t<float, py::array::c_style | py::array::forcecast> gw;
-        if (!weights.is_none()) {
-            gw = weights.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
-            if (gw.ndim() != 3 || gw.shape(0) != ids.shape(0) || gw.shape(1) != ids.shape(1) || gw.shape(2) != ids.shape(2)) {
-                throw std::invalid_argument("replay: gate weights must have the shape of ids");
+    m.def(
+        "precision_levels",
+        [](const std::vector<float> & weights, float t1, float t2) {
+            std::vector<moetier_need> needs(weights.size());
+            moetier_precision_rule    rule;
+            rule.t1 = t1;
+            rule.t2 = t2;
+            moetier_precision_needs(rule, weights.data(), (int32_t) weights.size(), needs.data());
+            std::vector<int> levels(needs.size());
+            for (size_t k = 0; k < needs.size(); ++k) {
+                levels[k] = (int) needs[k] - MOETIER_NEED_SKIP;  // high 2, low 1, skip 0
             }
-        }
-        moetier_replay_params p;
-        p.n_layers     = (int32_t) ids.shape(1);
-        p.n_used       = (int32_t) ids.shape(2);
-        p.n_expert     = n_expert;
-        p.bytes_high   = bytes_high;
-        p.bytes_low    = bytes_low;
-        p.n_slots_high = n_slots_high;
-        p.n_slots_low  = n_slots_low;
-        p.policy       = policy;
-        p.weights      = { w[0], w[1], w[2], w[3] };
-        p.rule         = { t1, t2 };
-        moetier_layer_counters c;
-        {
-            py::gil_scoped_release release;
-            c = moetier_replay(p, ids.data(), weights.is_none() ? nullptr : gw.data(), ids.shape(0), seq_starts);
-        }
-        py::dict d;
-        d["lookups"]    = c.n_lookups;
-        d["hits"]       = c.n_hits;
-        d["misses"]     = c.n_misses;
-        d["hits_low"]   = c.n_hits_low;
-        d["loads_high"] = c.n_loads_high;
-        d["loads_low"]  = c.n_loads_low;
-        d["skipped"]    = c.n_skipped;
-        d["bytes_read"] = c.n_bytes_read;
-        d["bytes_low"]  = c.n_bytes_low;
-        return d;
-    }, py::arg("ids"), py::arg("weights"), py::arg("n_expert"), py::arg("bytes_high"), py::arg("bytes_low"),
-       py::arg("n_slots_high"), py::arg("n_slots_low"), py::arg("policy"), py::arg("policy_weights"), py::arg("t1"),
-       py::arg("t2"), py::arg("seq_starts") = std::vector<int64_t>{ 0 },
-       "run a routing trace through the cache's bookkeeping (no reads): the counters it would produce");
+            return levels;
+        },
+        py::arg("weights"), py::arg("t1"), py::arg("t2"),
+        "HOBBIT eq. 2 for one token's selected experts: 2 = high, 1 = low, 0 = skip");
+
+    m.def(
+        "precision_scores",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> w) {
+            if (w.ndim() != 2) {
+                throw std::invalid_argument("precision_scores: weights [n_tokens, n_used]");
+            }
+            py::array_t<float> out({ w.shape(0), w.shape(1) });
+            for (py::ssize_t t = 0; t < w.shape(0); ++t) {
+                moetier_precision_scores(w.data(t, 0), (int32_t) w.shape(1), out.mutable_data(t, 0));
+            }
+            return out;
+        },
+        py::arg("weights"), "HOBBIT eq. 2 scores of each token's selected experts (0 for the top-1)");
+
+    m.def(
+        "replay",
+        [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids, py::object weights, int32_t n_expert,
+           uint64_t bytes_high, uint64_t bytes_low, int32_t n_slots_high, int32_t n_slots_low,
+           const std::string & policy, const std::vector<float> & w, float t1, float t2,
+           const std::vector<int64_t> & seq_starts) {
+            if (ids.ndim() != 3) {
+                throw std::invalid_argument("replay: ids [n_tokens, n_layers, n_used]");
+            }
+            if (w.size() != 4) {
+                throw std::invalid_argument("replay: weights of the policy: [w_lru, w_lfu, w_lhu, w_fld]");
+            }
+            py::array_t<float, py::array::c_style | py::array::forcecast> gw;
+            if (!weights.is_none()) {
+                gw = weights.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
+                if (gw.ndim() != 3 || gw.shape(0) != ids.shape(0) || gw.shape(1) != ids.shape(1) ||
+                    gw.shape(2) != ids.shape(2)) {
+                    throw std::invalid_argument("replay: gate weights must have the shape of ids");
+                }
+            }
+            moetier_replay_params p;
+            p.n_layers     = (int32_t) ids.shape(1);
+            p.n_used       = (int32_t) ids.shape(2);
+            p.n_expert     = n_expert;
+            p.bytes_high   = bytes_high;
+            p.bytes_low    = bytes_low;
+            p.n_slots_high = n_slots_high;
+            p.n_slots_low  = n_slots_low;
+            p.policy       = policy;
+            p.weights      = { w[0], w[1], w[2], w[3] };
+            p.rule.t1      = t1;
+            p.rule.t2      = t2;
+            moetier_layer_stats c;
+            {
+                py::gil_scoped_release release;
+                c = moetier_replay(p, ids.data(), weights.is_none() ? nullptr : gw.data(), ids.shape(0), seq_starts);
+            }
+            return c;
+        },
+        py::arg("ids"), py::arg("weights"), py::arg("n_expert"), py::arg("bytes_high"), py::arg("bytes_low"),
+        py::arg("n_slots_high"), py::arg("n_slots_low"), py::arg("policy"), py::arg("policy_weights"), py::arg("t1"),
+        py::arg("t2"), py::arg("seq_starts") = std::vector<int64_t>{ 0 },
+        "run a routing trace through the cache's bookkeeping (no reads): the counters it would produce");
 
     py::class_<py_policy>(m, "Policy")
         .def(py::init<const std::string &, int32_t, const std::vector<float> &>(), py::arg("name"), py::arg("n_slots"),
              py::arg("weights") = std::vector<float>{ 0.25f, 0.25f, 0.25f, 0.25f })
-        .def("set_clock", &py_policy::set_clock, py::arg("tick"), py::arg("seq_tick"), py::arg("pass_"), py::arg("steps"),
-             py::arg("layer"), py::arg("n_layers"))
+        .def("set_clock", &py_policy::set_clock, py::arg("tick"), py::arg("seq_tick"), py::arg("pass_"),
+             py::arg("steps"), py::arg("layer"), py::arg("n_layers"))
         .def("on_hit", &py_policy::on_hit, py::arg("slot"), py::arg("layer"), py::arg("expert"), py::arg("high"))
         .def("on_load", &py_policy::on_load, py::arg("slot"), py::arg("layer"), py::arg("expert"), py::arg("high"))
         .def("victim", &py_policy::victim, py::arg("excluded"))

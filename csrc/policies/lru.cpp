@@ -5,11 +5,9 @@
 namespace {
 
 struct moetier_policy_lru : moetier_policy_i {
-    std::vector<uint64_t> last_use; // [n_slots] tick of the last hit or load, 0 = never used
+    std::vector<uint64_t> last_use;  // [n_slots] tick of the last hit or load, 0 = never used
 
-    void init(int32_t n_slots) override {
-        last_use.assign(n_slots, 0);
-    }
+    void init(int32_t n_slots) override { last_use.assign(n_slots, 0); }
 
     void on_hit(int32_t slot, const moetier_key & /*key*/, bool /*high*/, const moetier_policy_ctx & ctx) override {
         last_use[slot] = ctx.tick;
@@ -36,7 +34,7 @@ struct moetier_policy_lru : moetier_policy_i {
     void reset_sequence(const moetier_policy_ctx & /*ctx*/) override {}
 };
 
-} // namespace
+}  // namespace
 
 moetier_policy_ptr moetier_policy_lru_create() {
     return std::make_unique<moetier_policy_lru>();

@@ -12,18 +12,18 @@
 
 // which expert a slot holds
 struct moetier_key {
-    int32_t layer  = -1; // model layer index
-    int32_t expert = -1; // expert index within the layer
+    int32_t layer  = -1;  // model layer index
+    int32_t expert = -1;  // expert index within the layer
 };
 
 // the cache's clocks when it calls a policy
 struct moetier_policy_ctx {
-    uint64_t tick     = 0; // layer passes of the pool group so far (a resolve is one tick)
-    uint64_t seq_tick = 0; // tick at which the current sequence started
-    uint64_t pass     = 0; // forward passes (ubatches) so far, counting this one
-    uint64_t steps    = 1; // forward passes of the current sequence, counting this one
-    int32_t  layer    = 0; // model layer being resolved
-    int32_t  n_layers = 1; // model layers, for layer distances
+    uint64_t tick     = 0;  // layer passes of the pool group so far (a resolve is one tick)
+    uint64_t seq_tick = 0;  // tick at which the current sequence started
+    uint64_t pass     = 0;  // forward passes (ubatches) so far, counting this one
+    uint64_t steps    = 1;  // forward passes of the current sequence, counting this one
+    int32_t  layer    = 0;  // model layer being resolved
+    int32_t  n_layers = 1;  // model layers, for layer distances
 };
 
 // the weights of HOBBIT's multidimensional priority (eq. 3)

@@ -11,7 +11,9 @@ struct moetier_policy_random : moetier_policy_i {
     std::mt19937_64 rng{ 0x6d6f6574 };
 
     void init(int32_t /*n_slots*/) override {}
+
     void on_hit(int32_t, const moetier_key &, bool, const moetier_policy_ctx &) override {}
+
     void on_load(int32_t, const moetier_key &, bool, const moetier_policy_ctx &) override {}
 
     int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & /*ctx*/) override {
@@ -37,7 +39,7 @@ struct moetier_policy_random : moetier_policy_i {
     bool across_layers() const override { return true; }
 };
 
-} // namespace
+}  // namespace
 
 moetier_policy_ptr moetier_policy_random_create() {
     return std::make_unique<moetier_policy_random>();

@@ -20,22 +20,20 @@ namespace {
 struct moetier_policy_weighted : moetier_policy_i {
     // per expert, not per slot: an expert evicted and read again keeps its sequence's counts
     struct record {
-        uint64_t last_use  = 0; // tick of the last use, 0 = never
-        uint64_t last_pass = 0; // forward pass of the last counted use
-        uint32_t freq      = 0; // passes of this sequence that used the expert
-        uint32_t hfreq     = 0; // ... that used its high-precision version
+        uint64_t last_use  = 0;  // tick of the last use, 0 = never
+        uint64_t last_pass = 0;  // forward pass of the last counted use
+        uint32_t freq      = 0;  // passes of this sequence that used the expert
+        uint32_t hfreq     = 0;  // ... that used its high-precision version
     };
 
     moetier_policy_weights w;
 
-    std::vector<moetier_key>         key;     // [n_slots]
-    std::vector<std::vector<record>> records; // [layer][expert], grown on first use
+    std::vector<moetier_key>         key;      // [n_slots]
+    std::vector<std::vector<record>> records;  // [layer][expert], grown on first use
 
     explicit moetier_policy_weighted(const moetier_policy_weights & w_) : w(w_) {}
 
-    void init(int32_t n_slots) override {
-        key.assign(n_slots, moetier_key{});
-    }
+    void init(int32_t n_slots) override { key.assign(n_slots, moetier_key{}); }
 
     record & rec(const moetier_key & k) {
         if ((size_t) k.layer >= records.size()) {
@@ -48,12 +46,10 @@ struct moetier_policy_weighted : moetier_policy_i {
         return l[k.expert];
     }
 
-    const record & rec(const moetier_key & k) const {
-        return records[k.layer][k.expert];
-    }
+    const record & rec(const moetier_key & k) const { return records[k.layer][k.expert]; }
 
     void use(int32_t s, const moetier_key & k, bool high, const moetier_policy_ctx & ctx) {
-        key[s] = k;
+        key[s]     = k;
         record & r = rec(k);
         r.last_use = ctx.tick;
         // count a use once per forward pass
@@ -73,11 +69,11 @@ struct moetier_policy_weighted : moetier_policy_i {
     }
 
     double priority(const record & r, const moetier_key & k, const moetier_policy_ctx & ctx) const {
-        const double T     = (double) (ctx.tick > ctx.seq_tick ? ctx.tick - ctx.seq_tick : 1);
-        const double R     = r.last_use > ctx.seq_tick ? (double) (r.last_use - ctx.seq_tick) : 0.0;
-        const double steps = (double) (ctx.steps > 0 ? ctx.steps : 1);
-        const int32_t ln   = ctx.n_layers > 0 ? ctx.n_layers : 1;
-        const int32_t d    = ((k.layer - ctx.layer) % ln + ln) % ln;
+        const double  T     = (double) (ctx.tick > ctx.seq_tick ? ctx.tick - ctx.seq_tick : 1);
+        const double  R     = r.last_use > ctx.seq_tick ? (double) (r.last_use - ctx.seq_tick) : 0.0;
+        const double  steps = (double) (ctx.steps > 0 ? ctx.steps : 1);
+        const int32_t ln    = ctx.n_layers > 0 ? ctx.n_layers : 1;
+        const int32_t d     = ((k.layer - ctx.layer) % ln + ln) % ln;
         return w.lru * (R / T) + w.lfu * (r.freq / steps) + w.lhu * (r.hfreq / steps) + w.fld * (1.0 - (double) d / ln);
     }
 
@@ -112,7 +108,7 @@ struct moetier_policy_weighted : moetier_policy_i {
     bool across_layers() const override { return w.fld > 0.0f; }
 };
 
-} // namespace
+}  // namespace
 
 moetier_policy_ptr moetier_policy_weighted_create(const moetier_policy_weights & weights) {
     return std::make_unique<moetier_policy_weighted>(weights);

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from .config import CacheConfig, ContextConfig, PackConfig, parse_size
+from .config import CacheConfig, ContextConfig, PackConfig, format_size, parse_size
 from .errors import ConfigError, ModelError, MoetierError, StoreError
 from .model import CacheStats, GenerateResult, LayerStats, Model, PrefetchStats
 from .pack import pack
 
+# the one version source: pyproject.toml reads it (scikit-build-core regex metadata provider)
 __version__ = "0.1.0"
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "PrefetchStats",
     "StoreError",
     "__version__",
+    "format_size",
     "pack",
     "parse_size",
 ]

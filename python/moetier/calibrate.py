@@ -124,7 +124,7 @@ def record_trace(
         msg = "calibration text is empty"
         raise ConfigError(msg)
     names = [f"ffn_moe_topk-{il}" for il in layers] + [f"ffn_moe_weights-{il}" for il in layers]
-    rows = m._m.collect(tokens, names, cfg.seq_len)
+    rows = _core.trace.collect(m._m, tokens, names, cfg.seq_len)
     n = len(tokens)
     ids = np.stack([rows[f"ffn_moe_topk-{il}"].reshape(n, -1) for il in layers], axis=1).astype(np.int32)
     weights = np.stack([rows[f"ffn_moe_weights-{il}"].reshape(n, -1) for il in layers], axis=1).astype(np.float32)
@@ -206,13 +206,13 @@ def search_policy(
             t2,
             list(trace.seq_starts),
         )
-        rows.append({"policy": name, "weights": list(w), **counters})
+        rows.append({"policy": name, "weights": list(w), **counters._asdict()})
         if progress:
             progress(i + 1, len(cands))
-    base = next(r["bytes_read"] for r in rows if r["policy"] == "random") or 1
+    base = next(r["n_bytes_read"] for r in rows if r["policy"] == "random") or 1
     for r in rows:
-        r["penalty_vs_random"] = r["bytes_read"] / base
-    rows.sort(key=lambda r: (r["bytes_read"], r["policy"] != "multi"))
+        r["penalty_vs_random"] = r["n_bytes_read"] / base
+    rows.sort(key=lambda r: (r["n_bytes_read"], r["policy"] != "multi"))
     return rows
 
 
@@ -285,10 +285,10 @@ def calibrate(
                 "n_slots_low": int(info.get("n_slots_low", 0)),
                 "policy": r[0]["policy"],
                 "weights": r[0]["weights"],
-                "bytes_read": r[0]["bytes_read"],
+                "n_bytes_read": r[0]["n_bytes_read"],
             }
         )
-        if not rows or r[0]["bytes_read"] < rows[0]["bytes_read"]:
+        if not rows or r[0]["n_bytes_read"] < rows[0]["n_bytes_read"]:
             rows, lf = r, f
     best = rows[0]
     w = dict(zip(("w_lru", "w_lfu", "w_lhu", "w_fld"), best["weights"], strict=True))

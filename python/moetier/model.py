@@ -12,66 +12,38 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _core
-from .config import FLASH_ATTN, CacheConfig, ContextConfig
-from .errors import ConfigError, ModelError, StoreError
+from .config import CacheConfig, ContextConfig
+from .errors import ModelError, StoreError
 
-
-@dataclass(frozen=True)
-class LayerStats:
-    """Counters of one MoE layer. A lookup is one distinct expert needed by a layer in one ubatch."""
-
-    layer: int
-    lookups: int
-    hits: int
-    misses: int
-    bytes_read: int
-    read_seconds: float
-    hits_low: int = 0
-    loads_high: int = 0
-    loads_low: int = 0
-    skipped: int = 0
-    bytes_low: int = 0
+# The counters cross the boundary as the C structs themselves (csrc/moetier.h moetier_layer_stats,
+# moetier_prefetch_stats): their fields are named once, in C.
+LayerStats = _core.LayerStats
+PrefetchStats = _core.PrefetchStats
 
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Expert cache counters summed over layers, with the per-layer detail. misses = loads_high +
-    loads_low + skipped; hits_low counts hits served by a cached low-precision version."""
+    """Expert cache counters summed over layers (`total`, also reachable as attributes: stats.n_hits)
+    with the per-layer detail. A lookup is one distinct expert needed by a layer in one ubatch;
+    n_misses = n_loads_high + n_loads_low + n_skipped; n_hits_low counts hits served by a cached
+    low-precision version."""
 
-    lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    hits_low: int = 0
-    loads_high: int = 0
-    loads_low: int = 0
-    skipped: int = 0
-    bytes_low: int = 0
+    total: LayerStats = dataclasses.field(default_factory=LayerStats)
     layers: tuple[LayerStats, ...] = ()
 
     @property
     def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
+        return self.total.n_hits / self.total.n_lookups if self.total.n_lookups else 0.0
 
+    @property
+    def read_seconds(self) -> float:
+        """Time the layers' compute waited for their expert reads."""
+        return self.total.read_us / 1e6
 
-@dataclass(frozen=True)
-class PrefetchStats:
-    """Prefetch counters. Per distance d = 1, 2, ... (index d - 1): predictions checked (decode tokens)
-    and how many had the right top-1, the whole top-k set, or at least one selected expert."""
-
-    issued: int = 0
-    hits: int = 0
-    waits: int = 0
-    claimed: int = 0
-    cancelled: int = 0
-    wasted: int = 0
-    bytes_read: int = 0
-    bytes_wasted: int = 0
-    predictions: tuple[int, ...] = ()
-    top1: tuple[int, ...] = ()
-    allk: tuple[int, ...] = ()
-    any: tuple[int, ...] = ()
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return int(getattr(self.total, name))
 
 
 @dataclass(frozen=True)
@@ -139,31 +111,9 @@ class Model:
         self.cache = cache
         self.context = ctx
         self.store = Path(store) if store is not None else None
-        try:
-            self._m = _core.Model(
-                str(self.path),
-                cache.budget_bytes if cache else 0,
-                str(self.store) if self.store else "",
-                cache.policy if cache else "lru",
-                cache.direct_io if cache else True,
-                ctx.n_ctx,
-                ctx.n_threads,
-                ctx.n_batch,
-                ctx.n_ubatch,
-                repack,
-                cache.opts() if cache else "",
-                ctx.type_k,
-                ctx.type_v,
-                FLASH_ATTN[ctx.flash_attn],
-            )
-        except ValueError as e:  # e.g. a KV cache type the core does not know
-            msg = f"{self.path}: {e}"
-            raise ConfigError(msg) from None
-        except RuntimeError as e:
-            text = str(e)
-            if self.store is not None and str(self.store) in text:
-                raise StoreError(text) from None
-            raise ModelError(text) from None
+        params = cache.params(self.store) if cache else _core.Params()
+        # errors come typed from the core: ConfigError, StoreError (at load and at decode alike), ModelError
+        self._m = _core.Model(str(self.path), params, ctx.params(), repack)
 
     @property
     def n_vocab(self) -> int:
@@ -181,15 +131,12 @@ class Model:
 
     def logits(self, tokens: list[int]) -> npt.NDArray[np.float32]:
         """Logits at the last position of tokens, evaluated from an empty context."""
-        try:
-            return np.asarray(self._m.logits(tokens), dtype=np.float32)
-        except RuntimeError as e:
-            raise ModelError(str(e)) from None
+        return np.asarray(self._m.logits(tokens), dtype=np.float32)
 
     def graph_nodes(self, tokens: list[int]) -> list[str]:
         """Names of the compute graph's nodes in the order one decode of tokens runs them."""
         try:
-            return list(self._m.node_order(tokens))
+            return list(_core.trace.node_order(self._m, tokens))
         except RuntimeError as e:
             raise ModelError(str(e)) from None
 
@@ -200,10 +147,7 @@ class Model:
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.reset_stats()
         t0 = time.perf_counter()
-        try:
-            res = self._m.generate(tokens, max_tokens, temperature, seed)
-        except RuntimeError as e:
-            raise ModelError(str(e)) from None
+        res = self._m.generate(tokens, max_tokens, temperature, seed)
         dt = time.perf_counter() - t0
         out = [int(t) for t in res["tokens"]]
         return GenerateResult(
@@ -218,32 +162,11 @@ class Model:
 
     def stats(self) -> CacheStats:
         """Expert cache counters since the last reset (all zero without a cache)."""
-        raw = self._m.stats()
-        layers = tuple(LayerStats(**d) for d in raw.get("layers", []))
-        keys: tuple[str, ...] = ("lookups", "hits", "misses", "bytes_read", "read_seconds")
-        keys += ("hits_low", "loads_high", "loads_low", "skipped", "bytes_low")
-        return CacheStats(**{k: sum(getattr(x, k) for x in layers) for k in keys}, layers=layers)
+        return CacheStats(total=self._m.stats_total(), layers=tuple(self._m.layer_stats()))
 
     def prefetch_stats(self) -> PrefetchStats:
         """Prefetch counters since the last reset (all zero without prefetch)."""
-        d = self._m.prefetch_stats()
-        if not d:
-            return PrefetchStats()
-        n = len([x for x in d["predictions"] if x]) or 0
-        return PrefetchStats(
-            issued=int(d["issued"]),
-            hits=int(d["hits"]),
-            waits=int(d["waits"]),
-            claimed=int(d["claimed"]),
-            cancelled=int(d["cancelled"]),
-            wasted=int(d["wasted"]),
-            bytes_read=int(d["bytes_read"]),
-            bytes_wasted=int(d["bytes_wasted"]),
-            predictions=tuple(int(x) for x in d["predictions"][:n]),
-            top1=tuple(int(x) for x in d["top1"][:n]),
-            allk=tuple(int(x) for x in d["allk"][:n]),
-            any=tuple(int(x) for x in d["any"][:n]),
-        )
+        return self._m.prefetch_stats()
 
     def cache_info(self) -> dict[str, int | bool]:
         """Pool sizes of the cache: n_layers, n_expert, n_slots, cache_bytes, expert_bytes, ..."""

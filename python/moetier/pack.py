@@ -36,8 +36,5 @@ def pack(
             bar.update(done - bar.n)
             return True
 
-        try:
-            _core.pack(str(src), str(dst), cfg.low_type, on_progress)
-        except RuntimeError as e:
-            raise StoreError(str(e)) from None
+        _core.pack(str(src), str(dst), cfg.low_type, on_progress)  # raises StoreError
     return dst

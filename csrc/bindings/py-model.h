@@ -1,0 +1,58 @@
+#pragma once
+
+// moetier._core.Model: a llama.cpp model + context, with or without the expert cache. Declared here
+// for the bindings that work on a model (register-model.cpp, register-trace.cpp).
+
+#include "bindings.h"
+#include "llama.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+struct py_model_deleter {
+    void operator()(llama_model * m) const { llama_model_free(m); }
+};
+
+struct py_context_deleter {
+    void operator()(llama_context * c) const { llama_free(c); }
+};
+
+using py_context_ptr = std::unique_ptr<llama_context, py_context_deleter>;
+
+class py_model {
+  public:
+    // throws moetier_py_error (the kind the C API reports) naming path
+    py_model(const std::string &          path,
+             const moetier_params &       params,
+             const llama_context_params & cparams,
+             bool                         repack);
+
+    const std::string & path() const { return path_; }
+
+    llama_model * model() const { return model_.get(); }
+
+    llama_context * ctx() const { return ctx_.get(); }
+
+    const llama_vocab * vocab() const { return vocab_; }
+
+    // throws std::invalid_argument if t is not a token of the vocabulary
+    void check_token(llama_token t) const;
+
+    // a context of n_ctx tokens (one batch) like the model's own (threads, attention, KV types)
+    // whose graph evaluation calls cb on every node
+    py_context_ptr eval_context(uint32_t                         n_ctx,
+                                uint32_t                         n_ubatch,
+                                ggml_backend_sched_eval_callback cb,
+                                void *                           ud) const;
+
+    // the C API's expert read error as a Python error of its kind, with what (e.g. "decode failed")
+    [[noreturn]] void throw_model_error(const std::string & what, int32_t rc) const;
+
+  private:
+    std::string                                    path_;
+    llama_context_params                           cparams_;
+    std::unique_ptr<llama_model, py_model_deleter> model_;
+    py_context_ptr                                 ctx_;
+    const llama_vocab *                            vocab_ = nullptr;
+};

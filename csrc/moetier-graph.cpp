@@ -1,0 +1,240 @@
+#include "moetier-graph.h"
+
+#include "ggml.h"
+#include "moetier-cache.h"
+#include "moetier-layer.h"
+#include "moetier-model.h"
+
+#include <cstring>
+#include <unordered_set>
+#include <vector>
+
+//
+// custom ops: userdata is the served layer
+//
+
+static void moetier_op_resolve_impl(ggml_tensor * dst, void * userdata, bool warmup) noexcept {
+    moetier_layer *     l   = (moetier_layer *) userdata;
+    const ggml_tensor * ids = dst->src[0];
+    const ggml_tensor * w   = dst->src[1];
+    l->cache->resolve(*l, (const int32_t *) ids->data, w ? (const float *) w->data : nullptr, ids->ne[0], ids->ne[1],
+                      ids->nb[1], w ? w->nb[1] : 0, (int32_t *) dst->data, warmup);
+}
+
+// note: the CPU backend calls a custom op on every thread whatever its n_tasks, so the serial
+// resolve runs on thread 0 only; the barrier after the node orders it before the load op
+static void moetier_op_resolve(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    GGML_UNUSED(nth);
+    if (ith == 0) {
+        moetier_op_resolve_impl(dst, userdata, false);
+    }
+}
+
+static void moetier_op_resolve_warmup(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    GGML_UNUSED(nth);
+    if (ith == 0) {
+        moetier_op_resolve_impl(dst, userdata, true);
+    }
+}
+
+// this thread's share of src copied to dst: the slots pass through an op, so what depends on the op
+// runs after it
+static void moetier_op_pass_through(ggml_tensor * dst, int ith, int nth) {
+    const ggml_tensor * src = dst->src[0];
+    const int64_t       n   = ggml_nelements(dst);
+    const int64_t       i0  = n * ith / nth;
+    const int64_t       i1  = n * (ith + 1) / nth;
+    memcpy((int32_t *) dst->data + i0, (const int32_t *) src->data + i0, (i1 - i0) * sizeof(int32_t));
+}
+
+static void moetier_op_load(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    const moetier_layer * l = (const moetier_layer *) userdata;
+    l->cache->load(*l, ith, nth);
+    moetier_op_pass_through(dst, ith, nth);
+}
+
+// pass-through of the slots on every thread; thread 0 predicts and starts the background reads
+static void moetier_op_prefetch(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    const moetier_layer * l = (const moetier_layer *) userdata;
+    moetier_op_pass_through(dst, ith, nth);
+    if (ith == 0) {
+        const ggml_tensor * logits = dst->src[1];
+        l->cache->prefetch(*l, (const float *) logits->data, logits->ne[1], logits->nb[1]);
+    }
+}
+
+//
+// build_moe_ffn
+//
+
+moetier_moe moetier_graph_moe_ids(ggml_context * ctx,
+                                  ggml_tensor *  cur,
+                                  ggml_tensor *  selected_experts,
+                                  ggml_tensor *  weights,
+                                  bool           warmup,
+                                  ggml_tensor ** up_exps,
+                                  ggml_tensor ** gate_exps,
+                                  ggml_tensor ** down_exps,
+                                  ggml_tensor ** gate_up_exps) noexcept {
+    moetier_moe moe;
+    moe.ids           = selected_experts;
+    moetier_layer * l = moetier_model::layer_of(*gate_up_exps ? *gate_up_exps : *up_exps);
+    if (l == nullptr) {
+        return moe;
+    }
+    moetier_cache & cache    = *l->cache;
+    const int64_t   n_used   = selected_experts->ne[0];
+    const int64_t   n_tokens = selected_experts->ne[1];
+    const int64_t   n_planes = cache.has_low() ? 2 : 1;
+
+    // the precision rule reads the weights only if it can pick anything but high
+    ggml_tensor * args[2] = { selected_experts, nullptr };
+    int           n_args  = 1;
+    if (weights && cache.uses_weights()) {
+        args[n_args++] = ggml_cont_2d(ctx, weights, n_used, n_tokens);
+    }
+    ggml_tensor * slots = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, args, n_args,
+                                         warmup ? moetier_op_resolve_warmup : moetier_op_resolve, 1, l);
+    ggml_format_name(slots, "moetier_resolve-%d", l->il);
+
+    args[0]              = slots;
+    ggml_tensor * loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, args, 1, moetier_op_load,
+                                          GGML_N_TASKS_MAX, l);
+    ggml_format_name(loaded, "moetier_load-%d", l->il);
+
+    // prefetch: the next layers' routers on this gate input, then the prefetch op, which passes the
+    // slots through (so it runs before the mul_mat_ids and overlaps them)
+    ggml_tensor * router_stack = cache.router_stack(l->il);
+    if (router_stack && !warmup && cur && cur->type == GGML_TYPE_F32) {
+        ggml_tensor * logits = ggml_mul_mat(ctx, router_stack, cur);
+        ggml_format_name(logits, "moetier_router_stack-%d", l->il);
+        ggml_tensor * pargs[2] = { loaded, logits };
+        loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, pargs, 2, moetier_op_prefetch,
+                                GGML_N_TASKS_MAX, l);
+        ggml_format_name(loaded, "moetier_prefetch-%d", l->il);
+    }
+
+    ggml_tensor ** targets[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
+    for (ggml_tensor ** t : targets) {
+        if (*t == nullptr) {
+            continue;
+        }
+        for (const auto & p : l->projs) {
+            if (p.meta == *t) {
+                *t = p.pool[MOETIER_PRECISION_HIGH];
+            }
+        }
+        GGML_ASSERT(moetier_model::layer_of(*t) == nullptr && "expert tensor of a served layer has no pool");
+    }
+    moe.layer = l;
+    if (n_planes == 1) {
+        moe.ids = loaded;
+        return moe;
+    }
+    moe.ids     = ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], 0);
+    moe.low_ids = ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], loaded->nb[2]);
+    return moe;
+}
+
+ggml_tensor * moetier_graph_mul_mat_id(ggml_context *      ctx,
+                                       const moetier_moe & moe,
+                                       ggml_tensor *       cur,
+                                       ggml_tensor *       as,
+                                       ggml_tensor *       b) noexcept {
+    if (moe.layer == nullptr || moe.low_ids == nullptr) {
+        return cur;
+    }
+    for (const auto & p : moe.layer->projs) {
+        if (p.pool[MOETIER_PRECISION_HIGH] == as && p.pool[MOETIER_PRECISION_LOW] != nullptr) {
+            ggml_tensor * low = ggml_mul_mat_id(ctx, p.pool[MOETIER_PRECISION_LOW], b, moe.low_ids);
+            return ggml_add(ctx, cur, low);
+        }
+    }
+    return cur;
+}
+
+//
+// node order
+//
+
+static bool moetier_is_op(const ggml_tensor * t, const char * prefix) {
+    return t->op == GGML_OP_CUSTOM && strncmp(t->name, prefix, strlen(prefix)) == 0;
+}
+
+// a node that writes into memory it does not own (a copy into a view, set_rows into a cache): it
+// keeps its place relative to the nodes that depend on the load
+static bool moetier_writes_elsewhere(const ggml_tensor * t) {
+    if (t->view_src == nullptr) {
+        return false;
+    }
+    switch (t->op) {
+        case GGML_OP_NONE:
+        case GGML_OP_VIEW:
+        case GGML_OP_RESHAPE:
+        case GGML_OP_PERMUTE:
+        case GGML_OP_TRANSPOSE:
+            return false;
+        default:
+            return true;
+    }
+}
+
+void moetier_graph_reorder(const moetier_model & m, ggml_cgraph * gf) noexcept {
+    if (m.io == nullptr || !m.io->uses_uring() || gf == nullptr) {
+        return;
+    }
+    ggml_tensor ** nodes = ggml_graph_nodes(gf);
+    const int      n     = ggml_graph_n_nodes(gf);
+    try {
+        std::unordered_set<const ggml_tensor *> dep;
+        std::vector<ggml_tensor *>              ahead;
+        std::vector<ggml_tensor *>              behind;
+        for (int i = 0; i < n; ++i) {
+            if (!moetier_is_op(nodes[i], "moetier_load-")) {
+                continue;
+            }
+            // window: up to the next layer's routing, which needs this layer's output anyway.
+            // A node depends on the load if a source (or the tensor a source views) does; the others
+            // go ahead of the load, both groups in their order: a topological order still.
+            int j = i + 1;
+            while (j < n && !moetier_is_op(nodes[j], "moetier_resolve-")) {
+                ++j;
+            }
+            dep.clear();
+            ahead.clear();
+            behind.clear();
+            dep.insert(nodes[i]);
+            behind.push_back(nodes[i]);
+            for (int k = i + 1; k < j; ++k) {
+                ggml_tensor * t = nodes[k];
+                bool          d = moetier_writes_elsewhere(t) || (t->view_src && dep.count(t->view_src));
+                for (int s = 0; s < GGML_MAX_SRC && !d; ++s) {
+                    const ggml_tensor * src = t->src[s];
+                    d                       = src && (dep.count(src) || (src->view_src && dep.count(src->view_src)));
+                }
+                if (d) {
+                    dep.insert(t);
+                    if (moetier_writes_elsewhere(t)) {
+                        // what reads the written buffer later (e.g. the KV cache, through its own
+                        // view) must stay behind the write
+                        dep.insert(t->view_src);
+                    }
+                    behind.push_back(t);
+                } else {
+                    ahead.push_back(t);
+                }
+            }
+            int k = i;
+            for (ggml_tensor * t : ahead) {
+                nodes[k++] = t;
+            }
+            for (ggml_tensor * t : behind) {
+                nodes[k++] = t;
+            }
+            i = j - 1;
+        }
+    } catch (...) {
+        // out of memory in the sets: the order was not touched (nodes are written only at the end
+        // of a window, without allocating), so the graph stays valid
+    }
+}

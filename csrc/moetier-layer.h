@@ -1,0 +1,85 @@
+#pragma once
+
+// The served experts as every lower file sees them: the two precisions, what a layer pass needs of
+// an expert, one projection's bytes on disk and its slot pools, and one served layer. Plain data:
+// the model fills it at load, the cache and the reads use it.
+
+#include "ggml.h"
+#include "moetier-io.h"
+#include "moetier-store.h"
+#include "moetier.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+class moetier_cache;
+
+enum moetier_precision : int32_t {
+    MOETIER_PRECISION_HIGH = 0,  // the model's own type
+    MOETIER_PRECISION_LOW  = 1,  // the store's low-precision copy
+};
+
+static constexpr int32_t MOETIER_N_PRECISIONS = 2;
+
+// what a ubatch needs of one expert: the most any of its tokens needs (HOBBIT eq. 2 per token)
+enum moetier_need : uint8_t {
+    MOETIER_NEED_NONE = 0,  // not selected
+    MOETIER_NEED_SKIP = 1,  // selected, may be skipped on a miss (score above t2)
+    MOETIER_NEED_LOW  = 2,  // the low version will do (score above t1)
+    MOETIER_NEED_HIGH = 3,
+};
+
+// one served projection (gate, up, down or gate_up) of one layer
+struct moetier_proj {
+    std::string   name;
+    ggml_tensor * meta                       = nullptr;  // the model's tensor, created without data
+    // the group's pool per precision [ne0, ne1, n_slots]
+    ggml_tensor * pool[MOETIER_N_PRECISIONS] = { nullptr, nullptr };
+
+    const moetier_file *       file   = nullptr;  // GGUF or store data file
+    const moetier_store_proj * store  = nullptr;  // per-expert offsets and checksums when reading a store
+    uint64_t                   offset = 0;        // GGUF: file offset of expert 0
+    uint64_t                   bytes  = 0;        // unpadded bytes of one high-precision expert
+
+    uint64_t expert_offset(int32_t e, moetier_precision prec) const {
+        if (store) {
+            return prec == MOETIER_PRECISION_LOW ? store->offset_low[e] : store->offset_high[e];
+        }
+        return offset + (uint64_t) e * bytes;
+    }
+
+    uint64_t expert_bytes(moetier_precision prec) const {
+        return prec == MOETIER_PRECISION_LOW ? store->bytes_low : bytes;
+    }
+
+    uint64_t expert_checksum(int32_t e, moetier_precision prec) const {
+        return prec == MOETIER_PRECISION_LOW ? store->checksum_low[e] : store->checksum_high[e];
+    }
+};
+
+// one served MoE layer; the custom ops' userdata
+struct moetier_layer {
+    int32_t                   il    = -1;
+    moetier_cache *           cache = nullptr;  // the pool group serving it (set by the cache; not called below it)
+    std::vector<moetier_proj> projs;            // in the group's projection order
+    moetier_layer_stats       stats = {};       // this layer's counters (stats.layer = il)
+
+    // per precision: projs in file order when, for every expert, they lie back to back in one file (a
+    // store): one vectored read per expert; else empty
+    std::vector<int32_t> file_order[MOETIER_N_PRECISIONS];
+};
+
+// the counters of b added to a (a.layer is kept)
+static inline void moetier_stats_add(moetier_layer_stats & a, const moetier_layer_stats & b) {
+    a.n_lookups += b.n_lookups;
+    a.n_hits += b.n_hits;
+    a.n_misses += b.n_misses;
+    a.n_bytes_read += b.n_bytes_read;
+    a.read_us += b.read_us;
+    a.n_hits_low += b.n_hits_low;
+    a.n_loads_high += b.n_loads_high;
+    a.n_loads_low += b.n_loads_low;
+    a.n_skipped += b.n_skipped;
+    a.n_bytes_low += b.n_bytes_low;
+}

@@ -1,0 +1,425 @@
+#include "moetier-model.h"
+
+#include "llama-model.h"
+#include "moetier-impl.h"
+#include "moetier-prefetch.h"
+#include "moetier-read.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <map>
+#include <stdexcept>
+
+// [TAG_MOETIER_EXTRA] served tensors carry their layer in ggml_tensor::extra: they are never
+// allocated in a backend buffer, so no backend owns that field for them
+static constexpr uint32_t MOETIER_LAYER_MAGIC = 0x4d4f4554;  // "MOET"
+
+struct moetier_layer_tag {
+    uint32_t        magic = MOETIER_LAYER_MAGIC;
+    moetier_layer * layer = nullptr;
+};
+
+moetier_model::moetier_model(const moetier_params & params, const std::vector<std::string> & paths_) : paths(paths_) {
+    cache_bytes = params.cache_bytes;
+    direct_io   = params.direct_io;
+    policy_name = params.policy && params.policy[0] ? params.policy : moetier_default_params().policy;
+    if (const char * bad = moetier_params_check(&params)) {
+        throw moetier_exception(MOETIER_ERROR_CONFIG, bad);
+    }
+    precision.t1   = params.t1;
+    precision.t2   = params.t2;
+    low_frac       = params.low_frac;
+    prefetch       = params.prefetch;
+    io_threads     = params.io_threads;
+    use_uring      = params.io_uring;
+    policy_weights = { params.w_lru, params.w_lfu, params.w_lhu, params.w_fld };
+    if (!moetier_policy_create(policy_name, policy_weights)) {
+        std::string names;
+        for (const char * const * n = moetier_policy_names(); *n; ++n) {
+            names += names.empty() ? *n : std::string(", ") + *n;
+        }
+        throw moetier_exception(MOETIER_ERROR_CONFIG, format("unknown expert cache policy '%s'; available: %s",
+                                                             policy_name.c_str(), names.c_str()));
+    }
+    if (paths.empty()) {
+        throw std::runtime_error("no model file");
+    }
+
+    if (params.store_dir && params.store_dir[0]) {
+        if (paths.size() > 1) {
+            throw std::runtime_error("expert stores of split GGUF models are not supported; merge the splits first");
+        }
+        const moetier_model_identity id = moetier_model_identity_compute(paths[0]);
+        try {
+            store      = std::make_unique<moetier_store>(params.store_dir, id);
+            store_file = std::make_unique<moetier_file>(store->data_path(), direct_io);
+        } catch (const std::runtime_error & e) {
+            throw moetier_exception(MOETIER_ERROR_STORE, e.what());
+        }
+    } else {
+        for (const auto & p : paths) {
+            files.push_back(std::make_unique<moetier_file>(p, direct_io));
+        }
+    }
+
+    ggml_init_params ip = {
+        /*.mem_size   =*/ggml_tensor_overhead() * 4096,
+        /*.mem_buffer =*/nullptr,
+        /*.no_alloc   =*/true,
+    };
+    meta_ctx = ggml_init(ip);
+    if (!meta_ctx) {
+        throw std::runtime_error("failed to create the expert metadata context");
+    }
+}
+
+moetier_model::~moetier_model() {
+    io.reset();  // joins the I/O threads: no read may outlive the pools
+    caches.clear();
+    if (meta_ctx) {
+        for (ggml_tensor * t = ggml_get_first_tensor(meta_ctx); t; t = ggml_get_next_tensor(meta_ctx, t)) {
+            delete (moetier_layer_tag *) t->extra;
+            t->extra = nullptr;
+        }
+        ggml_free(meta_ctx);
+    }
+}
+
+moetier_layer * moetier_model::layer_of(const ggml_tensor * t) {
+    if (t == nullptr || t->extra == nullptr || t->buffer != nullptr) {
+        return nullptr;
+    }
+    const moetier_layer_tag * tag = (const moetier_layer_tag *) t->extra;
+    return tag->magic == MOETIER_LAYER_MAGIC ? tag->layer : nullptr;
+}
+
+ggml_tensor * moetier_model::create_tensor(const std::string & name,
+                                           const ggml_tensor * cur,
+                                           uint16_t            file_idx,
+                                           size_t              offs) {
+    int32_t           il   = -1;
+    const std::string proj = moetier_expert_tensor_proj(name, &il);
+    if (proj.empty() || ggml_n_dims(cur) != 3) {
+        return nullptr;
+    }
+    if (n_expert == 0) {
+        n_expert = (int32_t) cur->ne[2];
+    } else if (n_expert != cur->ne[2]) {
+        throw std::runtime_error(format("tensor %s has %" PRId64
+                                        " experts, other layers have %d; per-layer expert counts are not supported",
+                                        name.c_str(), cur->ne[2], n_expert));
+    }
+
+    moetier_layer * layer = nullptr;
+    for (auto & l : layers) {
+        if (l->il == il) {
+            layer = l.get();
+        }
+    }
+    if (!layer) {
+        layers.push_back(std::make_unique<moetier_layer>());
+        layer              = layers.back().get();
+        layer->il          = il;
+        layer->stats.layer = il;
+    }
+
+    moetier_proj p;
+    p.name  = proj;
+    p.bytes = cur->nb[2];
+    if (store) {
+        p.store = store->find(il, proj);
+        if (!p.store) {
+            throw moetier_exception(MOETIER_ERROR_STORE,
+                                    format("%s: the store has no entry for %s; re-run `moetier pack` on this model",
+                                           store->manifest_path().c_str(), name.c_str()));
+        }
+        if (p.store->type_high != cur->type || p.store->ne0 != cur->ne[0] || p.store->ne1 != cur->ne[1] ||
+            (int64_t) p.store->offset_high.size() != cur->ne[2] || p.store->bytes_high != p.bytes) {
+            throw moetier_exception(
+                MOETIER_ERROR_STORE,
+                format("%s: entry for %s does not match the model (type %s %" PRId64 "x%" PRId64 " vs %s %" PRId64
+                       "x%" PRId64 "); "
+                       "re-run `moetier pack` on this model",
+                       store->manifest_path().c_str(), name.c_str(), ggml_type_name(p.store->type_high), p.store->ne0,
+                       p.store->ne1, ggml_type_name(cur->type), cur->ne[0], cur->ne[1]));
+        }
+        p.file = store_file.get();
+    } else {
+        if (file_idx >= files.size()) {
+            throw std::runtime_error(format("tensor %s is in split %u, but only %zu files were given", name.c_str(),
+                                            file_idx, files.size()));
+        }
+        p.file   = files[file_idx].get();
+        p.offset = offs;
+    }
+
+    ggml_tensor * t = ggml_dup_tensor(meta_ctx, cur);
+    ggml_set_name(t, name.c_str());
+    t->extra = new moetier_layer_tag{ MOETIER_LAYER_MAGIC, layer };
+    p.meta   = t;
+    layer->projs.push_back(p);
+    expert_bytes += ggml_nbytes(cur);
+    if (p.store) {
+        expert_bytes_low += p.store->bytes_low * (uint64_t) cur->ne[2];
+    }
+    return t;
+}
+
+void moetier_model::finish_load() {
+    if (layers.empty()) {
+        throw std::runtime_error(
+            "the model has no expert tensors (blk.N.ffn_*_exps.weight): the expert cache needs a MoE model; "
+            "drop the expert cache option for dense models");
+    }
+    std::sort(layers.begin(), layers.end(), [](const auto & a, const auto & b) { return a->il < b->il; });
+
+    // pool groups: layers whose projections agree in name, type and shape share slots
+    std::map<std::string, std::vector<moetier_layer *>> groups;
+    for (auto & l : layers) {
+        std::sort(l->projs.begin(), l->projs.end(),
+                  [](const moetier_proj & a, const moetier_proj & b) { return a.name < b.name; });
+        std::string sig;
+        for (const auto & p : l->projs) {
+            sig += format("%s:%s:%" PRId64 "x%" PRId64 ";", p.name.c_str(), ggml_type_name(p.meta->type), p.meta->ne[0],
+                          p.meta->ne[1]);
+        }
+        groups[sig].push_back(l.get());
+    }
+
+    // every group needs one layer's experts in high precision (a ubatch may route to all of them);
+    // low_frac of the budget goes to low-precision slots when a miss can be read in low precision
+    // (a store, and t1 < min(t2, 1)); the rest is split in proportion to each group's expert bytes
+    struct plan {
+        std::vector<moetier_layer *> layers;
+        uint64_t                     slot_bytes[2];
+        int64_t                      n_slots[2];
+    };
+
+    std::vector<plan> plans;
+    uint64_t          group_bytes[2] = { 0, 0 };
+    min_cache_bytes                  = 0;
+    for (auto & [sig, ls] : groups) {
+        plan pl = {
+            ls, { 0,        0 },
+             { n_expert, 0 }
+        };
+        for (const auto & p : ls[0]->projs) {
+            pl.slot_bytes[MOETIER_PRECISION_HIGH] += moetier_align_up(p.bytes);
+            pl.slot_bytes[MOETIER_PRECISION_LOW] += p.store ? moetier_align_up(p.store->bytes_low) : 0;
+        }
+        min_cache_bytes += pl.slot_bytes[MOETIER_PRECISION_HIGH] * (uint64_t) n_expert;
+        for (int prec = 0; prec < 2; ++prec) {
+            group_bytes[prec] += pl.slot_bytes[prec] * (uint64_t) n_expert * ls.size();
+        }
+        plans.push_back(pl);
+    }
+    if (cache_bytes < min_cache_bytes) {
+        throw std::runtime_error(
+            format("expert cache budget %s is below the minimum %s (one layer's %d experts%s); "
+                   "use a budget of at least %" PRIu64 " bytes",
+                   moetier_format_bytes(cache_bytes).c_str(), moetier_format_bytes(min_cache_bytes).c_str(), n_expert,
+                   plans.size() > 1 ? " per pool group" : "", min_cache_bytes));
+    }
+    const bool use_low = store && low_frac > 0.0f && precision.t1 < std::min(precision.t2, 1.0f) &&
+                         group_bytes[MOETIER_PRECISION_LOW] > 0;
+    if (!store && precision.t1 < std::min(precision.t2, 1.0f)) {
+        MOETIER_LOG_INFO(
+            "%s: no expert store: low-precision versions are unavailable, misses below t1 read the high version\n",
+            __func__);
+    }
+    uint64_t budget[2];
+    budget[MOETIER_PRECISION_LOW] =
+        use_low ? std::min<uint64_t>((uint64_t) ((double) cache_bytes * low_frac), cache_bytes - min_cache_bytes) : 0;
+    budget[MOETIER_PRECISION_HIGH] = cache_bytes - min_cache_bytes - budget[MOETIER_PRECISION_LOW];
+    for (auto & pl : plans) {
+        const int64_t max_slots = (int64_t) n_expert * (int64_t) pl.layers.size();
+        for (int prec = 0; prec < 2; ++prec) {
+            if (pl.slot_bytes[prec] == 0 || group_bytes[prec] == 0) {
+                continue;
+            }
+            const double share = (double) budget[prec] * (double) (pl.slot_bytes[prec] * n_expert * pl.layers.size()) /
+                                 (double) group_bytes[prec];
+            pl.n_slots[prec] =
+                std::min<int64_t>(max_slots, pl.n_slots[prec] + (int64_t) (share / (double) pl.slot_bytes[prec]));
+        }
+    }
+
+    // store reads: one vectored read per expert when its projections lie back to back in the file
+    for (auto & l : layers) {
+        if (!store || l->projs.size() > 8) {
+            continue;
+        }
+        for (int32_t prec = 0; prec < 2; ++prec) {
+            std::vector<int32_t> order(l->projs.size());
+            for (size_t k = 0; k < order.size(); ++k) {
+                order[k] = (int32_t) k;
+            }
+            std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+                return l->projs[a].expert_offset(0, (moetier_precision) prec) <
+                       l->projs[b].expert_offset(0, (moetier_precision) prec);
+            });
+            bool contiguous = true;
+            for (int32_t e = 0; e < n_expert && contiguous; ++e) {
+                for (size_t k = 1; k < order.size(); ++k) {
+                    const moetier_proj &    a  = l->projs[order[k - 1]];
+                    const moetier_proj &    b  = l->projs[order[k]];
+                    const moetier_precision pr = (moetier_precision) prec;
+                    if (b.expert_offset(e, pr) != a.expert_offset(e, pr) + moetier_align_up(a.expert_bytes(pr))) {
+                        contiguous = false;
+                        break;
+                    }
+                }
+            }
+            if (contiguous) {
+                l->file_order[prec] = order;
+            }
+        }
+    }
+
+    for (auto & pl : plans) {
+        std::vector<moetier_proj> shapes     = pl.layers[0]->projs;
+        const int32_t             n_slots[2] = { (int32_t) pl.n_slots[MOETIER_PRECISION_HIGH],
+                                                 (int32_t) pl.n_slots[MOETIER_PRECISION_LOW] };
+        caches.push_back(
+            std::make_unique<moetier_cache>(n_expert, n_slots, precision, policy_name, policy_weights, shapes));
+        moetier_cache * c = caches.back().get();
+        c->set_n_model_layers(std::max<int32_t>(n_model_layers, layers.back()->il + 1));
+        for (moetier_layer * l : pl.layers) {
+            c->add_layer(l);
+            for (size_t k = 0; k < l->projs.size(); ++k) {
+                l->projs[k].pool[MOETIER_PRECISION_HIGH] = c->pool(MOETIER_PRECISION_HIGH, k);
+                l->projs[k].pool[MOETIER_PRECISION_LOW]  = c->pool(MOETIER_PRECISION_LOW, k);
+            }
+        }
+    }
+
+    uint64_t pool_bytes = 0;
+    int64_t  n_slots    = 0;
+    int64_t  n_slots_lo = 0;
+    for (auto & c : caches) {
+        pool_bytes += c->pool_bytes();
+        n_slots += c->n_slots(MOETIER_PRECISION_HIGH);
+        n_slots_lo += c->n_slots(MOETIER_PRECISION_LOW);
+    }
+    MOETIER_LOG_INFO("%s: expert cache: %zu MoE layers x %d experts (%s), %" PRId64 " high + %" PRId64
+                     " low slots in %zu group(s) = %s, "
+                     "t1 %.2f t2 %.2f, policy %s, reading %s%s\n",
+                     __func__, layers.size(), n_expert, moetier_format_bytes(expert_bytes).c_str(), n_slots, n_slots_lo,
+                     caches.size(), moetier_format_bytes(pool_bytes).c_str(), precision.t1, precision.t2,
+                     policy_name.c_str(), store ? store->dir().c_str() : paths[0].c_str(),
+                     (store ? store_file->direct() : files[0]->direct()) ? " (O_DIRECT)" : "");
+}
+
+void moetier_model::init_io() {
+    if (io_threads <= 0) {
+        return;
+    }
+    // one layer's on-demand reads per group (a read per projection at most, both precisions), a
+    // read per predicted expert of up to p layers, and room for reads still in flight
+    size_t n_proj   = 0;
+    bool   vectored = store != nullptr && store_file->direct_fd() >= 0;
+    for (const auto & l : layers) {
+        n_proj = std::max(n_proj, l->projs.size());
+        for (int32_t prec = 0; prec < MOETIER_N_PRECISIONS; ++prec) {
+            vectored = vectored && (!l->file_order[prec].empty() || l->cache->n_slots((moetier_precision) prec) == 0);
+        }
+    }
+    const size_t capacity = caches.size() * 2 * n_proj * n_expert + (size_t) 4 * prefetch * n_expert + 64;
+
+    // io_uring when every read is one vectored O_DIRECT read of the store: the kernel reads while
+    // the compute threads run; else I/O threads
+    if (use_uring && vectored) {
+        auto ring = std::make_unique<moetier_uring>((unsigned) std::min<size_t>(capacity, 4096));
+        if (ring->ok()) {
+            io = std::make_unique<moetier_io_pool>(
+                std::move(ring), io_threads, capacity,
+                [](const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err) {
+                    if (task.proj >= 0) {
+                        err = "io_uring: one projection is not one vectored read of the store";
+                        return false;
+                    }
+                    return moetier_read_prep(*(const moetier_layer *) task.layer, (moetier_precision) task.prec,
+                                             task.expert, task.slot, rd, err);
+                },
+                [](const moetier_io_task & task, std::string & err) {
+                    const moetier_layer & l = *(const moetier_layer *) task.layer;
+                    moetier_error         e;
+                    if (!moetier_read_verify(l, (moetier_precision) task.prec, task.expert, task.slot, e)) {
+                        err = e.msg;
+                        return false;
+                    }
+                    if (task.bytes_done) {
+                        task.bytes_done->fetch_add(moetier_read_bytes(l, (moetier_precision) task.prec),
+                                                   std::memory_order_relaxed);
+                    }
+                    return true;
+                });
+            for (auto & c : caches) {
+                c->set_io(io.get());
+            }
+            MOETIER_LOG_INFO(
+                "%s: io_uring: expert reads start at routing and overlap the compute that does not need them "
+                "(prefetch: %d reads in flight)\n",
+                __func__, io_threads);
+            return;
+        }
+        MOETIER_LOG_WARN("%s: %s; using %d I/O threads\n", __func__, ring->error().c_str(), io_threads);
+    }
+    // I/O threads serve prefetch only (on-demand reads go to them only in io_uring mode): every
+    // projection of the expert, into the thread's own bounce buffer
+    io_bounce.resize(io_threads);
+    io = std::make_unique<moetier_io_pool>(
+        io_threads, capacity, [this](const moetier_io_task & task, int thread_id, std::string & err) {
+            const moetier_layer & l = *(const moetier_layer *) task.layer;
+            moetier_error         e;
+            if (!moetier_read_expert(l, (moetier_precision) task.prec, task.expert, task.slot, io_bounce[thread_id],
+                                     e)) {
+                err = e.msg;
+                return false;
+            }
+            if (task.bytes_done) {
+                task.bytes_done->fetch_add(moetier_read_bytes(l, (moetier_precision) task.prec),
+                                           std::memory_order_relaxed);
+            }
+            return true;
+        });
+    for (auto & c : caches) {
+        c->set_io(io.get());
+    }
+    MOETIER_LOG_INFO(
+        "%s: %d I/O threads: expert reads start at routing and overlap the compute that does not need them\n", __func__,
+        io_threads);
+}
+
+void moetier_model::init_prefetch(const llama_model & model) {
+    if (prefetch <= 0 || io == nullptr) {
+        return;
+    }
+    // per group: each served layer with the next ones of the same group (at most p, consecutive
+    // among the served layers) and their routers
+    bool any = false;
+    for (auto & c : caches) {
+        std::vector<moetier_prefetch_layer> pl;
+        for (size_t i = 0; i < layers.size(); ++i) {
+            if (layers[i]->cache != c.get()) {
+                continue;
+            }
+            moetier_prefetch_layer x;
+            x.layer = layers[i].get();
+            for (size_t k = i + 1; k < layers.size() && x.next.size() < (size_t) prefetch; ++k) {
+                if (layers[k]->cache != c.get()) {
+                    break;
+                }
+                x.next.push_back(layers[k].get());
+                x.routers.push_back(model.layers[layers[k]->il].ffn_gate_inp);
+            }
+            any = any || !x.next.empty();
+            pl.push_back(std::move(x));
+        }
+        c->set_prefetch(std::make_unique<moetier_prefetch_stacked>(
+            pl, prefetch, n_expert, c->slots(MOETIER_PRECISION_HIGH), c->slots(MOETIER_PRECISION_LOW), *io, precision));
+    }
+    if (any) {
+        MOETIER_LOG_INFO("%s: prefetch: %d layers ahead by stacked routers\n", __func__, prefetch);
+    }
+}

@@ -1,0 +1,334 @@
+#include "moetier-params.h"
+
+#include "moetier-impl.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+
+// clang-format off
+#define MOETIER_ROW(field, type, lo, hi, opt, help) \
+    { #field, type, lo, hi, opt, help, offsetof(moetier_params, field) }
+
+static const moetier_param_info g_rows[] = {
+    MOETIER_ROW(cache_bytes, MOETIER_PARAM_TYPE_SIZE, 0, 1.8e19, false,
+            "expert cache size in bytes, e.g. 256M or 2G; at least one layer's experts; 0 = cache off"),
+    MOETIER_ROW(store_dir, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
+            "expert store written by `moetier pack`; none = read experts from the GGUF"),
+    MOETIER_ROW(policy, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
+            "eviction policy: lru, lfu, lhu (high-precision uses), fld (layer distance), multi (their weighted sum), random"),
+    MOETIER_ROW(t1, MOETIER_PARAM_TYPE_FLOAT, 0, 1, true,
+            "precision threshold of a miss (HOBBIT eq. 2): an expert whose score (the normalised gate weight of the "
+            "experts ranked above it) is <= t1 is read in high precision; the top-1 always is"),
+    MOETIER_ROW(t2, MOETIER_PARAM_TYPE_FLOAT, 0, 1, true,
+            "score <= t2: read the low-precision version (needs a store); above: skip the expert. t1 = t2 = 1 keeps "
+            "every expert in high precision (output equals stock llama.cpp)"),
+    MOETIER_ROW(low_frac, MOETIER_PARAM_TYPE_FLOAT, 0, 0.999999, true,
+            "share of the budget for low-precision slots (used with a store and t1 < t2)"),
+    MOETIER_ROW(w_lru, MOETIER_PARAM_TYPE_FLOAT, 0, 1e9, true, "policy multi: weight of recency"),
+    MOETIER_ROW(w_lfu, MOETIER_PARAM_TYPE_FLOAT, 0, 1e9, true, "policy multi: weight of use frequency in the sequence"),
+    MOETIER_ROW(w_lhu, MOETIER_PARAM_TYPE_FLOAT, 0, 1e9, true,
+            "policy multi: weight of high-precision use frequency in the sequence"),
+    MOETIER_ROW(w_fld, MOETIER_PARAM_TYPE_FLOAT, 0, 1e9, true,
+            "policy multi: weight of layer distance (the layer that just ran is evicted first)"),
+    MOETIER_ROW(prefetch, MOETIER_PARAM_TYPE_INT, 0, MOETIER_MAX_PREFETCH, true,
+            "layers predicted ahead by the stacked routers of the next layers (HOBBIT sec. 3.3); their missing "
+            "experts are read in the background; 0 = off"),
+    MOETIER_ROW(io_threads, MOETIER_PARAM_TYPE_INT, 0, 64, true,
+            "prefetch lanes: with io_uring, prefetch reads in flight on the ring; without it, I/O threads (they sleep "
+            "when idle) that read prefetches while the compute threads read a layer's misses. A prefetch walk starts "
+            "at most this many reads, the surest predictions first. 0: no I/O pool at all: the compute threads read "
+            "every miss, no io_uring, no prefetch"),
+    MOETIER_ROW(io_uring, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
+            "read with io_uring where the kernel allows it and the experts come from a store with O_DIRECT: the "
+            "kernel reads while the compute threads run, no I/O thread takes their cores; 0: I/O threads"),
+    MOETIER_ROW(direct_io, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
+            "read experts with O_DIRECT (bypass the page cache); falls back to buffered reads with a warning"),
+};
+
+#undef MOETIER_ROW
+// clang-format on
+
+static constexpr int32_t MOETIER_N_PARAMS = (int32_t) (sizeof(g_rows) / sizeof(g_rows[0]));
+
+struct moetier_params moetier_default_params(void) {
+    moetier_params p = {
+        /*.cache_bytes =*/0,
+        /*.store_dir   =*/nullptr,
+        /*.policy      =*/"lru",
+        /*.t1          =*/0.6f,
+        /*.t2          =*/0.9f,
+        /*.low_frac    =*/0.25f,
+        /*.w_lru       =*/0.25f,
+        /*.w_lfu       =*/0.25f,
+        /*.w_lhu       =*/0.25f,
+        /*.w_fld       =*/0.25f,
+        /*.prefetch    =*/0,
+        /*.io_threads  =*/2,
+        /*.io_uring    =*/true,
+        /*.direct_io   =*/true,
+    };
+    return p;
+}
+
+int32_t moetier_param_count(void) {
+    return MOETIER_N_PARAMS;
+}
+
+const struct moetier_param_info * moetier_param_get(int32_t i) {
+    return i >= 0 && i < MOETIER_N_PARAMS ? &g_rows[i] : nullptr;
+}
+
+const moetier_param_info * moetier_param_find(const std::string & name) {
+    for (const auto & r : g_rows) {
+        if (name == r.name) {
+            return &r;
+        }
+    }
+    return nullptr;
+}
+
+static void * moetier_param_field(moetier_params * p, const moetier_param_info * info) {
+    return (uint8_t *) p + info->offset;
+}
+
+static const void * moetier_param_field(const moetier_params * p, const moetier_param_info * info) {
+    return moetier_param_field(const_cast<moetier_params *>(p), info);
+}
+
+// the value of a numeric field as a double
+static double moetier_param_value(const moetier_params * p, const moetier_param_info * info) {
+    const void * f = moetier_param_field(p, info);
+    switch (info->type) {
+        case MOETIER_PARAM_TYPE_SIZE:
+            return (double) *(const uint64_t *) f;
+        case MOETIER_PARAM_TYPE_FLOAT:
+            return *(const float *) f;
+        case MOETIER_PARAM_TYPE_INT:
+            return *(const int32_t *) f;
+        case MOETIER_PARAM_TYPE_BOOL:
+            return *(const bool *) f ? 1.0 : 0.0;
+        default:
+            return 0.0;
+    }
+}
+
+static std::string moetier_param_text(const moetier_params * p, const moetier_param_info * info) {
+    const void * f = moetier_param_field(p, info);
+    switch (info->type) {
+        case MOETIER_PARAM_TYPE_SIZE:
+            return moetier_format_bytes(*(const uint64_t *) f);
+        case MOETIER_PARAM_TYPE_STRING:
+            return *(const char * const *) f ? *(const char * const *) f : "none";
+        case MOETIER_PARAM_TYPE_FLOAT:
+            return format("%g", *(const float *) f);
+        case MOETIER_PARAM_TYPE_INT:
+            return format("%d", *(const int32_t *) f);
+        case MOETIER_PARAM_TYPE_BOOL:
+            return *(const bool *) f ? "1" : "0";
+        default:
+            return "";
+    }
+}
+
+const char * moetier_params_help(void) {
+    // built once from the table and the defaults: the tools' --expert-opt help repeats nothing
+    static const std::string help = [] {
+        const moetier_params d = moetier_default_params();
+        std::string          out;
+        for (const auto & r : g_rows) {
+            if (!r.is_opt) {
+                continue;
+            }
+            out += format("%s- %s: %s (default %s)", out.empty() ? "" : "\n", r.name, r.help,
+                          moetier_param_text(&d, &r).c_str());
+        }
+        return out;
+    }();
+    return help.c_str();
+}
+
+bool moetier_parse_size(const char * text, uint64_t * out) {
+    if (text == nullptr || out == nullptr) {
+        return false;
+    }
+    std::string s(text);
+    while (!s.empty() && isspace((unsigned char) s.back())) {
+        s.pop_back();
+    }
+    size_t i = 0;
+    while (i < s.size() && (isdigit((unsigned char) s[i]) || s[i] == '.')) {
+        ++i;
+    }
+    if (i == 0 || std::count(s.begin(), s.begin() + i, '.') > 1) {
+        return false;
+    }
+    const double value = strtod(s.substr(0, i).c_str(), nullptr);
+    std::string  unit  = s.substr(i);
+    while (!unit.empty() && unit[0] == ' ') {
+        unit.erase(0, 1);
+    }
+    for (auto & c : unit) {
+        c = (char) toupper((unsigned char) c);
+    }
+    if (unit.size() >= 2 && unit.compare(unit.size() - 2, 2, "IB") == 0) {
+        unit.resize(unit.size() - 2);
+    } else if (unit.size() >= 2 && unit.back() == 'B') {
+        unit.pop_back();
+    } else if (unit == "B") {
+        unit.clear();
+    }
+    double mult = 1.0;
+    if (unit.empty()) {
+        mult = 1.0;
+    } else if (unit == "K") {
+        mult = 1024.0;
+    } else if (unit == "M") {
+        mult = 1024.0 * 1024.0;
+    } else if (unit == "G") {
+        mult = 1024.0 * 1024.0 * 1024.0;
+    } else if (unit == "T") {
+        mult = 1024.0 * 1024.0 * 1024.0 * 1024.0;
+    } else {
+        return false;
+    }
+    const double bytes = value * mult;
+    if (!(bytes >= 0.0) || bytes > 1.8e19) {
+        return false;
+    }
+    *out = (uint64_t) bytes;
+    return true;
+}
+
+int32_t moetier_format_size(uint64_t n, char * buf, size_t buf_size) {
+    const std::string s = moetier_format_bytes(n);
+    if (buf && buf_size > 0) {
+        const size_t k = std::min(s.size(), buf_size - 1);
+        memcpy(buf, s.data(), k);
+        buf[k] = '\0';
+    }
+    return (int32_t) s.size();
+}
+
+const struct moetier_params * moetier_params_from_strings(struct moetier_params * p,
+                                                          const char *            store_dir,
+                                                          const char *            policy) {
+    p->store_dir = store_dir && store_dir[0] ? store_dir : nullptr;
+    p->policy    = policy && policy[0] ? policy : moetier_default_params().policy;
+    return p;
+}
+
+static thread_local std::string g_opts_error;
+
+static std::string moetier_opt_keys() {
+    std::string keys;
+    for (const auto & r : g_rows) {
+        if (r.is_opt) {
+            keys += format("%s%s", keys.empty() ? "" : ", ", r.name);
+        }
+    }
+    return keys;
+}
+
+// sets one KEY=VALUE option; "" on success, else why not
+static std::string moetier_params_set_opt(moetier_params * p, const std::string & key, const std::string & value) {
+    const moetier_param_info * info = moetier_param_find(key);
+    if (info == nullptr || !info->is_opt) {
+        return format("expert cache option '%s': unknown KEY; expected one of %s", key.c_str(),
+                      moetier_opt_keys().c_str());
+    }
+    void * f    = moetier_param_field(p, info);
+    char * rest = nullptr;
+    switch (info->type) {
+        case MOETIER_PARAM_TYPE_FLOAT:
+            {
+                const float v = strtof(value.c_str(), &rest);
+                if (value.empty() || rest == nullptr || *rest != '\0' || std::isnan(v)) {
+                    return format("expert cache option %s: '%s' is not a number", key.c_str(), value.c_str());
+                }
+                *(float *) f = v;
+                return "";
+            }
+        case MOETIER_PARAM_TYPE_INT:
+            {
+                const long v = strtol(value.c_str(), &rest, 10);
+                if (value.empty() || rest == nullptr || *rest != '\0') {
+                    return format("expert cache option %s: '%s' is not an integer", key.c_str(), value.c_str());
+                }
+                *(int32_t *) f = (int32_t) std::max(-1L, std::min(v, 1L << 20));  // the range check follows
+                return "";
+            }
+        case MOETIER_PARAM_TYPE_BOOL:
+            {
+                if (value == "1" || value == "true") {
+                    *(bool *) f = true;
+                } else if (value == "0" || value == "false") {
+                    *(bool *) f = false;
+                } else {
+                    return format("expert cache option %s: '%s' must be 0 or 1", key.c_str(), value.c_str());
+                }
+                return "";
+            }
+        default:
+            return format("expert cache option %s: not a KEY=VALUE option", key.c_str());
+    }
+}
+
+const char * moetier_params_set_opts(struct moetier_params * p, const char * opts) {
+    const std::string all = opts ? opts : "";
+    size_t            pos = 0;
+    while (pos <= all.size()) {
+        size_t end = all.find(',', pos);
+        if (end == std::string::npos) {
+            end = all.size();
+        }
+        std::string item = all.substr(pos, end - pos);
+        pos              = end + 1;
+        item.erase(0, item.find_first_not_of(' '));
+        item.erase(item.find_last_not_of(' ') + 1);
+        if (item.empty()) {
+            continue;
+        }
+        const size_t eq = item.find('=');
+        if (eq == std::string::npos) {
+            g_opts_error = format("expert cache option '%s': expected KEY=VALUE with KEY one of %s", item.c_str(),
+                                  moetier_opt_keys().c_str());
+            return g_opts_error.c_str();
+        }
+        g_opts_error = moetier_params_set_opt(p, item.substr(0, eq), item.substr(eq + 1));
+        if (!g_opts_error.empty()) {
+            return g_opts_error.c_str();
+        }
+    }
+    return moetier_params_check(p);
+}
+
+const char * moetier_params_check(const struct moetier_params * p) {
+    // ranges from the table, then the rules that tie fields together
+    for (const auto & r : g_rows) {
+        const moetier_param_info & info = r;
+        if (info.type == MOETIER_PARAM_TYPE_STRING || info.type == MOETIER_PARAM_TYPE_BOOL) {
+            continue;
+        }
+        const double v = moetier_param_value(p, &info);
+        if (!(v >= info.min && v <= info.max)) {
+            g_opts_error = format("expert cache %s=%s: must lie in [%g, %g]", info.name,
+                                  moetier_param_text(p, &info).c_str(), info.min, info.max);
+            return g_opts_error.c_str();
+        }
+    }
+    if (p->t2 < p->t1) {
+        g_opts_error = format("expert cache thresholds t1=%g > t2=%g: t1 must not exceed t2", p->t1, p->t2);
+    } else if (p->w_lru + p->w_lfu + p->w_lhu + p->w_fld <= 0.0f) {
+        g_opts_error = format("expert cache policy weights (w_lru=%g, w_lfu=%g, w_lhu=%g, w_fld=%g): must not all be 0",
+                              p->w_lru, p->w_lfu, p->w_lhu, p->w_fld);
+    } else if (p->prefetch > 0 && p->io_threads == 0) {
+        g_opts_error = format("expert cache prefetch=%d needs io_threads >= 1", p->prefetch);
+    } else {
+        return nullptr;
+    }
+    return g_opts_error.c_str();
+}

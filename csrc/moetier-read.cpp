@@ -1,0 +1,141 @@
+#include "moetier-read.h"
+
+#include <algorithm>
+
+// the address of slot s in projection p's pool of precision prec
+static uint8_t * moetier_slot_data(const moetier_proj & p, moetier_precision prec, int32_t s) {
+    const ggml_tensor * pool = p.pool[prec];
+    return (uint8_t *) pool->data + (uint64_t) s * pool->nb[2];
+}
+
+int32_t moetier_read_parts(const moetier_layer & l, moetier_precision prec) {
+    return l.file_order[prec].empty() ? (int32_t) l.projs.size() : 1;
+}
+
+uint64_t moetier_read_bytes(const moetier_layer & l, moetier_precision prec) {
+    uint64_t n = 0;
+    for (const auto & p : l.projs) {
+        n += p.expert_bytes(prec);
+    }
+    return n;
+}
+
+static bool moetier_read_verify_proj(const moetier_proj & p,
+                                     moetier_precision    prec,
+                                     int32_t              e,
+                                     int32_t              s,
+                                     moetier_error &      err) {
+    if (!p.store) {
+        return true;
+    }
+    if (moetier_checksum(moetier_slot_data(p, prec, s), p.expert_bytes(prec)) != p.expert_checksum(e, prec)) {
+        err.set(MOETIER_ERROR_STORE,
+                format("%s: checksum mismatch for %s expert %d (%s precision): the store is corrupt; "
+                       "re-run `moetier pack`",
+                       p.file->path().c_str(), p.meta->name, e, prec == MOETIER_PRECISION_LOW ? "low" : "high"));
+        return false;
+    }
+    return true;
+}
+
+bool moetier_read_verify(const moetier_layer & l,
+                         moetier_precision     prec,
+                         int32_t               e,
+                         int32_t               s,
+                         moetier_error &       err) noexcept {
+    for (const auto & p : l.projs) {
+        if (!moetier_read_verify_proj(p, prec, e, s, err)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+bool moetier_read_run(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept {
+    const moetier_layer & l = *r.layer;
+    std::string           msg;
+    if (r.proj == MOETIER_READ_ALL) {
+        // a store keeps an expert's projections back to back and padded: one vectored O_DIRECT
+        // read straight into the slots of the projection pools
+        const std::vector<int32_t> & order = l.file_order[r.prec];
+        moetier_iovec                iov[8];
+        const int                    n = (int) order.size();
+        for (int k = 0; k < n; ++k) {
+            const moetier_proj & p = l.projs[order[k]];
+            iov[k].base            = moetier_slot_data(p, r.prec, r.slot);
+            iov[k].len             = moetier_align_up(p.expert_bytes(r.prec));
+        }
+        const moetier_proj & first = l.projs[order[0]];
+        if (!first.file->readv(iov, n, first.expert_offset(r.expert, r.prec), msg)) {
+            err.set(MOETIER_ERROR_IO, msg);
+            return false;
+        }
+        return moetier_read_verify(l, r.prec, r.expert, r.slot, err);
+    }
+    const moetier_proj & p     = l.projs[r.proj];
+    const uint64_t       bytes = p.expert_bytes(r.prec);
+    try {
+        // one-time growth per thread; bounded by the largest projection
+        bb.reserve(std::max<size_t>(2 * MOETIER_ALIGN, moetier_align_up(bytes) + 2 * MOETIER_ALIGN));
+    } catch (...) {
+        err.set(MOETIER_ERROR_IO, "out of memory for the read buffer");
+        return false;
+    }
+    // a store's slices are padded: read whole blocks straight into the slot
+    const size_t n = p.store ? (size_t) moetier_align_up(bytes) : (size_t) bytes;
+    if (!p.file->read(moetier_slot_data(p, r.prec, r.slot), p.expert_offset(r.expert, r.prec), n, bb, msg)) {
+        err.set(MOETIER_ERROR_IO, msg);
+        return false;
+    }
+    return moetier_read_verify_proj(p, r.prec, r.expert, r.slot, err);
+}
+
+bool moetier_read_expert(const moetier_layer &    l,
+                         moetier_precision        prec,
+                         int32_t                  e,
+                         int32_t                  s,
+                         moetier_aligned_buffer & bb,
+                         moetier_error &          err) noexcept {
+    const bool   whole = !l.file_order[prec].empty();
+    moetier_read r;
+    r.layer  = &l;
+    r.prec   = prec;
+    r.expert = e;
+    r.slot   = s;
+    for (int32_t p = 0; p < (whole ? 1 : (int32_t) l.projs.size()); ++p) {
+        r.proj = whole ? MOETIER_READ_ALL : p;
+        if (!moetier_read_run(r, bb, err)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+bool moetier_read_prep(const moetier_layer & l,
+                       moetier_precision     prec,
+                       int32_t               e,
+                       int32_t               s,
+                       moetier_io_vec_read & rd,
+                       std::string &         err) noexcept {
+    const std::vector<int32_t> & order = l.file_order[prec];
+    if (order.empty() || order.size() > 8) {
+        err = "io_uring: the expert is not one contiguous range of the store";
+        return false;
+    }
+    const moetier_proj & first = l.projs[order[0]];
+    rd.fd                      = first.file->direct_fd();
+    rd.offset                  = first.expert_offset(e, prec);
+    rd.n_iov                   = (unsigned) order.size();
+    rd.bytes                   = 0;
+    for (size_t k = 0; k < order.size(); ++k) {
+        const moetier_proj & p = l.projs[order[k]];
+        rd.iov[k].iov_base     = moetier_slot_data(p, prec, s);
+        rd.iov[k].iov_len      = moetier_align_up(p.expert_bytes(prec));
+        rd.bytes += rd.iov[k].iov_len;
+    }
+    if (rd.fd < 0) {
+        err = format("%s: io_uring reads need O_DIRECT", first.file->path().c_str());
+        return false;
+    }
+    return true;
+}

@@ -1,0 +1,57 @@
+#pragma once
+
+// What an expert read moves into a slot, and its checksum: the one place that turns (layer,
+// precision, expert, slot) into file ranges and slot addresses. The load op, the I/O threads, the
+// io_uring and the synchronous re-read of a failed prefetch all read through here.
+
+#include "moetier-impl.h"
+#include "moetier-io.h"
+#include "moetier-iopool.h"
+#include "moetier-layer.h"
+
+#include <cstdint>
+
+// one read into a slot: one projection of an expert, or (proj = MOETIER_READ_ALL) every projection
+// in one vectored read, where the layer's projections lie back to back in the file (file_order)
+static constexpr int32_t MOETIER_READ_ALL = -1;
+
+struct moetier_read {
+    const moetier_layer * layer  = nullptr;
+    int32_t               proj   = MOETIER_READ_ALL;
+    moetier_precision     prec   = MOETIER_PRECISION_HIGH;
+    int32_t               expert = 0;
+    int32_t               slot   = 0;
+};
+
+// reads one expert takes: 1 when its projections are one range of the file, else one per projection
+int32_t moetier_read_parts(const moetier_layer & l, moetier_precision prec);
+
+// unpadded bytes of one expert over its projections
+uint64_t moetier_read_bytes(const moetier_layer & l, moetier_precision prec);
+
+// performs r (bb: this thread's bounce buffer for unaligned GGUF ranges) and checks it; false + err
+// (MOETIER_ERROR_IO for a failed read, MOETIER_ERROR_STORE for a checksum mismatch)
+bool moetier_read_run(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept;
+
+// every projection of expert e into slot s, checked
+bool moetier_read_expert(const moetier_layer &    l,
+                         moetier_precision        prec,
+                         int32_t                  e,
+                         int32_t                  s,
+                         moetier_aligned_buffer & bb,
+                         moetier_error &          err) noexcept;
+
+// io_uring: expert e into slot s as one vectored O_DIRECT read; false if the layout does not allow it
+bool moetier_read_prep(const moetier_layer & l,
+                       moetier_precision     prec,
+                       int32_t               e,
+                       int32_t               s,
+                       moetier_io_vec_read & rd,
+                       std::string &         err) noexcept;
+
+// the checksums of every projection of expert e in slot s (nothing to check when reading a GGUF)
+bool moetier_read_verify(const moetier_layer & l,
+                         moetier_precision     prec,
+                         int32_t               e,
+                         int32_t               s,
+                         moetier_error &       err) noexcept;

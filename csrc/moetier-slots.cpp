@@ -1,0 +1,170 @@
+#include "moetier-slots.h"
+
+#include "moetier-impl.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+moetier_slots::moetier_slots(moetier_precision prec, int32_t n_slots, int32_t n_expert_, moetier_policy_ptr policy_) :
+    prec_(prec),
+    n_expert(n_expert_),
+    policy(std::move(policy_)) {
+    GGML_ASSERT(policy && n_slots >= 0 && n_expert > 0);
+    keys.assign(n_slots, moetier_key{});
+    pinned.assign(n_slots, 0);
+    readers.assign(n_slots, -1);
+    holds.assign(n_slots, 0);
+    mask.assign(n_slots, 0);
+    free_slots.resize(n_slots);
+    for (int32_t s = 0; s < n_slots; ++s) {
+        free_slots[s] = n_slots - 1 - s;  // pop_back hands out slot 0 first
+    }
+    policy->init(n_slots);
+}
+
+void moetier_slots::alloc(const std::vector<moetier_proj> & shapes) {
+    const int32_t n = n_slots();
+    if (n == 0) {
+        return;
+    }
+    std::vector<uint64_t> stride;
+    uint64_t              total = 0;
+    for (const auto & p : shapes) {
+        stride.push_back(moetier_align_up(p.expert_bytes(prec_)));
+        total += stride.back() * (uint64_t) n;
+    }
+    ggml_init_params ip = {
+        /*.mem_size   =*/ggml_tensor_overhead() * (shapes.size() + 1),
+        /*.mem_buffer =*/nullptr,
+        /*.no_alloc   =*/true,
+    };
+    ctx.reset(ggml_init(ip));
+    if (!ctx) {
+        throw std::runtime_error("failed to create the expert cache context");
+    }
+    // not touched here: pages become resident as slots fill (and the memory-fit pass of
+    // common_fit_params, which loads the model with no_alloc, costs no RSS)
+    buf_size = total;
+    mem.reserve(buf_size);
+    buf.reset(ggml_backend_cpu_buffer_from_ptr(mem.data.get(), buf_size));
+    if (!buf) {
+        throw std::runtime_error("failed to create the expert cache buffer");
+    }
+    ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+
+    uint8_t * base = (uint8_t *) mem.data.get();
+    for (size_t k = 0; k < shapes.size(); ++k) {
+        const ggml_tensor * m    = shapes[k].meta;
+        const ggml_type     type = prec_ == MOETIER_PRECISION_LOW ? shapes[k].store->type_low : m->type;
+        ggml_tensor *       t    = ggml_new_tensor_3d(ctx.get(), type, m->ne[0], m->ne[1], n);
+        // slots padded to 4096 so that aligned reads land straight in them [TAG_MOETIER_ALIGN]
+        t->nb[2]                 = stride[k];
+        t->nb[3]                 = stride[k] * (uint64_t) n;
+        ggml_format_name(t, "moetier_pool_%s%s", shapes[k].name.c_str(), prec_ == MOETIER_PRECISION_LOW ? "_low" : "");
+        if (ggml_backend_tensor_alloc(buf.get(), t, base) != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error("failed to place an expert cache pool");
+        }
+        base += stride[k] * (uint64_t) n;
+        tensors.push_back(t);
+    }
+}
+
+void moetier_slots::add_layer(int32_t il) {
+    GGML_ASSERT(il >= 0);
+    if ((size_t) il >= slot_of.size()) {
+        slot_of.resize(il + 1);
+        held.resize(il + 1, 0);
+    }
+    slot_of[il].assign(n_expert, -1);
+    ++n_layers;
+}
+
+void moetier_slots::unpin_all() {
+    std::fill(pinned.begin(), pinned.end(), 0);
+}
+
+void moetier_slots::drop(int32_t s) noexcept {
+    const moetier_key k = keys[s];
+    if (k.layer < 0 || k.expert < 0) {
+        return;
+    }
+    slot_of[k.layer][k.expert] = -1;
+    --held[k.layer];
+    keys[s] = moetier_key{};
+    free_slots.push_back(s);
+}
+
+int32_t moetier_slots::take(const moetier_key & key, const moetier_policy_ctx & pctx) noexcept {
+    int32_t s;
+    if (!free_slots.empty()) {
+        s = free_slots.back();
+        free_slots.pop_back();
+    } else {
+        // candidates: not pinned by the layer being resolved, not being read by a prefetch, not held
+        // for a later layer by a prediction
+        const int32_t n = n_slots();
+        cand.assign(held.size(), 0);
+        int32_t n_cand = 0;
+        for (int32_t i = 0; i < n; ++i) {
+            mask[i] = pinned[i] || readers[i] >= 0 || holds[i];
+            if (!mask[i]) {
+                ++n_cand;
+                ++cand[keys[i].layer];
+            }
+        }
+        if (n_cand == 0) {
+            return -1;
+        }
+        if (!policy->across_layers()) {
+            // donor layer: the most slots above the fair share among layers with a candidate
+            const double quota = (double) n / std::max(1, n_layers);
+            int32_t      donor = -1;
+            double       best  = 0.0;
+            for (int32_t l = 0; l < (int32_t) held.size(); ++l) {
+                if (cand[l] == 0) {
+                    continue;
+                }
+                const double excess = held[l] - quota;
+                if (donor < 0 || excess > best) {
+                    donor = l;
+                    best  = excess;
+                }
+            }
+            for (int32_t i = 0; i < n; ++i) {
+                mask[i] = mask[i] || keys[i].layer != donor;
+            }
+        }
+        s = policy->victim(mask, pctx);
+        GGML_ASSERT(s >= 0 && !mask[s]);
+        const moetier_key old          = keys[s];
+        slot_of[old.layer][old.expert] = -1;
+        --held[old.layer];
+    }
+    keys[s]                        = key;
+    slot_of[key.layer][key.expert] = s;
+    ++held[key.layer];
+    policy->on_load(s, key, prec_ == MOETIER_PRECISION_HIGH, pctx);
+    return s;
+}
+
+bool moetier_slots_find_version(const moetier_slots & hi,
+                                const moetier_slots & lo,
+                                int32_t               il,
+                                int32_t               e,
+                                moetier_need          need,
+                                moetier_precision &   prec,
+                                int32_t &             s) {
+    const int32_t hs = hi.find(il, e);
+    if (hs >= 0) {
+        prec = MOETIER_PRECISION_HIGH;
+        s    = hs;
+        return true;
+    }
+    const int32_t ls = lo.find(il, e);
+    if (need < MOETIER_NEED_HIGH && ls >= 0) {
+        prec = MOETIER_PRECISION_LOW;
+        s    = ls;
+        return true;
+    }
+    return false;
+}

@@ -1,0 +1,129 @@
+#pragma once
+
+// One slot pool: the slots of one precision of a pool group, their memory and their bookkeeping,
+// as llama_kv_cells is to llama_kv_cache. Every change of what a slot holds goes through take() and
+// drop(), which keep the expert -> slot map, the slot -> expert keys, the per-layer counts and the
+// policy in agreement. The memory is host memory today; a device tier keeps the same bookkeeping.
+//
+// A slot is evictable unless it is pinned (the layer being resolved uses it), has a prefetch read
+// in flight (reader), or is held for a later layer by a prediction. Unless the policy weighs layer
+// distances itself, the slots are softly partitioned: a miss evicts from the layer that holds the
+// most slots above its fair share (n_slots / n_layers) and the policy picks among that layer's
+// slots. Layers run in a fixed cycle, so a plain global recency order would evict exactly the layer
+// that runs next (0% hits whenever one token's experts exceed the cache).
+
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+#include "moetier-io.h"
+#include "moetier-layer.h"
+#include "policies/policies.h"
+
+#include <cstdint>
+#include <vector>
+
+class moetier_slots {
+  public:
+    // n_slots slots (0: an empty pool) for layers of n_expert experts. throws std::runtime_error
+    moetier_slots(moetier_precision prec, int32_t n_slots, int32_t n_expert, moetier_policy_ptr policy);
+
+    moetier_slots(const moetier_slots &)             = delete;
+    moetier_slots & operator=(const moetier_slots &) = delete;
+
+    //
+    // memory API
+    //
+
+    // one pool tensor per projection of shapes, [ne0, ne1, n_slots] in host memory with slots padded to
+    // 4096 (reads land straight in them). Not called for trace replay. throws std::runtime_error
+    void alloc(const std::vector<moetier_proj> & shapes);
+
+    ggml_tensor * tensor(size_t k) const { return k < tensors.size() ? tensors[k] : nullptr; }
+
+    uint64_t mem_bytes() const { return buf_size; }  // 0 until alloc
+
+    //
+    // bookkeeping API
+    //
+
+    // a layer whose experts the pool may hold (model layer index)
+    void add_layer(int32_t il);
+
+    moetier_precision prec() const { return prec_; }
+
+    int32_t n_slots() const { return (int32_t) keys.size(); }
+
+    // the slot holding expert e of layer il, -1 if none
+    int32_t find(int32_t il, int32_t e) const { return slot_of[il][e]; }
+
+    const moetier_key & key(int32_t s) const { return keys[s]; }
+
+    // A slot for key: a never used one, else the policy's victim among the evictable slots (the old
+    // expert is forgotten). The policy is told of the load. -1 if no slot is evictable.
+    int32_t take(const moetier_key & key, const moetier_policy_ctx & ctx) noexcept;
+
+    // forgets what slot s holds (its data is garbage, or its read was cancelled); no-op if empty
+    void drop(int32_t s) noexcept;
+
+    // the layer being resolved uses s: not evictable until unpin_all (its next resolve)
+    void pin(int32_t s) { pinned[s] = 1; }
+
+    bool is_pinned(int32_t s) const { return pinned[s] != 0; }
+
+    void unpin_all();
+
+    // a prefetch read in flight into s (io task id, -1 if none)
+    int32_t reader(int32_t s) const { return readers[s]; }
+
+    void set_reader(int32_t s, int32_t id) { readers[s] = id; }
+
+    // held for a later layer by a prediction
+    bool is_held(int32_t s) const { return holds[s] != 0; }
+
+    void hold(int32_t s, bool h) { holds[s] = h ? 1 : 0; }
+
+    //
+    // policy
+    //
+
+    void on_hit(int32_t s, const moetier_policy_ctx & ctx) {
+        policy->on_hit(s, keys[s], prec_ == MOETIER_PRECISION_HIGH, ctx);
+    }
+
+    void reset_sequence(const moetier_policy_ctx & ctx) { policy->reset_sequence(ctx); }
+
+  private:
+    const moetier_precision prec_;
+    const int32_t           n_expert;
+    moetier_policy_ptr      policy;
+
+    // memory
+    moetier_aligned_buffer     mem;  // the pools' memory, 4096-aligned, paged in as slots fill
+    size_t                     buf_size = 0;
+    ggml_context_ptr           ctx;
+    ggml_backend_buffer_ptr    buf;
+    std::vector<ggml_tensor *> tensors;  // [proj]
+
+    // bookkeeping
+    std::vector<moetier_key>          keys;        // [n_slots] what each slot holds
+    std::vector<std::vector<int32_t>> slot_of;     // [model layer][expert] slot holding it, -1 if none
+    std::vector<int32_t>              held;        // [model layer] slots holding that layer's experts
+    int32_t                           n_layers = 0;
+    std::vector<int32_t>              free_slots;  // never used yet (or dropped)
+    std::vector<uint8_t>              pinned;      // [n_slots]
+    std::vector<int32_t>              readers;     // [n_slots]
+    std::vector<uint8_t>              holds;       // [n_slots]
+
+    // scratch of take()
+    std::vector<uint8_t> mask;  // [n_slots] 1 = not a candidate
+    std::vector<int32_t> cand;  // [model layer] candidates per layer
+};
+
+// The cached version of expert e of layer il that a need would use: a high one always, a low one
+// for low and skip needs. false if none.
+bool moetier_slots_find_version(const moetier_slots & hi,
+                                const moetier_slots & lo,
+                                int32_t               il,
+                                int32_t               e,
+                                moetier_need          need,
+                                moetier_precision &   prec,
+                                int32_t &             s);

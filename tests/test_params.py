@@ -1,0 +1,105 @@
+"""One parameter path: the C++ option table (csrc/moetier-params.cpp) drives the KEY=VALUE parser,
+the checker, the defaults and help of CacheConfig and the --expert-opt help of the shipped tools."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+
+import pytest
+
+from moetier import CacheConfig, ConfigError, ContextConfig, _core
+from moetier.config import FIELD_ROWS, NOT_FIELDS, PARAM_TABLE
+from moetier.server import tool_path
+
+
+def test_table_and_cache_config_agree() -> None:
+    fields = {FIELD_ROWS.get(f.name, f.name) for f in dataclasses.fields(CacheConfig)}
+    rows = set(PARAM_TABLE) - set(NOT_FIELDS)
+    assert fields == rows, f"CacheConfig fields without a row: {fields - rows}; rows without a field: {rows - fields}"
+
+
+def test_defaults_and_help_come_from_the_table() -> None:
+    p = _core.Params()
+    for f in dataclasses.fields(CacheConfig):
+        row = PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]
+        assert f.metadata["help"].split(";")[0] in row["help"]
+        if f.name != "budget":
+            default = getattr(p, f.name)
+            assert f.default == (round(default, 6) if isinstance(default, float) else default), f.name
+
+
+def test_params_set_by_field_name() -> None:
+    cfg = CacheConfig(budget="3M", policy="multi", t1=0.5, t2=0.8, w_fld=0.5, io_uring=0, prefetch=1)
+    p = cfg.params("/some/store")
+    assert (p.cache_bytes, p.store_dir, p.policy) == (3 << 20, "/some/store", "multi")
+    assert (p.t1, p.t2, p.w_fld, p.io_uring, p.prefetch) == (0.5, pytest.approx(0.8), 0.5, False, 1)
+    assert cfg.io_uring is False  # 0/1 normalised to the row's type
+    assert p.check() is None
+
+
+def test_opts_round_trip_through_the_parser() -> None:
+    cfg = CacheConfig(budget="3M", t1=0.25, t2=0.75, low_frac=0.1, io_threads=3, io_uring=False, direct_io=False)
+    p = _core.Params()
+    p.set_opts(cfg.opts())
+    for f in dataclasses.fields(CacheConfig):
+        if PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]["is_opt"]:
+            assert getattr(p, f.name) == pytest.approx(getattr(cfg, f.name)), f.name
+
+
+@pytest.mark.parametrize(
+    ("opts", "why"),
+    [
+        ("t1=1.5", r"t1=1.5: must lie in \[0, 1\]"),
+        ("prefetch=9", r"prefetch=9: must lie in \[0, 8\]"),
+        ("io_uring=2", "io_uring: '2' must be 0 or 1"),
+        ("policy=lru", "unknown KEY; expected one of t1, t2"),
+        ("t1=0.9,t2=0.5", "t1 must not exceed t2"),
+        ("prefetch=1,io_threads=0", "needs io_threads >= 1"),
+    ],
+)
+def test_opts_errors_name_the_option(opts: str, why: str) -> None:
+    err = _core.check_opts(opts)
+    assert err is not None
+    assert __import__("re").search(why, err), err
+    with pytest.raises(ConfigError, match=why):
+        _core.Params().set_opts(opts)
+
+
+def test_range_error_from_config() -> None:
+    with pytest.raises(ConfigError, match=r"cache: expert cache low_frac=1: must lie"):
+        CacheConfig(budget="1M", low_frac=1.0)
+    with pytest.raises(ConfigError, match=r"cache.io_threads: 1.5 must be an integer"):
+        CacheConfig(budget="1M", io_threads=1.5)  # type: ignore[arg-type]
+
+
+def test_context_params_by_field_name() -> None:
+    ctx = ContextConfig(n_ctx=256, n_threads=3, type_k="q8_0", flash_attn="on")
+    p = ctx.params()
+    assert (p.n_ctx, p.n_threads, p.type_k, p.type_v, p.flash_attn) == (256, 3, "q8_0", "f16", 1)
+    with pytest.raises(ConfigError, match="type_k: 'f8' is not a KV cache type"):
+        ContextConfig(type_k="f8")
+
+
+def test_tool_help_lists_every_option_with_its_default() -> None:
+    help_text = _core.params_help()
+    d = _core.Params()
+    for name, row in PARAM_TABLE.items():
+        if row["is_opt"]:
+            assert f"- {name}: " in help_text
+    assert f"(default {d.t1:g})" in help_text
+    try:
+        cli = tool_path("llama-cli")
+    except Exception:
+        pytest.skip("built without the llama.cpp tools")
+    out = subprocess.run([str(cli), "--help"], capture_output=True, text=True, timeout=60).stdout
+    for name, row in PARAM_TABLE.items():
+        if row["is_opt"]:
+            assert f"- {name}: " in out, name
+
+
+def test_format_size_is_the_cores() -> None:
+    from moetier import format_size
+
+    assert format_size(3 << 20) == "3.00 MiB"
+    assert _core.parse_size("3M") == 3 << 20
