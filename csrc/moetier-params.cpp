@@ -44,7 +44,7 @@ static const moetier_param_info g_rows[] = {
             "every miss, no io_uring, no prefetch"),
     MOETIER_ROW(io_uring, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
             "read with io_uring where the kernel allows it and the experts come from a store with O_DIRECT: the "
-            "kernel reads while the compute threads run, no I/O thread takes their cores; 0: I/O threads"),
+            "kernel reads while the compute threads run, no I/O thread takes their cores; off (0): I/O threads"),
     MOETIER_ROW(direct_io, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
             "read experts with O_DIRECT (bypass the page cache); falls back to buffered reads with a warning"),
 };
