@@ -28,12 +28,13 @@ static int bench_stacked_gate(int64_t n_embd, int64_t n_expert, int64_t p, int64
         fprintf(stderr, "moetier-stacked-gate: sizes and reps must be positive\n");
         return 2;
     }
-    const size_t bytes = (size_t) (2 * p * n_expert * n_embd + n_embd * n_tokens + 2 * p * n_expert * n_tokens) * 4;
-    ggml_init_params ip = { bytes + 64 * ggml_tensor_overhead() + ggml_graph_overhead() * 3 + (1 << 20), nullptr, false };
+    const size_t     bytes = (size_t) (2 * p * n_expert * n_embd + n_embd * n_tokens + 2 * p * n_expert * n_tokens) * 4;
+    ggml_init_params ip    = { bytes + 64 * ggml_tensor_overhead() + ggml_graph_overhead() * 3 + (1 << 20), nullptr,
+                               false };
     std::unique_ptr<ggml_context, ggml_ctx_deleter> ctx(ggml_init(ip));
-    std::mt19937 rng(0);
-    std::normal_distribution<float> nd;
-    auto fill = [&](ggml_tensor * t) {
+    std::mt19937                                    rng(0);
+    std::normal_distribution<float>                 nd;
+    auto                                            fill = [&](ggml_tensor * t) {
         float * d = (float *) t->data;
         for (int64_t i = 0; i < ggml_nelements(t); ++i) {
             d[i] = nd(rng);
@@ -69,7 +70,7 @@ static int bench_stacked_gate(int64_t n_embd, int64_t n_expert, int64_t p, int64
         std::sort(t.begin(), t.end());
         return t[t.size() / 2];
     };
-    time_us(g_stk); // warm caches and threads
+    time_us(g_stk);  // warm caches and threads
     const double one = time_us(g_one), seq = time_us(g_seq), stk = time_us(g_stk);
     printf("{\"single_us\": %.3f, \"sequential_us\": %.3f, \"stacked_us\": %.3f}\n", one, seq, stk);
     return 0;

@@ -45,16 +45,8 @@ moetier_file::moetier_file(const std::string & path, bool direct_io) : path_(pat
     size_ = (uint64_t) st.st_size;
     if (direct_io) {
 #ifdef O_DIRECT
+        // refused (e.g. tmpfs): buffered reads; the owner says so (moetier_model::warn), once per model
         fd_direct_ = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-        if (fd_direct_ < 0) {
-            MOETIER_LOG_WARN(
-                "%s: %s: O_DIRECT refused (%s); reading through the page cache and dropping the pages after each "
-                "read\n",
-                __func__, path.c_str(), strerror(errno));
-        }
-#else
-        MOETIER_LOG_WARN("%s: %s: O_DIRECT is not available on this platform; using buffered reads\n", __func__,
-                         path.c_str());
 #endif
     }
     direct_ = fd_direct_ >= 0;

@@ -41,6 +41,14 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
         throw moetier_exception(MOETIER_ERROR_CONFIG, format("unknown expert cache policy '%s'; available: %s",
                                                              policy_name.c_str(), names.c_str()));
     }
+    const moetier_params defaults = moetier_default_params();
+    if (policy_name != "multi" && (params.w_lru != defaults.w_lru || params.w_lfu != defaults.w_lfu ||
+                                   params.w_lhu != defaults.w_lhu || params.w_fld != defaults.w_fld)) {
+        warn(
+            format("w_lru, w_lfu, w_lhu, w_fld weigh the priority of policy multi; policy %s has no weights and "
+                   "ignores them",
+                   policy_name.c_str()));
+    }
     if (paths.empty()) {
         throw std::runtime_error("no model file");
     }
@@ -59,6 +67,17 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     } else {
         for (const auto & p : paths) {
             files.push_back(std::make_unique<moetier_file>(p, direct_io));
+        }
+    }
+
+    if (direct_io) {
+        for (const moetier_file * f : { store_file.get(), files.empty() ? nullptr : files[0].get() }) {
+            if (f && !f->direct()) {
+                warn(
+                    format("direct_io: O_DIRECT refused for %s; reads go through the page cache (dropped after each "
+                           "read)",
+                           f->path().c_str()));
+            }
         }
     }
 
@@ -222,10 +241,12 @@ void moetier_model::finish_load() {
     }
     const bool use_low = store && low_frac > 0.0f && precision.t1 < std::min(precision.t2, 1.0f) &&
                          group_bytes[MOETIER_PRECISION_LOW] > 0;
-    if (!store && precision.t1 < std::min(precision.t2, 1.0f)) {
-        MOETIER_LOG_INFO(
-            "%s: no expert store: low-precision versions are unavailable, misses below t1 read the high version\n",
-            __func__);
+    if (precision.t1 < std::min(precision.t2, 1.0f) && !use_low) {
+        warn(format("t1=%g < t2=%g asks for low-precision reads, but %s: those misses read the high version",
+                    precision.t1, precision.t2,
+                    !store           ? "no expert store is given (the low copies live in one)" :
+                    low_frac <= 0.0f ? "low_frac=0 leaves no low-precision slots" :
+                                       "the store has no low copies"));
     }
     uint64_t budget[2];
     budget[MOETIER_PRECISION_LOW] =
@@ -303,9 +324,10 @@ void moetier_model::finish_load() {
     }
     MOETIER_LOG_INFO("%s: expert cache: %zu MoE layers x %d experts (%s), %" PRId64 " high + %" PRId64
                      " low slots in %zu group(s) = %s, "
-                     "t1 %.2f t2 %.2f, policy %s, reading %s%s\n",
+                     "%s (t1 %.2f t2 %.2f), policy %s, reading %s%s\n",
                      __func__, layers.size(), n_expert, moetier_format_bytes(expert_bytes).c_str(), n_slots, n_slots_lo,
-                     caches.size(), moetier_format_bytes(pool_bytes).c_str(), precision.t1, precision.t2,
+                     caches.size(), moetier_format_bytes(pool_bytes).c_str(),
+                     exact() ? "exact: every expert in high precision" : "mixed precision", precision.t1, precision.t2,
                      policy_name.c_str(), store ? store->dir().c_str() : paths[0].c_str(),
                      (store ? store_file->direct() : files[0]->direct()) ? " (O_DIRECT)" : "");
 }
@@ -363,7 +385,7 @@ void moetier_model::init_io() {
                 __func__, io_threads);
             return;
         }
-        MOETIER_LOG_WARN("%s: %s; using %d I/O threads\n", __func__, ring->error().c_str(), io_threads);
+        warn(format("io_uring: %s; using %d I/O threads instead", ring->error().c_str(), io_threads));
     }
     // I/O threads serve prefetch only (on-demand reads go to them only in io_uring mode): every
     // projection of the expert, into the thread's own bounce buffer
@@ -421,5 +443,20 @@ void moetier_model::init_prefetch(const llama_model & model) {
     }
     if (any) {
         MOETIER_LOG_INFO("%s: prefetch: %d layers ahead by stacked routers\n", __func__, prefetch);
+    } else {
+        warn(format("prefetch=%d has nothing to predict: no served layer has a successor in its pool group", prefetch));
     }
+}
+
+bool moetier_model::exact() const {
+    int64_t n_low = 0;
+    for (const auto & c : caches) {
+        n_low += c->n_slots(MOETIER_PRECISION_LOW);
+    }
+    return precision.t2 >= 1.0f && (precision.t1 >= 1.0f || n_low == 0);
+}
+
+void moetier_model::warn(const std::string & msg) {
+    MOETIER_LOG_WARN("moetier: warning: %s\n", msg.c_str());
+    warnings.push_back(msg);
 }

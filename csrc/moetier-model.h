@@ -54,6 +54,17 @@ struct moetier_model {
     static moetier_layer * layer_of(const ggml_tensor * t);
 
     //
+    // state API
+    //
+
+    // every selected expert is computed in high precision (nothing read low, nothing skipped): the
+    // output equals stock llama.cpp's. Valid after finish_load
+    bool exact() const;
+
+    // a parameter that cannot take effect as given: logged at WARN level and kept for the C API
+    void warn(const std::string & msg);
+
+    //
     // state
     //
 
@@ -68,8 +79,9 @@ struct moetier_model {
     int32_t                io_threads     = 1;
     bool                   use_uring      = true;
 
-    std::vector<std::string>                   paths;  // GGUF files, split order
-    std::vector<std::unique_ptr<moetier_file>> files;  // opened on demand for GGUF reads
+    std::vector<std::string>                   warnings;  // of the load, in order (moetier_model_warning)
+    std::vector<std::string>                   paths;     // GGUF files, split order
+    std::vector<std::unique_ptr<moetier_file>> files;     // opened on demand for GGUF reads
     std::unique_ptr<moetier_store>             store;
     std::unique_ptr<moetier_file>              store_file;
 

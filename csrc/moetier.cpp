@@ -36,6 +36,9 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     info->expert_bytes     = m->expert_bytes;
     info->expert_bytes_low = m->expert_bytes_low;
     info->min_cache_bytes  = m->min_cache_bytes;
+    info->t1               = m->precision.t1;
+    info->t2               = m->precision.t2;
+    info->exact            = m->exact();
     info->from_store       = m->store != nullptr;
     info->direct_io        = m->store ? m->store_file->direct() : m->files[0]->direct();
     info->io_uring         = m->io && m->io->uses_uring();
@@ -45,6 +48,14 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
         info->cache_bytes += c->pool_bytes();
     }
     return 0;
+}
+
+const char * moetier_model_warning(const struct llama_model * model, int32_t i) {
+    const moetier_model * m = moetier_of(model);
+    if (!m || i < 0 || (size_t) i >= m->warnings.size()) {
+        return nullptr;
+    }
+    return m->warnings[i].c_str();
 }
 
 int32_t moetier_model_layer_stats(const struct llama_model * model, struct moetier_layer_stats * out, int32_t n_max) {

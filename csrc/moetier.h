@@ -42,7 +42,7 @@ struct moetier_params {
     // Precision on a miss (HOBBIT eq. 2): a token's selected experts are ranked by gate weight
     // (normalised over the selected ones); an expert's score is the weight ranked above it. Score
     // <= t1: read the high-precision version; <= t2: the low one (needs a store); above: skip the
-    // expert. The top-1 is always high. t1 = t2 = 1: every expert in high precision (exact).
+    // expert. The top-1 is always high. t1 = t2 = 1 (the default): every expert in high precision (exact).
     float   t1;
     float   t2;
     float   low_frac;  // share of the budget for low-precision slots (with a store)
@@ -163,6 +163,9 @@ struct moetier_cache_info {
     uint64_t cache_bytes;       // bytes held by the slot pools
     uint64_t expert_bytes;      // bytes of all served experts (what stock llama.cpp loads)
     uint64_t min_cache_bytes;   // smallest budget accepted: one layer's experts per group
+    float    t1;                // the precision rule in effect (moetier_params)
+    float    t2;
+    bool     exact;             // every selected expert is computed in high precision: output equals stock llama.cpp
     bool     from_store;        // experts are read from a packed store, not from the GGUF
     bool     direct_io;         // reads bypass the page cache
     bool     io_uring;          // reads run on an io_uring: they start at routing and overlap compute
@@ -191,6 +194,11 @@ MOETIER_API int32_t moetier_model_prefetch_stats(const struct llama_model * mode
 
 // true if the model serves its experts from the cache
 MOETIER_API bool moetier_model_has_cache(const struct llama_model * model);
+
+// The i-th warning of the model's load: a parameter that cannot take effect as given (say, t1 < t2
+// without low-precision copies, policy weights on a policy that has none, prefetch with nothing to
+// predict, io_uring refused by the kernel). NULL past the last one. Also logged at WARN level.
+MOETIER_API const char * moetier_model_warning(const struct llama_model * model, int32_t i);
 
 // 0 on success, -1 if the model has no expert cache
 MOETIER_API int32_t moetier_model_cache_info(const struct llama_model * model, struct moetier_cache_info * info);

@@ -129,6 +129,9 @@ def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_pa
             if extra:
                 assert lookups > 0 and hits + misses == lookups and misses > 0
                 assert _metric(port, "expert_cache_bytes_read_total") > 0
+                # the mode and the share of low/skipped loads are in view
+                assert _metric(port, "expert_cache_exact") == 1
+                assert _metric(port, "expert_cache_loads_low_total") == _metric(port, "expert_cache_skipped_total") == 0
             else:
                 assert lookups == 0
         finally:

@@ -20,8 +20,9 @@ namespace py = pybind11;
 // the fields of moetier_layer_stats and moetier_prefetch_stats, in struct order
 #define MOETIER_LAYER_STATS_FIELDS(X)                                                                          \
     X(layer)                                                                                                   \
-    X(n_lookups) X(n_hits) X(n_misses) X(n_bytes_read) X(read_us) X(n_hits_low) X(n_loads_high) X(n_loads_low) \
-        X(n_skipped) X(n_bytes_low)
+    X(n_lookups)                                                                                               \
+    X(n_hits) X(n_misses) X(n_bytes_read) X(read_us) X(n_hits_low) X(n_loads_high) X(n_loads_low) X(n_skipped) \
+        X(n_bytes_low)
 #define MOETIER_PREFETCH_STATS_FIELDS(X) \
     X(n_issued) X(n_hits) X(n_waits) X(n_claimed) X(n_cancelled) X(n_wasted) X(bytes_read) X(bytes_wasted)
 #define MOETIER_PREFETCH_STATS_ARRAYS(X) X(n_pred) X(n_top1) X(n_allk) X(n_any)
@@ -179,6 +180,9 @@ py::dict cache_info(const py_model & pm) {
     d["cache_bytes"]      = info.cache_bytes;
     d["expert_bytes"]     = info.expert_bytes;
     d["min_cache_bytes"]  = info.min_cache_bytes;
+    d["t1"]               = info.t1;
+    d["t2"]               = info.t2;
+    d["exact"]            = info.exact;
     d["from_store"]       = info.from_store;
     d["direct_io"]        = info.direct_io;
     d["io_uring"]         = info.io_uring;
@@ -273,6 +277,16 @@ void register_model(py::module_ & m) {
         .def("prefetch_stats", &prefetch_stats)
         .def("cache_info", &cache_info)
         .def("reset_stats", [](py_model & pm) { moetier_model_reset_stats(pm.model()); })
+        .def_property_readonly(
+            "warnings",
+            [](const py_model & pm) {
+                std::vector<std::string> out;
+                for (int32_t i = 0; const char * w = moetier_model_warning(pm.model(), i); ++i) {
+                    out.push_back(w);
+                }
+                return out;
+            },
+            "parameters that could not take effect as given (also logged at WARN level)")
         .def_property_readonly("n_vocab", [](const py_model & pm) { return llama_vocab_n_tokens(pm.vocab()); })
         .def_property_readonly("has_cache", [](const py_model & pm) { return moetier_model_has_cache(pm.model()); });
 }

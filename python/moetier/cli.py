@@ -69,19 +69,36 @@ def cmd_run(ns: argparse.Namespace) -> int:
     cache = None if ns.no_cache else _cache_config(ns)
     ctx = ContextConfig(**_fields_of(ns, ContextConfig))
     m = Model(ns.model, store=ns.store, cache=cache, context=ctx)
+    for w in m.warnings:
+        sys.stderr.write(f"moetier: warning: {w}\n")
     r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
     sys.stdout.write(r.text + "\n")
-    s = r.stats
-    rate = s.n_bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
-    line = f"moetier: {len(r.tokens)} tokens in {r.seconds:.2f} s ({r.tokens_per_second:.2f} tok/s)" + (
-        f" | cache hit rate {100 * s.hit_rate:.1f}% ({s.n_hits}/{s.n_lookups} lookups, {s.n_misses} misses:"
-        f" {s.n_loads_high} read high, {s.n_loads_low} low, {s.n_skipped} skipped)"
-        f" | read {format_size(s.n_bytes_read)} at {format_size(rate)}/s"
-        if m.has_cache
-        else " | expert cache off"
-    )
-    sys.stderr.write(line + "\n")
+    sys.stderr.write(_stats_line(m, r) + "\n")
     return 0
+
+
+def _stats_line(m: Any, r: Any) -> str:
+    """One line: speed, the mode (exact or mixed precision, with the share of misses read low or
+    skipped), hits and bytes read."""
+    s = r.stats
+    head = f"moetier: {len(r.tokens)} tokens in {r.seconds:.2f} s ({r.tokens_per_second:.2f} tok/s)"
+    if not m.has_cache:
+        return head + " | expert cache off"
+    info = m.cache_info()
+    if m.exact:
+        mode = "exact (every expert in high precision)"
+    else:
+        miss = max(1, s.n_misses)
+        mode = (
+            f"mixed precision (t1 {info['t1']:.2f}, t2 {info['t2']:.2f}): {100 * s.n_loads_low / miss:.1f}% of misses"
+            f" read low, {100 * s.n_skipped / miss:.1f}% skipped"
+        )
+    rate = s.n_bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
+    return (
+        f"{head} | {mode} | cache hit rate {100 * s.hit_rate:.1f}% ({s.n_hits}/{s.n_lookups} lookups,"
+        f" {s.n_misses} misses: {s.n_loads_high} read high, {s.n_loads_low} low, {s.n_skipped} skipped)"
+        f" | read {format_size(s.n_bytes_read)} at {format_size(rate)}/s"
+    )
 
 
 def cmd_pack(ns: argparse.Namespace) -> int:

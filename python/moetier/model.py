@@ -123,6 +123,20 @@ class Model:
     def has_cache(self) -> bool:
         return bool(self._m.has_cache)
 
+    @property
+    def exact(self) -> bool:
+        """True if every selected expert is computed in high precision (no low-precision reads, no
+        skipped experts): the output equals stock llama.cpp's. Mixed precision is asked for with t1/t2
+        (or a config from `moetier calibrate`); without a cache the model is stock, hence exact."""
+        return bool(self._m.cache_info().get("exact", True))
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Parameters that could not take effect as given (t1 < t2 without low copies, policy weights
+        on a policy without weights, prefetch with nothing to predict, io_uring or O_DIRECT refused).
+        Also logged at WARN level."""
+        return tuple(self._m.warnings)
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return list(self._m.tokenize(text, add_special))
 

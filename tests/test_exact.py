@@ -1,0 +1,90 @@
+"""Exact unless asked: a cache with only a budget computes every selected expert in high precision
+(output equals stock llama.cpp); mixed precision is an explicit choice; every surface says which mode
+ran; a parameter that cannot take effect is a warning naming it, never silently ignored."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, Model, PackConfig, pack
+
+
+@pytest.fixture(scope="module")
+def model_and_store(tiny_model: ModelFactory, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=4, n_layer=3)
+    return path, pack(path, tmp_path_factory.mktemp("exact") / "s", PackConfig(low_type="q4_0"), progress=False)
+
+
+def _min_budget(path: Path) -> int:
+    return int(Model(path, cache=CacheConfig(budget="64M")).cache_info()["min_cache_bytes"])
+
+
+def test_default_config_is_exact(model_and_store: tuple[Path, Path]) -> None:
+    path, store = model_and_store
+    cfg = CacheConfig(budget=_min_budget(path))  # only a budget, and a store with low copies
+    assert (cfg.t1, cfg.t2) == (1.0, 1.0)
+    m = Model(path, store=store, cache=cfg)
+    assert m.exact and m.cache_info()["exact"] and m.warnings == ()
+    stock = Model(path)
+    tokens = m.tokenize(LONG_PROMPT)
+    assert m.generate(tokens, max_tokens=16).tokens == stock.generate(tokens, max_tokens=16).tokens
+    s = m.stats()
+    assert s.n_misses > 0 and s.n_loads_low == 0 and s.n_skipped == 0
+
+
+def test_mixed_precision_is_asked_for(model_and_store: tuple[Path, Path]) -> None:
+    path, store = model_and_store
+    m = Model(path, store=store, cache=CacheConfig(budget=_min_budget(path) * 2, t1=0.3, t2=0.9))
+    assert not m.exact and m.warnings == ()
+    m.generate(LONG_PROMPT, max_tokens=16)
+    assert m.stats().n_loads_low > 0
+
+
+def test_low_band_without_store_warns(model_and_store: tuple[Path, Path]) -> None:
+    path, _ = model_and_store
+    m = Model(path, cache=CacheConfig(budget="64M", t1=0.3))  # t2 = 1: nothing skipped
+    assert m.exact  # the low band reads the high version: still stock's output
+    assert any("t1=0.3 < t2=1 asks for low-precision reads, but no expert store is given" in w for w in m.warnings)
+
+
+def test_low_frac_zero_warns(model_and_store: tuple[Path, Path]) -> None:
+    path, store = model_and_store
+    m = Model(path, store=store, cache=CacheConfig(budget="64M", t1=0.3, t2=0.9, low_frac=0.0))
+    assert any("low_frac=0 leaves no low-precision slots" in w for w in m.warnings), m.warnings
+
+
+def test_policy_weights_without_multi_warn(model_and_store: tuple[Path, Path]) -> None:
+    path, _ = model_and_store
+    m = Model(path, cache=CacheConfig(budget="64M", policy="lru", w_fld=0.7))
+    assert any("policy lru has no weights and ignores them" in w for w in m.warnings), m.warnings
+    assert Model(path, cache=CacheConfig(budget="64M", policy="multi", w_fld=0.7)).warnings == ()
+
+
+def test_prefetch_with_nothing_to_predict_warns(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=1)  # one MoE layer: no successor
+    m = Model(path, cache=CacheConfig(budget="64M", prefetch=1))
+    assert any("prefetch=1 has nothing to predict" in w for w in m.warnings), m.warnings
+
+
+def test_cli_says_the_mode_and_the_warnings(model_and_store: tuple[Path, Path]) -> None:
+    path, store = model_and_store
+    budget = str(_min_budget(path) * 2)
+    base = [sys.executable, "-m", "moetier.cli", "run", "-m", str(path), "-p", LONG_PROMPT, "-n", "8"]
+    exact = subprocess.run([*base, "--store", str(store), "--cache", budget], capture_output=True, text=True)
+    assert exact.returncode == 0, exact.stderr
+    assert "exact (every expert in high precision)" in exact.stderr
+    mixed = subprocess.run(
+        [*base, "--store", str(store), "--cache", budget, "--cache-t1", "0.3", "--cache-t2", "0.9"],
+        capture_output=True,
+        text=True,
+    )
+    assert mixed.returncode == 0, mixed.stderr
+    assert "mixed precision (t1 0.30, t2 0.90)" in mixed.stderr and "% of misses read low" in mixed.stderr
+    warned = subprocess.run([*base, "--cache", budget, "--cache-t1", "0.3"], capture_output=True, text=True)
+    assert warned.returncode == 0, warned.stderr
+    assert "moetier: warning: t1=0.3 < t2=1 asks for low-precision reads" in warned.stderr
