@@ -71,7 +71,11 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     }
 
     if (direct_io) {
-        for (const moetier_file * f : { store_file.get(), files.empty() ? nullptr : files[0].get() }) {
+        std::vector<const moetier_file *> opened = { store_file.get() };
+        for (const auto & f : files) {
+            opened.push_back(f.get());
+        }
+        for (const moetier_file * f : opened) {
             if (f && !f->direct()) {
                 warn(
                     format("direct_io: O_DIRECT refused for %s; reads go through the page cache (dropped after each "

@@ -119,10 +119,10 @@ MOETIER_API const char * const * moetier_policy_names(void);
 // What kind of problem an error is, so that callers can tell a bad store from a bad model.
 enum moetier_error_kind {
     MOETIER_ERROR_NONE   = 0,
-    MOETIER_ERROR_CONFIG = 1,  // a parameter is invalid (range, unknown name, a budget below the minimum)
+    MOETIER_ERROR_CONFIG = 1,  // a parameter is invalid (range, unknown name or policy)
     MOETIER_ERROR_STORE  = 2,  // the expert store is missing, incomplete, corrupt or of another model
     MOETIER_ERROR_IO     = 3,  // reading a file failed (the file system, not its content)
-    MOETIER_ERROR_MODEL  = 4,  // the model cannot be served (no expert tensors, unsupported layout)
+    MOETIER_ERROR_MODEL  = 4,  // the model cannot be served (no expert tensors, a budget below one layer's experts)
 };
 
 // The message of the last moetier error on this thread ("" if none): set when a model load with a

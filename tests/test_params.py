@@ -103,3 +103,13 @@ def test_format_size_is_the_cores() -> None:
 
     assert format_size(3 << 20) == "3.00 MiB"
     assert _core.parse_size("3M") == 3 << 20
+
+
+def test_numbers_of_other_types() -> None:
+    import numpy as np
+
+    cfg = CacheConfig(budget="1M", t1=np.float32(0.5), t2=np.float64(0.75), prefetch=np.int64(1))
+    assert (type(cfg.t1), type(cfg.t2), type(cfg.prefetch)) == (float, float, int)
+    assert "t1=0.5," in cfg.opts() and "t2=0.75," in cfg.opts() and "prefetch=1," in cfg.opts()
+    with pytest.raises(ConfigError, match=r"cache.io_threads: 4294967296 must lie in \[0, 64\]"):
+        CacheConfig(budget="1M", io_threads=2**32)

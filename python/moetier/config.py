@@ -3,6 +3,7 @@ shipped llama.cpp binaries accept exactly the same sizes) and validated with cle
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -74,16 +75,23 @@ class CacheConfig:
             row = PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]
             v = getattr(self, f.name)
             if row["type"] == "bool":
-                if v not in (0, 1) or isinstance(v, float):
+                if isinstance(v, float) or v not in (0, 1):
                     msg = f"cache.{f.name}: {v!r} must be a bool (or 0/1)"
                     raise ConfigError(msg)
                 object.__setattr__(self, f.name, bool(v))
-            elif row["type"] == "int" and (not isinstance(v, int) or isinstance(v, bool)):
-                msg = f"cache.{f.name}: {v!r} must be an integer"
-                raise ConfigError(msg)
-            elif row["type"] == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-                msg = f"cache.{f.name}: {v!r} must be a number"
-                raise ConfigError(msg)
+            elif row["type"] == "int":
+                if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                    msg = f"cache.{f.name}: {v!r} must be an integer"
+                    raise ConfigError(msg)
+                if not -(2**31) <= int(v) < 2**31:  # an int32 field: the core's range check names the valid range
+                    msg = f"cache.{f.name}: {v} must lie in [{row['min']:g}, {row['max']:g}]"
+                    raise ConfigError(msg)
+                object.__setattr__(self, f.name, int(v))
+            elif row["type"] == "float":
+                if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                    msg = f"cache.{f.name}: {v!r} must be a number"
+                    raise ConfigError(msg)
+                object.__setattr__(self, f.name, float(v))
         names = _core.policy_names()
         if self.policy not in names:
             msg = f"cache.policy: unknown policy {self.policy!r}; available: {', '.join(names)}"
@@ -110,7 +118,7 @@ class CacheConfig:
             row = PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]
             if row["is_opt"]:
                 v = getattr(self, f.name)
-                out.append(f"{f.name}={int(v) if row['type'] == 'bool' else v!r}")
+                out.append(f"{f.name}={int(v) if row['type'] in ('bool', 'int') else float(v)!r}")
         return ",".join(out)
 
     @classmethod

@@ -43,7 +43,8 @@ class CacheStats:
     def __getattr__(self, name: str) -> int:
         if name.startswith("__"):
             raise AttributeError(name)
-        return int(getattr(self.total, name))
+        value: int = getattr(self.total, name)
+        return value
 
 
 @dataclass(frozen=True)
