@@ -334,6 +334,13 @@ void moetier_model::finish_load() {
                      exact() ? "exact: every expert in high precision" : "mixed precision", precision.t1, precision.t2,
                      policy_name.c_str(), store ? store->dir().c_str() : paths[0].c_str(),
                      (store ? store_file->direct() : files[0]->direct()) ? " (O_DIRECT)" : "");
+    if (!exact()) {
+        // a lossy mode the user chose: said where the tools print it by default (INFO lines are not)
+        MOETIER_LOG_WARN(
+            "moetier: mixed precision (t1 %.2f, t2 %.2f): misses may be read in low precision or skipped, "
+            "so the output differs from stock llama.cpp's (t1 = t2 = 1 is exact)\n",
+            precision.t1, precision.t2);
+    }
 }
 
 void moetier_model::init_io() {
