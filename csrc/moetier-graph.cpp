@@ -1,7 +1,12 @@
-#include "moetier-graph.h"
+// The graph hooks of moetier-hooks.h: what moetier adds to a compute graph. Per served MoE layer the
+// resolve, load and prefetch custom ops, the slot ids the mul_mat_ids use (and the low-precision
+// product), and, once the graph is built, the node order that lets the nodes which do not need a
+// layer's experts run while its reads do.
 
 #include "ggml.h"
+#include "llama-model.h"
 #include "moetier-cache.h"
+#include "moetier-hooks.h"
 #include "moetier-layer.h"
 #include "moetier-model.h"
 
@@ -67,15 +72,15 @@ static void moetier_op_prefetch(ggml_tensor * dst, int ith, int nth, void * user
 // build_moe_ffn
 //
 
-moetier_moe moetier_graph_moe_ids(ggml_context * ctx,
-                                  ggml_tensor *  cur,
-                                  ggml_tensor *  selected_experts,
-                                  ggml_tensor *  weights,
-                                  bool           warmup,
-                                  ggml_tensor ** up_exps,
-                                  ggml_tensor ** gate_exps,
-                                  ggml_tensor ** down_exps,
-                                  ggml_tensor ** gate_up_exps) noexcept {
+moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
+                                 ggml_tensor *  cur,
+                                 ggml_tensor *  selected_experts,
+                                 ggml_tensor *  weights,
+                                 bool           warmup,
+                                 ggml_tensor ** up_exps,
+                                 ggml_tensor ** gate_exps,
+                                 ggml_tensor ** down_exps,
+                                 ggml_tensor ** gate_up_exps) noexcept {
     moetier_moe moe;
     moe.ids           = selected_experts;
     moetier_layer * l = moetier_model::layer_of(*gate_up_exps ? *gate_up_exps : *up_exps);
@@ -136,11 +141,11 @@ moetier_moe moetier_graph_moe_ids(ggml_context * ctx,
     return moe;
 }
 
-ggml_tensor * moetier_graph_mul_mat_id(ggml_context *      ctx,
-                                       const moetier_moe & moe,
-                                       ggml_tensor *       cur,
-                                       ggml_tensor *       as,
-                                       ggml_tensor *       b) noexcept {
+ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
+                                      const moetier_moe & moe,
+                                      ggml_tensor *       cur,
+                                      ggml_tensor *       as,
+                                      ggml_tensor *       b) noexcept {
     if (moe.layer == nullptr || moe.low_ids == nullptr) {
         return cur;
     }
@@ -179,8 +184,9 @@ static bool moetier_writes_elsewhere(const ggml_tensor * t) {
     }
 }
 
-void moetier_graph_reorder(const moetier_model & m, ggml_cgraph * gf) noexcept {
-    if (m.io == nullptr || !m.io->uses_uring() || gf == nullptr) {
+void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexcept {
+    const moetier_model * m = model.moetier.get();
+    if (m == nullptr || m->io == nullptr || !m->io->uses_uring() || gf == nullptr) {
         return;
     }
     ggml_tensor ** nodes = ggml_graph_nodes(gf);

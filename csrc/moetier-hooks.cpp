@@ -2,7 +2,6 @@
 
 #include "llama-model.h"
 #include "llama.h"
-#include "moetier-graph.h"
 #include "moetier-impl.h"
 #include "moetier-model.h"
 
@@ -11,7 +10,7 @@ void moetier_model_deleter::operator()(moetier_model * m) const {
 }
 
 //
-// load hooks: exceptions go on to llama.cpp's loader, the C API's last error keeps message and kind
+// load hooks (the graph hooks are in moetier-graph.cpp): exceptions go on to llama.cpp's loader, the C API's last error keeps message and kind
 //
 
 moetier_model_ptr moetier_hook_model_init(const moetier_params *           params,
@@ -70,36 +69,5 @@ void moetier_hook_model_loaded(llama_model & model) {
     } catch (const std::exception & e) {
         moetier_set_last_error(moetier_error_kind_of(e), m->paths[0] + ": " + e.what());
         throw std::runtime_error(moetier_last_error());
-    }
-}
-
-//
-// graph hooks
-//
-
-moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
-                                 ggml_tensor *  cur,
-                                 ggml_tensor *  selected_experts,
-                                 ggml_tensor *  weights,
-                                 bool           warmup,
-                                 ggml_tensor ** up_exps,
-                                 ggml_tensor ** gate_exps,
-                                 ggml_tensor ** down_exps,
-                                 ggml_tensor ** gate_up_exps) noexcept {
-    return moetier_graph_moe_ids(ctx, cur, selected_experts, weights, warmup, up_exps, gate_exps, down_exps,
-                                 gate_up_exps);
-}
-
-ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
-                                      const moetier_moe & moe,
-                                      ggml_tensor *       cur,
-                                      ggml_tensor *       as,
-                                      ggml_tensor *       b) noexcept {
-    return moetier_graph_mul_mat_id(ctx, moe, cur, as, b);
-}
-
-void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexcept {
-    if (const moetier_model * m = model.moetier.get()) {
-        moetier_graph_reorder(*m, gf);
     }
 }

@@ -1,13 +1,12 @@
 #pragma once
 
-// The only moetier header that the patched llama.cpp includes. Each hook is a thin adapter: the
-// patch passes upstream objects in and uses the result; the logic lives in csrc/ (the model in
-// moetier-model, the graph in moetier-graph).
+// The only moetier header that the patched llama.cpp includes: the patch passes upstream objects in
+// and uses the result. The load hooks (moetier-hooks.cpp) are thin adapters over moetier_model; the
+// graph hooks are the graph logic itself (moetier-graph.cpp: custom ops, slot ids, node order).
 //
 // Load-time hooks throw std::runtime_error, as llama.cpp's loader does (llama_model_load catches
 // and reports it); graph hooks are noexcept.
 
-#include "moetier-graph.h"
 #include "moetier.h"
 
 #include <cstddef>
@@ -20,6 +19,7 @@ struct ggml_cgraph;
 struct ggml_context;
 struct ggml_tensor;
 struct llama_model;
+struct moetier_layer;
 struct moetier_model;
 
 struct moetier_model_deleter {
@@ -46,6 +46,14 @@ ggml_tensor * moetier_hook_create_tensor(moetier_model *     m,
 // llama_model_load, after load_tensors: allocates the slot pools from the budget, starts the I/O
 // pool and, with prefetch, stacks the routers of the loaded model
 void moetier_hook_model_loaded(llama_model & model);
+
+// What build_moe_ffn keeps of a served MoE layer between routing and its mul_mat_ids (a local of
+// the patched function: the two graph hooks share no other state).
+struct moetier_moe {
+    ggml_tensor *         ids = nullptr;  // what the mul_mat_ids take: slot ids of the high pools, or the expert ids
+    ggml_tensor *         low_ids = nullptr;  // slot ids of the low pools; nullptr if the layer has none
+    const moetier_layer * layer   = nullptr;  // nullptr if the layer is not served
+};
 
 // build_moe_ffn, once the top-k ids and their weights exist: if the layer's experts are served,
 // inserts the resolve and load ops, points the expert tensors at the high-precision slot pools and

@@ -364,29 +364,8 @@ void moetier_model::init_io() {
     if (use_uring && vectored) {
         auto ring = std::make_unique<moetier_uring>((unsigned) std::min<size_t>(capacity, 4096));
         if (ring->ok()) {
-            io = std::make_unique<moetier_io_pool>(
-                std::move(ring), io_threads, capacity,
-                [](const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err) {
-                    if (task.proj >= 0) {
-                        err = "io_uring: one projection is not one vectored read of the store";
-                        return false;
-                    }
-                    return moetier_read_prep(*(const moetier_layer *) task.layer, (moetier_precision) task.prec,
-                                             task.expert, task.slot, rd, err);
-                },
-                [](const moetier_io_task & task, std::string & err) {
-                    const moetier_layer & l = *(const moetier_layer *) task.layer;
-                    moetier_error         e;
-                    if (!moetier_read_verify(l, (moetier_precision) task.prec, task.expert, task.slot, e)) {
-                        err = e.msg;
-                        return false;
-                    }
-                    if (task.bytes_done) {
-                        task.bytes_done->fetch_add(moetier_read_bytes(l, (moetier_precision) task.prec),
-                                                   std::memory_order_relaxed);
-                    }
-                    return true;
-                });
+            io = std::make_unique<moetier_io_pool>(std::move(ring), io_threads, capacity, moetier_read_io_prep,
+                                                   moetier_read_io_finish);
             for (auto & c : caches) {
                 c->set_io(io.get());
             }
@@ -401,21 +380,10 @@ void moetier_model::init_io() {
     // I/O threads serve prefetch only (on-demand reads go to them only in io_uring mode): every
     // projection of the expert, into the thread's own bounce buffer
     io_bounce.resize(io_threads);
-    io = std::make_unique<moetier_io_pool>(
-        io_threads, capacity, [this](const moetier_io_task & task, int thread_id, std::string & err) {
-            const moetier_layer & l = *(const moetier_layer *) task.layer;
-            moetier_error         e;
-            if (!moetier_read_expert(l, (moetier_precision) task.prec, task.expert, task.slot, io_bounce[thread_id],
-                                     e)) {
-                err = e.msg;
-                return false;
-            }
-            if (task.bytes_done) {
-                task.bytes_done->fetch_add(moetier_read_bytes(l, (moetier_precision) task.prec),
-                                           std::memory_order_relaxed);
-            }
-            return true;
-        });
+    io = std::make_unique<moetier_io_pool>(io_threads, capacity,
+                                           [this](const moetier_io_task & task, int thread_id, std::string & err) {
+                                               return moetier_read_io(task, io_bounce[thread_id], err);
+                                           });
     for (auto & c : caches) {
         c->set_io(io.get());
     }

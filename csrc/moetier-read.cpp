@@ -111,12 +111,13 @@ bool moetier_read_expert(const moetier_layer &    l,
     return true;
 }
 
-bool moetier_read_prep(const moetier_layer & l,
-                       moetier_precision     prec,
-                       int32_t               e,
-                       int32_t               s,
-                       moetier_io_vec_read & rd,
-                       std::string &         err) noexcept {
+// io_uring: expert e into slot s as one vectored O_DIRECT read; false if the layout does not allow it
+static bool moetier_read_prep(const moetier_layer & l,
+                              moetier_precision     prec,
+                              int32_t               e,
+                              int32_t               s,
+                              moetier_io_vec_read & rd,
+                              std::string &         err) noexcept {
     const std::vector<int32_t> & order = l.file_order[prec];
     if (order.empty() || order.size() > 8) {
         err = "io_uring: the expert is not one contiguous range of the store";
@@ -137,5 +138,44 @@ bool moetier_read_prep(const moetier_layer & l,
         err = format("%s: io_uring reads need O_DIRECT", first.file->path().c_str());
         return false;
     }
+    return true;
+}
+
+// what a task's read moved, for prefetch accounting
+static void moetier_read_io_done(const moetier_io_task & task) {
+    if (task.bytes_done) {
+        const moetier_layer & l = *(const moetier_layer *) task.layer;
+        task.bytes_done->fetch_add(moetier_read_bytes(l, (moetier_precision) task.prec), std::memory_order_relaxed);
+    }
+}
+
+bool moetier_read_io(const moetier_io_task & task, moetier_aligned_buffer & bb, std::string & err) noexcept {
+    moetier_error e;
+    if (!moetier_read_expert(*(const moetier_layer *) task.layer, (moetier_precision) task.prec, task.expert, task.slot,
+                             bb, e)) {
+        err = e.msg;
+        return false;
+    }
+    moetier_read_io_done(task);
+    return true;
+}
+
+bool moetier_read_io_prep(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err) noexcept {
+    if (task.proj >= 0) {
+        err = "io_uring: one projection is not one vectored read of the store";
+        return false;
+    }
+    return moetier_read_prep(*(const moetier_layer *) task.layer, (moetier_precision) task.prec, task.expert, task.slot,
+                             rd, err);
+}
+
+bool moetier_read_io_finish(const moetier_io_task & task, std::string & err) noexcept {
+    moetier_error e;
+    if (!moetier_read_verify(*(const moetier_layer *) task.layer, (moetier_precision) task.prec, task.expert, task.slot,
+                             e)) {
+        err = e.msg;
+        return false;
+    }
+    moetier_read_io_done(task);
     return true;
 }

@@ -41,17 +41,16 @@ bool moetier_read_expert(const moetier_layer &    l,
                          moetier_aligned_buffer & bb,
                          moetier_error &          err) noexcept;
 
-// io_uring: expert e into slot s as one vectored O_DIRECT read; false if the layout does not allow it
-bool moetier_read_prep(const moetier_layer & l,
-                       moetier_precision     prec,
-                       int32_t               e,
-                       int32_t               s,
-                       moetier_io_vec_read & rd,
-                       std::string &         err) noexcept;
-
 // the checksums of every projection of expert e in slot s (nothing to check when reading a GGUF)
 bool moetier_read_verify(const moetier_layer & l,
                          moetier_precision     prec,
                          int32_t               e,
                          int32_t               s,
                          moetier_error &       err) noexcept;
+
+// The I/O pool's callbacks for a task (task.layer is a moetier_layer): an I/O thread reads the whole
+// expert (bb: the thread's bounce buffer); the ring prepares it as one vectored O_DIRECT read and
+// checks it once read. On success each adds the bytes read to task.bytes_done, if set.
+bool moetier_read_io(const moetier_io_task & task, moetier_aligned_buffer & bb, std::string & err) noexcept;
+bool moetier_read_io_prep(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err) noexcept;
+bool moetier_read_io_finish(const moetier_io_task & task, std::string & err) noexcept;

@@ -22,6 +22,8 @@ init)
     cd "$tree"
     [ -d .git ] && { echo "$tree is already a git work tree"; exit 0; }
     git init -q
+    # the stamp the build checks is not part of the series: `commit -a` of a fixup must not take it
+    mkdir -p "$(git rev-parse --git-dir)/info" && echo .moetier-patches >> "$(git rev-parse --git-dir)/info/exclude"
     for p in $(ls "$patches"/*.patch 2>/dev/null | sort); do git apply -R "$p"; done
     git add -A && git -c user.name=moetier -c user.email=dev@moetier commit -qm base
     for p in $(ls "$patches"/*.patch 2>/dev/null | sort); do git am -q "$p"; done

@@ -140,6 +140,17 @@ def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_pa
             proc.wait(timeout=30)
     assert results[0] == results[1] and results[0]
 
+    # mixed precision asked for (t2 below the top-1's share skips the second expert): /metrics says so
+    mixed = ["--cache", str(int(info["min_cache_bytes"])), "--cache-t1", "0", "--cache-t2", "0.4"]
+    proc, port = _serve(["-m", str(path), *mixed], tmp_path / "server-mixed.log")
+    try:
+        _complete(port, LONG_PROMPT)
+        assert _metric(port, "expert_cache_exact") == 0
+        assert _metric(port, "expert_cache_skipped_total") > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
     # the flag reaches the engine: a budget below one layer's experts stops the server at load
     r = subprocess.run(
         [sys.executable, "-m", "moetier.cli", "serve", "-m", str(path), "--cache", "1K", "--port", str(_free_port())],

@@ -124,3 +124,30 @@ def test_bad_low_type(tiny_model: ModelFactory, tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="unknown low-precision type 'q9_9'"):
         pack(path, tmp_path / "s", PackConfig(low_type="q9_9"), progress=False)
     assert not (tmp_path / "s" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("io_uring", [0, 1])
+def test_graph_aborted_between_resolve_and_load(packed: tuple[Path, Path], io_uring: int) -> None:
+    """A graph stopped after a layer's resolve and before its load (a user's abort callback, a
+    cancelled request): the slots that resolve assigned were never read, so the pass must forget them
+    and the next decode must read those experts again, giving stock's logits."""
+    import numpy as np
+
+    path, store = packed
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    want = stock.logits(tokens)
+    m = Model(path, store=store, cache=CacheConfig.exact(budget=min_budget(path), io_uring=io_uring))
+    aborted = 0
+    for k in range(len(m.graph_nodes(tokens))):  # stop after k computed nodes: every point of the graph
+        m._m._abort_after(k)
+        try:
+            m.logits(tokens)
+        except ModelError as e:
+            assert "llama_decode returned 2" in str(e)
+            aborted += 1
+            np.testing.assert_allclose(m.logits(tokens), want, rtol=0, atol=1e-5, err_msg=f"stopped after {k}")
+        else:
+            break  # the graph has fewer computed nodes than k: no stop left to try
+    m._m._abort_after(-1)
+    assert aborted > 10

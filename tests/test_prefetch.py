@@ -24,6 +24,8 @@ def _settled(m: Model, depth: int) -> None:
     # every queued read ends used (hit or taken over), dropped unread, or read in vain
     assert p.n_hits + p.n_claimed + p.n_cancelled + p.n_wasted == p.n_issued, p
     assert p.n_waits <= p.n_hits and p.bytes_wasted <= p.bytes_read
+    # a used or wasted prefetch was read: its bytes are counted (the read callbacks' bytes_done)
+    assert p.bytes_read > 0 or p.n_hits + p.n_wasted == 0, p
     # predictions are checked at every distance up to the prefetch depth, and at none beyond
     assert len(p.n_pred) == len(p.n_top1) == len(p.n_allk) == len(p.n_any) == 8
     assert not any(p.n_pred[depth:]), p

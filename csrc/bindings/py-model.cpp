@@ -52,6 +52,19 @@ py_model::py_model(const std::string &          path,
     }
 }
 
+void py_model::abort_after(int64_t n) {
+    abort_after_ = n;
+    llama_set_abort_callback(ctx_.get(), abort_callback, this);
+}
+
+bool py_model::abort_callback(void * self) {
+    py_model * pm = (py_model *) self;
+    if (pm->abort_after_ >= 0 && pm->abort_after_-- == 0) {
+        return true;
+    }
+    return moetier_abort_callback(pm->model_.get());
+}
+
 void py_model::check_token(llama_token t) const {
     if (t < 0 || t >= llama_vocab_n_tokens(vocab_)) {
         throw std::invalid_argument("token id " + std::to_string(t) + " is out of the vocabulary");

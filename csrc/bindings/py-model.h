@@ -28,6 +28,10 @@ class py_model {
              const llama_context_params & cparams,
              bool                         repack);
 
+    // the context's abort callback points at this object
+    py_model(const py_model &)             = delete;
+    py_model & operator=(const py_model &) = delete;
+
     const std::string & path() const { return path_; }
 
     llama_model * model() const { return model_.get(); }
@@ -49,10 +53,18 @@ class py_model {
     // the C API's expert read error as a Python error of its kind, with what (e.g. "decode failed")
     [[noreturn]] void throw_model_error(const std::string & what, int32_t rc) const;
 
+    // fault injection for tests: the next graph computation stops after n more nodes, as a user's
+    // abort callback (or llama-server cancelling a request) would stop it. -1: never
+    void abort_after(int64_t n);
+
   private:
     std::string                                    path_;
     llama_context_params                           cparams_;
     std::unique_ptr<llama_model, py_model_deleter> model_;
     py_context_ptr                                 ctx_;
-    const llama_vocab *                            vocab_ = nullptr;
+    const llama_vocab *                            vocab_       = nullptr;
+    int64_t                                        abort_after_ = -1;
+
+    // the context's abort callback: abort_after's countdown, then moetier's (a failed expert read)
+    static bool abort_callback(void * self);
 };

@@ -277,6 +277,8 @@ void register_model(py::module_ & m) {
         .def("prefetch_stats", &prefetch_stats)
         .def("cache_info", &cache_info)
         .def("reset_stats", [](py_model & pm) { moetier_model_reset_stats(pm.model()); })
+        .def("_abort_after", &py_model::abort_after, py::arg("n_nodes"),
+             "fault injection for tests: the next graph computation stops after n_nodes more nodes")
         .def_property_readonly(
             "warnings",
             [](const py_model & pm) {

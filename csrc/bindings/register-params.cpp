@@ -53,51 +53,50 @@ const char * param_type_name(int32_t type) {
     }
 }
 
+// a number field of moetier_params at offset off, as a property
+template <typename T> void def_number(py::class_<py_params> & c, const moetier_param_info * info) {
+    const size_t off = info->offset;
+    c.def_property(
+        info->name, [off](const py_params & x) { return *(const T *) ((const char *) &x.p + off); },
+        [off](py_params & x, T v) { *(T *) ((char *) &x.p + off) = v; }, info->help);
+}
+
+// a string field of moetier_params, kept in py_params' storage
+void def_string(py::class_<py_params> & c, const moetier_param_info * info, std::string py_params::*field) {
+    c.def_property(
+        info->name, [field](const py_params & x) { return x.*field; },
+        [field](py_params & x, const std::string & v) {
+            x.*field = v;
+            x.fix();
+        },
+        info->help);
+}
+
 // one property per row of the option table, typed by the row
 void def_param(py::class_<py_params> & c, const moetier_param_info * info) {
-    const size_t off = info->offset;
     switch (info->type) {
         case MOETIER_PARAM_TYPE_SIZE:
-            c.def_property(
-                info->name, [off](const py_params & x) { return *(const uint64_t *) ((const char *) &x.p + off); },
-                [off](py_params & x, uint64_t v) { *(uint64_t *) ((char *) &x.p + off) = v; }, info->help);
-            break;
+            def_number<uint64_t>(c, info);
+            return;
         case MOETIER_PARAM_TYPE_FLOAT:
-            c.def_property(
-                info->name, [off](const py_params & x) { return *(const float *) ((const char *) &x.p + off); },
-                [off](py_params & x, float v) { *(float *) ((char *) &x.p + off) = v; }, info->help);
-            break;
+            def_number<float>(c, info);
+            return;
         case MOETIER_PARAM_TYPE_INT:
-            c.def_property(
-                info->name, [off](const py_params & x) { return *(const int32_t *) ((const char *) &x.p + off); },
-                [off](py_params & x, int32_t v) { *(int32_t *) ((char *) &x.p + off) = v; }, info->help);
-            break;
+            def_number<int32_t>(c, info);
+            return;
         case MOETIER_PARAM_TYPE_BOOL:
-            c.def_property(
-                info->name, [off](const py_params & x) { return *(const bool *) ((const char *) &x.p + off); },
-                [off](py_params & x, bool v) { *(bool *) ((char *) &x.p + off) = v; }, info->help);
-            break;
+            def_number<bool>(c, info);
+            return;
         case MOETIER_PARAM_TYPE_STRING:
             if (strcmp(info->name, "store_dir") == 0) {
-                c.def_property(
-                    info->name, [](const py_params & x) { return x.store_dir; },
-                    [](py_params & x, const std::string & v) {
-                        x.store_dir = v;
-                        x.fix();
-                    },
-                    info->help);
-            } else if (strcmp(info->name, "policy") == 0) {
-                c.def_property(
-                    info->name, [](const py_params & x) { return x.policy; },
-                    [](py_params & x, const std::string & v) {
-                        x.policy = v;
-                        x.fix();
-                    },
-                    info->help);
-            } else {
-                throw std::logic_error(std::string("no string storage for parameter ") + info->name);
+                def_string(c, info, &py_params::store_dir);
+                return;
             }
-            break;
+            if (strcmp(info->name, "policy") == 0) {
+                def_string(c, info, &py_params::policy);
+                return;
+            }
+            throw std::logic_error(std::string("no string storage for parameter ") + info->name);
         default:
             throw std::logic_error(std::string("unknown type of parameter ") + info->name);
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -20,6 +21,11 @@ _DEFAULTS = _core.Params()
 # CacheConfig field -> option table row, where the names differ; rows that are not fields
 FIELD_ROWS = {"budget": "cache_bytes"}
 NOT_FIELDS = ("store_dir",)
+# option table types of numbers -> what a value must be, and the type it is stored as
+_NUMBERS: dict[str, tuple[type, Callable[[Any], int | float], str]] = {
+    "int": (numbers.Integral, int, "an integer"),
+    "float": (numbers.Real, float, "a number"),
+}
 
 
 def _help(row: str) -> str:
@@ -79,19 +85,16 @@ class CacheConfig:
                     msg = f"cache.{f.name}: {v!r} must be a bool (or 0/1)"
                     raise ConfigError(msg)
                 object.__setattr__(self, f.name, bool(v))
-            elif row["type"] == "int":
-                if not isinstance(v, numbers.Integral) or isinstance(v, bool):
-                    msg = f"cache.{f.name}: {v!r} must be an integer"
+            elif row["type"] in _NUMBERS:
+                kind, cast, what = _NUMBERS[row["type"]]
+                if not isinstance(v, kind) or isinstance(v, bool):
+                    msg = f"cache.{f.name}: {v!r} must be {what}"
                     raise ConfigError(msg)
-                if not -(2**31) <= int(v) < 2**31:  # an int32 field: the core's range check names the valid range
+                n = cast(v)
+                if isinstance(n, int) and not -(2**31) <= n < 2**31:  # int32: the core's check names the range
                     msg = f"cache.{f.name}: {v} must lie in [{row['min']:g}, {row['max']:g}]"
                     raise ConfigError(msg)
-                object.__setattr__(self, f.name, int(v))
-            elif row["type"] == "float":
-                if not isinstance(v, numbers.Real) or isinstance(v, bool):
-                    msg = f"cache.{f.name}: {v!r} must be a number"
-                    raise ConfigError(msg)
-                object.__setattr__(self, f.name, float(v))
+                object.__setattr__(self, f.name, n)
         names = _core.policy_names()
         if self.policy not in names:
             msg = f"cache.policy: unknown policy {self.policy!r}; available: {', '.join(names)}"
