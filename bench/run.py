@@ -14,7 +14,8 @@ For each budget (percent of expert bytes) it measures, each configuration in its
 Pages of the model and store are dropped before every run; every process warms up once. It reports
 prefill and decode tok/s, time to first token, bytes read per token, hit rate and peak memory, with
 ratios to the capped stock run and to in-RAM, as JSON + markdown + PNG, plus the disk's O_DIRECT
-bandwidth at the expert size and the I/O bound it implies.
+bandwidth at the expert size and the I/O bound it implies. The PNG is moetier.plot.bench_plot's, the
+same as `moetier bench-plot OUT.json` draws.
 
     python bench/run.py --model ~/.cache/moetier/models/x.gguf --budgets 10,25,50,100 --out bench/results/x
 """
@@ -37,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moetier
 from cgroup import MemoryCap, available
-from moetier import CacheConfig, Model
+from moetier import CacheConfig, Model, MoetierError
+from moetier.plot import bench_plot
 
 MiB = 1 << 20
 DEFAULT_PROMPTS = [
@@ -370,27 +372,9 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     out.with_name(out.name + ".md").write_text(text)
     print(text)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    for kind in ("stock-capped", *variants):
-        xs = [p for p in pcts if "error" not in runs[f"{kind}-{p}"]]
-        ax[0].plot(xs, [runs[f"{kind}-{p}"]["decode_tok_s"]["median"] for p in xs], "o-", label=kind)
-    ax[0].axhline(ram["decode_tok_s"]["median"], ls="--", c="gray", label="stock in RAM")
-    ax[0].set(xlabel="expert budget (% of expert bytes)", ylabel="decode tok/s", title="decode speed")
-    ax[0].legend()
-    for kind in variants:
-        xs = [p for p in pcts if "error" not in runs[f"{kind}-{p}"]]
-        ax[1].plot(xs, [100 * (runs[f"{kind}-{p}"]["hit_rate"] or 0) for p in xs], "o-", label=kind)
-    ax[1].legend()
-    ax[1].set(xlabel="expert budget (% of expert bytes)", ylabel="hit rate %", title="moetier expert cache hit rate")
-    fig.tight_layout()
-    fig.savefig(out.with_name(out.name + ".png"), dpi=100)
+        bench_plot(report, out.with_name(out.name + ".png"), source=out.with_name(out.name + ".json"))
+    except MoetierError as e:
+        print(f"no plot: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

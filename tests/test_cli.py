@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-import pytest
-
+from _server import free_port, serve
 from conftest import LONG_PROMPT, ModelFactory
 from moetier import CacheConfig, Model
 
@@ -45,7 +40,7 @@ def test_run_error_is_one_line(tiny_model: ModelFactory) -> None:
 
 
 def test_help_explains_every_option() -> None:
-    for cmd in (["run"], ["pack"], ["serve"]):
+    for cmd in (["run"], ["pack"], ["serve"], ["stats"], ["bench-plot"]):
         r = moetier(*cmd, "--help")
         assert r.returncode == 0
         lines = r.stdout.splitlines()
@@ -54,63 +49,9 @@ def test_help_explains_every_option() -> None:
             if s.startswith("--") and "  " not in s:
                 # a flag whose help wraps onto the next line
                 assert i + 1 < len(lines) and lines[i + 1].strip(), f"{cmd}: {s} has no help"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _complete(port: int, prompt: str) -> dict[str, object]:
-    body = json.dumps({"prompt": prompt, "n_predict": 16, "temperature": 0, "cache_prompt": False}).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/completion", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return dict(json.loads(r.read()))
-
-
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(f"llamacpp:{name} "):
-                return float(line.split()[1])
-    pytest.fail(f"/metrics has no {name}")
-
-
-def _serve(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "moetier.cli",
-                "serve",
-                *args,
-                "--port",
-                str(port),
-                "-t",
-                "2",
-                "-c",
-                "512",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, port
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    pytest.fail("server did not become healthy")
+    # a tool's --help is the tool's own
+    r = moetier("tool", "llama-server", "--help")
+    assert r.returncode == 0 and "--expert-cache SIZE" in r.stdout + r.stderr
 
 
 def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_path: Path) -> None:
@@ -121,39 +62,31 @@ def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_pa
     exact = ["--cache-t1", "1", "--cache-t2", "1"]
     # stock asks for /metrics; with an expert cache it is on without --metrics
     for i, extra in enumerate((["--metrics"], ["--cache", str(int(info["min_cache_bytes"])), *exact])):
-        proc, port = _serve(["-m", str(path), *extra], tmp_path / f"server{i}.log")
-        try:
-            results.append(_complete(port, LONG_PROMPT)["content"])
-            lookups = _metric(port, "expert_cache_lookups_total")
-            hits, misses = _metric(port, "expert_cache_hits_total"), _metric(port, "expert_cache_misses_total")
+        with serve(["-m", str(path), *extra], tmp_path / f"server{i}.log") as srv:
+            results.append(srv.complete(LONG_PROMPT)["content"])
+            lookups = srv.metric("expert_cache_lookups_total")
+            hits, misses = srv.metric("expert_cache_hits_total"), srv.metric("expert_cache_misses_total")
             if i == 1:
                 assert lookups > 0 and hits + misses == lookups and misses > 0
-                assert _metric(port, "expert_cache_bytes_read_total") > 0
+                assert srv.metric("expert_cache_bytes_read_total") > 0
                 # the mode and the share of low/skipped loads are in view
-                assert _metric(port, "expert_cache_exact") == 1
-                assert _metric(port, "expert_cache_loads_low_total") == _metric(port, "expert_cache_skipped_total") == 0
+                assert srv.metric("expert_cache_exact") == 1
+                assert srv.metric("expert_cache_loads_low_total") == srv.metric("expert_cache_skipped_total") == 0
             else:
                 assert lookups == 0  # stock: /metrics is there because it was asked for
-                assert _metric(port, "expert_cache_exact") == 1
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+                assert srv.metric("expert_cache_exact") == 1
     assert results[0] == results[1] and results[0]
 
     # mixed precision asked for (t2 below the top-1's share skips the second expert): /metrics says so
     mixed = ["--cache", str(int(info["min_cache_bytes"])), "--cache-t1", "0", "--cache-t2", "0.4"]
-    proc, port = _serve(["-m", str(path), *mixed], tmp_path / "server-mixed.log")
-    try:
-        _complete(port, LONG_PROMPT)
-        assert _metric(port, "expert_cache_exact") == 0
-        assert _metric(port, "expert_cache_skipped_total") > 0
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with serve(["-m", str(path), *mixed], tmp_path / "server-mixed.log") as srv:
+        srv.complete(LONG_PROMPT)
+        assert srv.metric("expert_cache_exact") == 0
+        assert srv.metric("expert_cache_skipped_total") > 0
 
     # the flag reaches the engine: a budget below one layer's experts stops the server at load
     r = subprocess.run(
-        [sys.executable, "-m", "moetier.cli", "serve", "-m", str(path), "--cache", "1K", "--port", str(_free_port())],
+        [sys.executable, "-m", "moetier.cli", "serve", "-m", str(path), "--cache", "1K", "--port", str(free_port())],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,4 +1,4 @@
-"""moetier command line: run, pack, serve, tool."""
+"""moetier command line: run, pack, serve, stats, bench-plot, calibrate, moefy, demo, models, tool."""
 
 from __future__ import annotations
 
@@ -194,6 +194,33 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_stats(ns: argparse.Namespace) -> int:
+    from .stats import watch
+
+    if not ns.interval > 0:
+        msg = f"--interval: {ns.interval} is not a positive number of seconds"
+        raise MoetierError(msg)
+    return watch(ns.url, ns.interval, ns.once)
+
+
+def cmd_bench_plot(ns: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .plot import bench_plot
+
+    src = Path(ns.result)
+    try:
+        report = json.loads(src.read_text())
+    except (OSError, ValueError) as e:
+        msg = f"{src}: cannot read a bench result: {e}"
+        raise MoetierError(msg) from None
+    out = Path(ns.output) if ns.output else src.with_suffix(".png")
+    bench_plot(report, out, source=src)
+    sys.stderr.write(f"moetier: wrote {out}\n")
+    return 0
+
+
 def cmd_tool(ns: argparse.Namespace, extra: list[str]) -> int:
     from .server import exec_tool
 
@@ -362,7 +389,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.set_defaults(func=cmd_models, passthrough=True)
 
-    t = sub.add_parser("tool", help="run a shipped llama.cpp binary (they accept --expert-cache/--expert-store)")
+    st = sub.add_parser(
+        "stats",
+        help="watch a llama-server's /metrics: expert cache hit rate, bytes read, precision split, tokens/s",
+        description="A top-like view of a running llama-server (`moetier serve`): the expert cache's hit rate, "
+        "bytes read (and MiB/s), the high/low/skip split of misses, exact or mixed precision, read latency and "
+        "prefetch when the server reports them, tokens/s and requests; metrics it does not know are listed too. "
+        "Ctrl-C quits.",
+    )
+    st.add_argument("url", help="the server, e.g. http://127.0.0.1:8080 or 127.0.0.1:8080 (/metrics is added)")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
+    st.add_argument("--once", action="store_true", help="print one view and exit (rates need two refreshes)")
+    st.set_defaults(func=cmd_stats)
+
+    bp = sub.add_parser(
+        "bench-plot",
+        help="plot a bench/run.py result: tok/s and hit rate vs cache size (needs matplotlib)",
+        description="Draws tok/s and hit rate against the expert cache size from the JSON that bench/run.py "
+        "writes (--out OUT gives OUT.json): one line per moetier variant, stock llama.cpp in RAM and under the "
+        "same memory cap as references.",
+    )
+    bp.add_argument("result", help="bench/run.py result JSON (OUT.json)")
+    bp.add_argument("-o", "--output", default=None, help="PNG to write (default: RESULT with .png)")
+    bp.set_defaults(func=cmd_bench_plot)
+
+    # no -h of its own: `moetier tool llama-server --help` is the tool's help
+    t = sub.add_parser(
+        "tool",
+        help="run a shipped llama.cpp binary (they accept --expert-cache/--expert-store)",
+        add_help=False,
+    )
     t.add_argument("tool", choices=["llama-server", "llama-cli", "llama-perplexity", "llama-bench"])
     t.set_defaults(func=cmd_tool, passthrough=True)
     return p
