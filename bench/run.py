@@ -193,7 +193,7 @@ def main() -> None:
 
     variants = parse_variants(a.variants) if a.variants else [("moetier", a.policy, a.opts)]
     model = Path(a.model).expanduser()
-    info = Model(model, cache=CacheConfig(budget="64G")).cache_info()
+    info = Model(model, cache=CacheConfig(budget="64G", warm=False)).cache_info()
     expert_bytes = int(info["expert_bytes"])
     embedding = embedding_bytes(model)
     non_expert = model.stat().st_size - expert_bytes - embedding

@@ -33,7 +33,7 @@ def status_bytes(key: str) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True, help="GGUF model")
-    p.add_argument("--cache", type=int, default=0, help="expert cache bytes; 0 = stock llama.cpp")
+    p.add_argument("--cache", default="0", help="expert cache bytes, or auto; 0 = stock llama.cpp")
     p.add_argument("--store", default=None, help="expert store directory")
     p.add_argument("--policy", default="lru", help="eviction policy")
     p.add_argument(
@@ -50,6 +50,11 @@ def main() -> None:
         action="store_true",
         help="turn off llama.cpp's repacked CPU weights (they are anonymous copies a memory cap cannot page out)",
     )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="no warm-up generation: the first prompt meets the cache as the load left it (cold or warm start)",
+    )
     a = p.parse_args()
 
     t0 = time.perf_counter()
@@ -58,8 +63,11 @@ def main() -> None:
         if k == "repack":  # a model option, not a cache one: repack=0 is --no-repack
             a.no_repack = a.no_repack or v == "0"
             continue
-        opts[k] = int(v) if k in ("prefetch", "io_threads", "io_uring") else float(v)
-    cache = CacheConfig(budget=a.cache, policy=a.policy, **opts) if a.cache else None
+        opts[k] = int(v) if k in ("prefetch", "io_threads", "io_uring", "warm") else float(v)
+    # a warm start only where asked for: repeated runs must not warm each other up
+    opts.setdefault("warm", 0)
+    budget = a.cache if a.cache == "auto" else int(a.cache)
+    cache = CacheConfig(budget=budget, policy=a.policy, **opts) if budget else None
     m = Model(
         a.model,
         store=a.store,
@@ -69,7 +77,8 @@ def main() -> None:
     )
     load_s = time.perf_counter() - t0
     prompts = json.loads(Path(a.prompts).read_text())
-    m.generate(prompts[0], max_tokens=4)  # warm-up: first-touch costs are not the steady state
+    if not a.no_warmup:
+        m.generate(prompts[0], max_tokens=4)  # warm-up: first-touch costs are not the steady state
     runs = []
     io0, faults0 = disk_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     for text in prompts:
@@ -98,6 +107,8 @@ def main() -> None:
         "rss_anon_bytes": status_bytes("RssAnon"),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "cache_info": m.cache_info(),
+        "budget_note": m.budget_note,
+        "warm_progress": list(m.warm_progress()),
         "prefetch": m.prefetch_stats()._asdict(),
         "runs": runs,
     }

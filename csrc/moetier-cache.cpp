@@ -99,6 +99,55 @@ void moetier_cache::reset_prefetch_stats() {
     }
 }
 
+int32_t moetier_cache::warm_take(const moetier_layer & layer, int32_t e) {
+    moetier_slots & hi = *sets[MOETIER_PRECISION_HIGH];
+    if (warm_entry.empty()) {
+        warm_entry.assign(hi.n_slots(), -1);
+    }
+    if (n_warm + n_expert_ >= hi.n_slots() || hi.find(layer.il, e) >= 0) {
+        return -1;
+    }
+    const int32_t s = hi.take({ layer.il, e }, policy_ctx(layer.il));
+    if (s >= 0) {
+        hi.hold(s, true);
+        ++n_warm;
+    }
+    return s;
+}
+
+void moetier_cache::warm_attach(const moetier_warm * w, int32_t s, int32_t i) {
+    warm          = w;
+    warm_entry[s] = i;
+}
+
+void moetier_cache::settle_warm() noexcept {
+    if (n_warm == 0) {
+        return;
+    }
+    moetier_slots & hi = *sets[MOETIER_PRECISION_HIGH];
+    for (int32_t s = 0; s < (int32_t) warm_entry.size(); ++s) {
+        const int32_t i = warm_entry[s];
+        if (i < 0 || !warm->finished(i)) {
+            continue;
+        }
+        hi.hold(s, false);
+        if (warm->failed(i)) {
+            hi.drop(s);
+        }
+        warm_entry[s] = -1;
+        --n_warm;
+    }
+}
+
+bool moetier_cache::claim_warm(int32_t s) noexcept {
+    const int32_t i  = warm_entry[s];
+    const bool    ok = warm->wait(i);
+    sets[MOETIER_PRECISION_HIGH]->hold(s, false);
+    warm_entry[s] = -1;
+    --n_warm;
+    return ok;
+}
+
 void moetier_cache::sync() noexcept {
     finish(pass);
 }
@@ -197,6 +246,7 @@ void moetier_cache::resolve(moetier_layer & layer,
     if (prefetcher) {
         prefetcher->begin(layer, ids, n_used, n_tokens == 1 && !warmup, n_pass);
     }
+    settle_warm();
 
     // the previous layer of this group is done: its slots may be evicted again
     moetier_slots & hi = *sets[MOETIER_PRECISION_HIGH];
@@ -230,9 +280,26 @@ void moetier_cache::resolve(moetier_layer & layer,
         if (need[e] == MOETIER_NEED_NONE) {
             continue;
         }
+        if (!warmup && layer.uses) {
+            layer.uses[e].fetch_add(1, std::memory_order_relaxed);
+            layer.last_use[e].store(tick, std::memory_order_relaxed);
+        }
         moetier_precision prec = MOETIER_PRECISION_HIGH;
         int32_t           s    = -1;
         if (moetier_slots_find_version(hi, lo, layer.il, e, need[e], prec, s)) {
+            if (prec == MOETIER_PRECISION_HIGH && n_warm > 0 && warm_entry[s] >= 0) {
+                if (warmup) {
+                    continue;  // still being read: warmup computes nothing with it
+                }
+                if (!claim_warm(s)) {
+                    // the warm read failed: read it now, into the same slot
+                    ++c.n_lookups;
+                    ++c.n_misses;
+                    ++c.n_loads_high;
+                    queue_read(p, layer, prec, e, s);
+                    continue;
+                }
+            }
             moetier_slots & set = *sets[prec];
             set.on_hit(s, policy_ctx(layer.il));
             ++c.n_lookups;

@@ -24,6 +24,7 @@
 #include "moetier-prefetch.h"
 #include "moetier-read.h"
 #include "moetier-slots.h"
+#include "moetier-warm.h"
 #include "policies/policies.h"
 
 #include <atomic>
@@ -95,6 +96,14 @@ class moetier_cache {
 
     moetier_slots & slots(moetier_precision prec) { return *sets[prec]; }
 
+    const moetier_slots & slots(moetier_precision prec) const { return *sets[prec]; }
+
+    // warm start: a high-precision slot for expert e of layer, held until its background read is
+    // done; -1 if the group has no room left (one layer's experts always stay free for misses)
+    int32_t warm_take(const moetier_layer & layer, int32_t e);
+    // the background reads of the slots warm_take gave: entry i of warm reads slot s
+    void    warm_attach(const moetier_warm * w, int32_t s, int32_t i);
+
     const std::vector<moetier_proj> & proj_shapes() const { return shapes; }
 
     // the pool tensor of projection k in precision prec (nullptr if that precision has no slots)
@@ -165,6 +174,10 @@ class moetier_cache {
     void start_reads(moetier_pass & p) noexcept;  // io_uring: the kernel starts the pass's reads now
     void wait_prefetched(moetier_pass & p) noexcept;
     void set_error(const moetier_error & err) noexcept;
+    // warm slots whose reads ended become ordinary (a failed one is dropped)
+    void settle_warm() noexcept;
+    // waits for the warm read of slot s; false if it failed
+    bool claim_warm(int32_t s) noexcept;
     moetier_policy_ctx policy_ctx(int32_t layer) const;
 
     const int32_t          n_expert_;
@@ -189,7 +202,12 @@ class moetier_cache {
     std::vector<moetier_need> need;     // [n_expert]
     std::vector<moetier_need> needs_k;  // [n_used]
 
-    moetier_pass                        pass;
+    moetier_pass pass;
+
+    // warm start: entry of warm per high slot (-1: none), and how many are still pending
+    const moetier_warm *                warm = nullptr;
+    std::vector<int32_t>                warm_entry;
+    int32_t                             n_warm = 0;
     std::vector<moetier_aligned_buffer> bounce;  // per compute thread index, grown on first use
 
     mutable std::mutex error_mutex;

@@ -2,6 +2,7 @@
 
 #include "llama-model.h"
 #include "llama.h"
+#include "moetier-configure.h"
 #include "moetier-impl.h"
 #include "moetier-model.h"
 
@@ -13,22 +14,17 @@ void moetier_model_deleter::operator()(moetier_model * m) const {
 // load hooks (the graph hooks are in moetier-graph.cpp): exceptions go on to llama.cpp's loader, the C API's last error keeps message and kind
 //
 
-moetier_model_ptr moetier_hook_model_init(const moetier_params *           params,
-                                          const std::string &              fname,
+moetier_model_ptr moetier_hook_model_init(const std::string &              fname,
                                           const std::vector<std::string> & splits,
                                           int *                            load_mode) {
     moetier_set_last_error(MOETIER_ERROR_NONE, "");
-    if (params == nullptr || params->cache_bytes == 0) {
-        if (params && params->store_dir && params->store_dir[0]) {
-            const std::string msg = format("expert store %s given without an expert cache budget", params->store_dir);
-            moetier_set_last_error(MOETIER_ERROR_CONFIG, msg);
-            throw std::runtime_error(msg);
-        }
+    moetier_params_copy params;
+    if (!moetier_pending_take(fname, params) && (splits.empty() || !moetier_pending_take(splits[0], params))) {
         return nullptr;
     }
     try {
         std::vector<std::string> paths = splits.empty() ? std::vector<std::string>{ fname } : splits;
-        moetier_model_ptr        m(new moetier_model(*params, paths));
+        moetier_model_ptr        m(new moetier_model(params.p, paths));
         // mmap stays (the loader excludes served experts from the mapping's prefetch), so the other
         // weights are paged like stock's; but mlock of the mapping would fault the experts in
         if (*load_mode == LLAMA_LOAD_MODE_MMAP_MLOCK) {
@@ -63,9 +59,11 @@ void moetier_hook_model_loaded(llama_model & model) {
         return;
     }
     try {
+        m->choose_budget(model);
         m->finish_load();
         m->init_io();
         m->init_prefetch(model);
+        m->init_warm();
     } catch (const std::exception & e) {
         moetier_set_last_error(moetier_error_kind_of(e), m->paths[0] + ": " + e.what());
         throw std::runtime_error(moetier_last_error());

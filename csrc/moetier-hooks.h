@@ -28,11 +28,11 @@ struct moetier_model_deleter {
 
 using moetier_model_ptr = std::unique_ptr<moetier_model, moetier_model_deleter>;
 
-// llama_model_load, before the loader: nullptr if params is NULL or the cache is off. Served experts
-// must never be faulted in: the loader keeps them out of the mapping's prefetch, and mmap+mlock
-// becomes read+mlock (*load_mode).
-moetier_model_ptr moetier_hook_model_init(const moetier_params *           params,
-                                          const std::string &              fname,
+// llama_model_load, before the loader: takes the configuration pending for fname
+// (moetier_model_configure); nullptr if there is none or the cache is off. Served experts must never
+// be faulted in: the loader keeps them out of the mapping's prefetch, and mmap+mlock becomes
+// read+mlock (*load_mode).
+moetier_model_ptr moetier_hook_model_init(const std::string &              fname,
                                           const std::vector<std::string> & splits,
                                           int *                            load_mode);
 

@@ -193,3 +193,22 @@ bool moetier_file::readv(const moetier_iovec * iov, int n, uint64_t offset, std:
     }
     return true;
 }
+
+void moetier_latency_hist::add(int64_t us) {
+    const uint64_t u = us > 0 ? (uint64_t) us : 0;
+    int            i = 0;
+    while (i + 1 < n_buckets && u > le_us(i)) {
+        ++i;
+    }
+    count[i].fetch_add(1, std::memory_order_relaxed);
+    n.fetch_add(1, std::memory_order_relaxed);
+    sum_us.fetch_add(u, std::memory_order_relaxed);
+}
+
+void moetier_latency_hist::reset() {
+    for (auto & c : count) {
+        c.store(0, std::memory_order_relaxed);
+    }
+    n.store(0, std::memory_order_relaxed);
+    sum_us.store(0, std::memory_order_relaxed);
+}

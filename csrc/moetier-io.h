@@ -3,10 +3,26 @@
 // How experts are read: files opened for O_DIRECT (buffered fallback), aligned buffers, pread.
 // Knows nothing of ggml graphs or the cache.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+
+// Read latencies in power-of-two buckets (moetier_read_hist): bucket i holds reads of at most
+// 32 << i microseconds (the last one: any). Added from any thread.
+struct moetier_latency_hist {
+    static constexpr int n_buckets = 16;
+
+    std::atomic<uint64_t> count[n_buckets] = {};
+    std::atomic<uint64_t> n{ 0 };
+    std::atomic<uint64_t> sum_us{ 0 };
+
+    static uint64_t le_us(int i) { return i + 1 < n_buckets ? (uint64_t) 32 << i : UINT64_MAX; }
+
+    void add(int64_t us);
+    void reset();
+};
 
 // one destination of a vectored read
 struct moetier_iovec {

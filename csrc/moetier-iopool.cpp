@@ -47,6 +47,7 @@ void moetier_io_pool::pump() {
         std::string           err;
         moetier_io_vec_read & rd = reads[id];
         rd                       = moetier_io_vec_read{};
+        tasks[id].t_start_us     = moetier_time_us();
         if (!prep(tasks[id], rd, err)) {
             q.pop_front();
             tasks[id].state = MOETIER_IO_FAILED;

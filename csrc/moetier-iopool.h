@@ -38,6 +38,7 @@ struct moetier_io_task {
     int32_t                 proj       = -1;  // one projection, -1 = every projection of the expert
     // if set, the read callback adds the bytes it read (prefetch accounting)
     std::atomic<uint64_t> * bytes_done = nullptr;
+    int64_t                 t_start_us = 0;                // io_uring mode: when the read was handed to the kernel
     int32_t                 state      = MOETIER_IO_FREE;  // guarded by the pool mutex
 };
 

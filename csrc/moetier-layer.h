@@ -9,7 +9,9 @@
 #include "moetier-store.h"
 #include "moetier.h"
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -61,9 +63,14 @@ struct moetier_proj {
 // one served MoE layer; the custom ops' userdata
 struct moetier_layer {
     int32_t                   il    = -1;
-    moetier_cache *           cache = nullptr;  // the pool group serving it (set by the cache; not called below it)
-    std::vector<moetier_proj> projs;            // in the group's projection order
-    moetier_layer_stats       stats = {};       // this layer's counters (stats.layer = il)
+    moetier_cache *           cache = nullptr;      // the pool group serving it (set by the cache; not called below it)
+    std::vector<moetier_proj> projs;                // in the group's projection order
+    moetier_layer_stats       stats     = {};       // this layer's counters (stats.layer = il)
+    moetier_latency_hist *    read_hist = nullptr;  // the model's read latencies (every read of the layer adds one)
+    // per expert, for the warm-start sidecar: lookups (seeded from the sidecar, halved) and the
+    // group's tick of the last one; atomics: the sidecar is also written while decoding runs
+    std::unique_ptr<std::atomic<uint32_t>[]> uses;
+    std::unique_ptr<std::atomic<uint64_t>[]> last_use;
 
     // per precision: projs in file order when, for every expert, they lie back to back in one file (a
     // store): one vectored read per expert; else empty

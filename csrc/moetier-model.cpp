@@ -1,6 +1,7 @@
 #include "moetier-model.h"
 
 #include "llama-model.h"
+#include "moetier-budget.h"
 #include "moetier-impl.h"
 #include "moetier-prefetch.h"
 #include "moetier-read.h"
@@ -20,9 +21,14 @@ struct moetier_layer_tag {
 };
 
 moetier_model::moetier_model(const moetier_params & params, const std::vector<std::string> & paths_) : paths(paths_) {
-    cache_bytes = params.cache_bytes;
-    direct_io   = params.direct_io;
-    policy_name = params.policy && params.policy[0] ? params.policy : moetier_default_params().policy;
+    cache_bytes  = params.cache_bytes;
+    budget_auto  = params.cache_bytes == MOETIER_CACHE_AUTO;
+    reserve      = params.reserve;
+    n_ctx        = params.n_ctx;
+    warm_on      = params.warm;
+    process_anon = moetier_process_anon_bytes("");
+    direct_io    = params.direct_io;
+    policy_name  = params.policy && params.policy[0] ? params.policy : moetier_default_params().policy;
     if (const char * bad = moetier_params_check(&params)) {
         throw moetier_exception(MOETIER_ERROR_CONFIG, bad);
     }
@@ -97,6 +103,21 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
 }
 
 moetier_model::~moetier_model() {
+    if (saver.joinable()) {
+        {
+            std::lock_guard<std::mutex> lock(saver_mutex);
+            saver_stop = true;
+        }
+        saver_cv.notify_all();
+        saver.join();
+    }
+    warm.reset();  // stops the background reads: none may outlive the pools
+    if (!state_path.empty()) {
+        std::string err;
+        if (!save_state(err)) {
+            MOETIER_LOG_WARN("moetier: warm start: %s\n", err.c_str());
+        }
+    }
     io.reset();  // joins the I/O threads: no read may outlive the pools
     caches.clear();
     if (meta_ctx) {
@@ -195,6 +216,15 @@ void moetier_model::finish_load() {
             "drop the expert cache option for dense models");
     }
     std::sort(layers.begin(), layers.end(), [](const auto & a, const auto & b) { return a->il < b->il; });
+    for (auto & l : layers) {
+        l->read_hist = &read_hist;
+        l->uses.reset(new std::atomic<uint32_t>[n_expert]);
+        l->last_use.reset(new std::atomic<uint64_t>[n_expert]);
+        for (int32_t e = 0; e < n_expert; ++e) {
+            l->uses[e].store(0, std::memory_order_relaxed);
+            l->last_use[e].store(0, std::memory_order_relaxed);
+        }
+    }
 
     // pool groups: layers whose projections agree in name, type and shape share slots
     std::map<std::string, std::vector<moetier_layer *>> groups;
@@ -237,6 +267,13 @@ void moetier_model::finish_load() {
         plans.push_back(pl);
     }
     if (cache_bytes < min_cache_bytes) {
+        if (budget_auto) {
+            throw std::runtime_error(
+                format("%s: below the minimum %s (one layer's %d experts%s): not enough memory "
+                       "for an expert cache; lower -c/n_ctx or give a budget",
+                       budget_note.c_str(), moetier_format_bytes(min_cache_bytes).c_str(), n_expert,
+                       plans.size() > 1 ? " per pool group" : ""));
+        }
         throw std::runtime_error(
             format("expert cache budget %s is below the minimum %s (one layer's %d experts%s); "
                    "use a budget of at least %" PRIu64 " bytes",
@@ -438,4 +475,165 @@ bool moetier_model::exact() const {
 void moetier_model::warn(const std::string & msg) {
     MOETIER_LOG_WARN("moetier: warning: %s\n", msg.c_str());
     warnings.push_back(msg);
+}
+
+//
+// automatic budget
+//
+
+void moetier_model::choose_budget(const llama_model & model) {
+    if (!budget_auto) {
+        budget_note = format("expert cache: %s (given)", moetier_format_bytes(cache_bytes).c_str());
+        return;
+    }
+    const llama_hparams & hp = model.hparams;
+    moetier_budget_needs  needs;
+    // resident non-expert weights: every tensor but the served experts; the token embeddings only
+    // if they are also the output matrix (else get_rows touches a few rows of them)
+    const bool            tied = model.output == nullptr || model.tok_embd == nullptr ||
+                      strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) == 0;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (layer_of(t) != nullptr || (!tied && t == model.tok_embd)) {
+            continue;
+        }
+        needs.weights += ggml_nbytes(t);
+    }
+    needs.n_ctx = n_ctx > 0 ? n_ctx : (int32_t) hp.n_ctx_train;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        needs.kv += (uint64_t) needs.n_ctx * (hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il)) * 2;  // f16
+    }
+    // compute buffers: llama.cpp reserves them for a 512-token ubatch with every position's logits
+    // (~305 MiB for Qwen2.5's 151936-token vocabulary), but generation asks for the last
+    // position's logits only, so the pages that get touched are the ubatch's activations
+    // (measured: ~100 MiB of anonymous memory for the 1.5B MoE after a 645-token prompt). Tools
+    // that compute every position's logits (llama-perplexity) need 4 * 512 * n_vocab bytes more
+    // (reserve).
+    const uint64_t n_ubatch = 512;
+    uint64_t       n_ff     = hp.n_ff_shexp;
+    uint64_t       n_ff_moe = 0;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        n_ff     = std::max<uint64_t>(n_ff, hp.n_ff(il));
+        n_ff_moe = std::max<uint64_t>(n_ff_moe, (uint64_t) hp.n_ff_exp(il) * hp.n_expert_used(il));
+    }
+    needs.compute = 4 * n_ubatch * (16 * (uint64_t) hp.n_embd + 4 * n_ff + 3 * n_ff_moe) +
+                    4 * 16 * (uint64_t) model.vocab.n_tokens() + ((uint64_t) 16 << 20);
+    needs.process            = process_anon;
+    needs.reserve            = reserve;
+    const moetier_memory mem = moetier_memory_read("");
+    // the cache never needs more than every expert (padded to the slot alignment)
+    uint64_t             all = 0;
+    for (const auto & l : layers) {
+        for (const auto & p : l->projs) {
+            all += moetier_align_up(p.bytes) * (uint64_t) n_expert;
+        }
+    }
+    cache_bytes = moetier_budget_auto(mem, needs, all, budget_note);
+    MOETIER_LOG_INFO("%s: %s\n", paths[0].c_str(), budget_note.c_str());
+}
+
+//
+// warm start
+//
+
+bool moetier_model::save_state(std::string & err) const {
+    std::lock_guard<std::mutex> lock(save_mutex);
+    moetier_warm_state          st;
+    st.identity = state_identity;
+    st.n_expert = n_expert;
+    for (const auto & l : layers) {
+        st.layers.push_back(l->il);
+        const moetier_slots & hi = l->cache->slots(MOETIER_PRECISION_HIGH);
+        for (int32_t e = 0; e < n_expert; ++e) {
+            st.uses.push_back(l->uses[e].load(std::memory_order_relaxed));
+            st.last.push_back(l->last_use[e].load(std::memory_order_relaxed));
+            // which slots hold what changes while decoding runs: only a final save (no decode) records it
+            st.resident.push_back(saver_stop || !saver.joinable() ? (uint8_t) (hi.find(l->il, e) >= 0) : 0);
+        }
+    }
+    return moetier_warm_save(state_path, st, err);
+}
+
+void moetier_model::init_warm() {
+    if (!warm_on) {
+        return;
+    }
+    state_path                      = store ? store->dir() + "/cache-state.bin" : paths[0] + ".cache-state";
+    // the sidecar belongs to this model and store: their identity, and the served shapes
+    const moetier_model_identity id = moetier_model_identity_compute(paths[0]);
+    std::string key                 = format("%" PRIu64 ":%" PRIu64 ":%" PRIu64 ":%s", id.file_size, id.header_checksum,
+                                             id.sample_checksum, store ? store->id().c_str() : "gguf");
+    state_identity                  = moetier_checksum(key.data(), key.size());
+
+    std::vector<int32_t> ils;
+    for (const auto & l : layers) {
+        ils.push_back(l->il);
+    }
+    moetier_warm_state st;
+    std::string        why;
+    if (!moetier_warm_load(state_path, state_identity, ils, n_expert, st, why)) {
+        if (why == "no sidecar yet") {
+            MOETIER_LOG_INFO("moetier: warm start: no sidecar yet at %s (written at exit)\n", state_path.c_str());
+        } else {
+            warn(format("warm start: %s ignored: %s", state_path.c_str(), why.c_str()));
+        }
+    } else {
+        // seed the counters (halved: recent launches weigh more) and rank each group's experts:
+        // the ones the policy held at exit first, then by use and recency
+        struct cand {
+            moetier_layer * layer;
+            int32_t         e;
+            uint8_t         resident;
+            uint32_t        uses;
+            uint64_t        last;
+        };
+
+        std::map<moetier_cache *, std::vector<cand>> by_cache;
+        for (size_t li = 0; li < layers.size(); ++li) {
+            moetier_layer * l = layers[li].get();
+            for (int32_t e = 0; e < n_expert; ++e) {
+                const size_t i = li * n_expert + e;
+                l->uses[e].store(st.uses[i] / 2, std::memory_order_relaxed);
+                if (st.uses[i] > 0 || st.resident[i]) {
+                    by_cache[l->cache].push_back({ l, e, st.resident[i], st.uses[i], st.last[i] });
+                }
+            }
+        }
+        std::vector<moetier_warm::entry> entries;
+        for (auto & [c, cands] : by_cache) {
+            std::sort(cands.begin(), cands.end(), [](const cand & a, const cand & b) {
+                if (a.resident != b.resident) {
+                    return a.resident > b.resident;
+                }
+                return a.uses != b.uses ? a.uses > b.uses : a.last > b.last;
+            });
+            for (const cand & x : cands) {
+                const int32_t s = c->warm_take(*x.layer, x.e);
+                if (s >= 0) {
+                    entries.push_back({ x.layer, x.e, s });
+                }
+            }
+        }
+        // read in layer order: the order the first token needs them
+        std::stable_sort(
+            entries.begin(), entries.end(),
+            [](const moetier_warm::entry & a, const moetier_warm::entry & b) { return a.layer->il < b.layer->il; });
+        warm = std::make_unique<moetier_warm>(entries);
+        for (int32_t i = 0; i < warm->size(); ++i) {
+            const moetier_warm::entry & en = warm->get(i);
+            en.layer->cache->warm_attach(warm.get(), en.slot, i);
+        }
+        MOETIER_LOG_INFO("moetier: warm start: reading %d experts of %s in the background\n", warm->size(),
+                         state_path.c_str());
+        warm->start();
+    }
+    // the sidecar is also written every minute, so a killed server loses at most a minute of it
+    saver = std::thread([this] {
+        std::unique_lock<std::mutex> lock(saver_mutex);
+        while (!saver_cv.wait_for(lock, std::chrono::seconds(60), [this] { return saver_stop; })) {
+            std::string err;
+            if (!save_state(err)) {
+                MOETIER_LOG_WARN("moetier: warm start: %s\n", err.c_str());
+            }
+        }
+    });
 }

@@ -11,10 +11,14 @@
 #include "moetier-layer.h"
 #include "moetier-precision.h"
 #include "moetier-store.h"
+#include "moetier-warm.h"
 #include "moetier.h"
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 struct llama_model;
@@ -35,6 +39,10 @@ struct moetier_model {
     // file_idx/offs: where llama.cpp's loader found the tensor.
     ggml_tensor * create_tensor(const std::string & name, const ggml_tensor * cur, uint16_t file_idx, size_t offs);
 
+    // after the weights are loaded: with an automatic budget, chooses cache_bytes from the memory
+    // limit and the loaded model's needs; sets budget_note either way
+    void choose_budget(const llama_model & model);
+
     // after all tensors exist: forms pool groups and allocates the pools from the budget
     void finish_load();
 
@@ -45,6 +53,13 @@ struct moetier_model {
     // after the model's weights are loaded: a stacked-router prefetcher per group; nothing if
     // prefetch is off
     void init_prefetch(const llama_model & model);
+
+    // last: with warm on, reads the sidecar (a missing, stale or corrupt one is ignored with a
+    // warning), starts the background reads of its hottest experts and the periodic writer
+    void init_warm();
+
+    // writes the sidecar; false + err. Safe while decoding runs (the counters are atomics)
+    bool save_state(std::string & err) const;
 
     //
     // graph API
@@ -68,6 +83,15 @@ struct moetier_model {
     // state
     //
 
+    std::string            budget_note;  // how cache_bytes was chosen (moetier_model_budget_note)
+    bool                   budget_auto  = false;
+    uint64_t               reserve      = 0;
+    int32_t                n_ctx        = 0;
+    uint64_t               process_anon = 0;  // RssAnon when the load began (auto budget)
+    bool                   warm_on      = false;
+    std::string            state_path;        // the warm-start sidecar, "" if warm is off
+    uint64_t               state_identity = 0;
+    moetier_latency_hist   read_hist;         // every expert read's latency
     std::string            policy_name;
     moetier_policy_weights policy_weights;
     moetier_precision_rule precision;
@@ -94,6 +118,14 @@ struct moetier_model {
     // I/O threads or ring (stopped before the caches go) and their bounce buffers (per I/O thread)
     std::unique_ptr<moetier_io_pool>    io;
     std::vector<moetier_aligned_buffer> io_bounce;
+
+    // warm start: the background reads, and the thread that writes the sidecar every minute
+    std::unique_ptr<moetier_warm> warm;
+    std::thread                   saver;
+    std::mutex                    saver_mutex;
+    std::condition_variable       saver_cv;
+    bool                          saver_stop = false;
+    mutable std::mutex            save_mutex;  // the saver and the C API may write the sidecar at once
 
     int32_t  n_expert         = 0;
     uint64_t expert_bytes     = 0;  // all served experts, unpadded

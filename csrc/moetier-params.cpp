@@ -14,8 +14,12 @@
     { #field, type, lo, hi, opt, help, offsetof(moetier_params, field) }
 
 static const moetier_param_info g_rows[] = {
-    MOETIER_ROW(cache_bytes, MOETIER_PARAM_TYPE_SIZE, 0, 1.8e19, false,
-            "expert cache size in bytes, e.g. 256M or 2G; at least one layer's experts; 0 = cache off"),
+    MOETIER_ROW(cache_bytes, MOETIER_PARAM_TYPE_SIZE, 0, 1.8446744073709552e19, false,
+            "expert cache size in bytes, e.g. 256M or 2G, or auto (from the memory limit); at least one layer's "
+            "experts; 0 = cache off"),
+    MOETIER_ROW(reserve, MOETIER_PARAM_TYPE_SIZE, 0, 1.8e19, true,
+            "auto budget: memory left free beside what the model, KV cache and compute buffers need (e.g. for "
+            "other processes)"),
     MOETIER_ROW(store_dir, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
             "expert store written by `moetier pack`; none = read experts from the GGUF"),
     MOETIER_ROW(policy, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
@@ -42,11 +46,18 @@ static const moetier_param_info g_rows[] = {
             "when idle) that read prefetches while the compute threads read a layer's misses. A prefetch walk starts "
             "at most this many reads, the surest predictions first. 0: no I/O pool at all: the compute threads read "
             "every miss, no io_uring, no prefetch"),
+    MOETIER_ROW(n_ctx, MOETIER_PARAM_TYPE_INT, 0, 1 << 24, true,
+            "auto budget: context tokens whose KV cache is left room for (0: the model's training context; the "
+            "tools pass their -c)"),
     MOETIER_ROW(io_uring, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
             "read with io_uring where the kernel allows it and the experts come from a store with O_DIRECT: the "
             "kernel reads while the compute threads run, no I/O thread takes their cores; off (0): I/O threads"),
     MOETIER_ROW(direct_io, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
             "read experts with O_DIRECT (bypass the page cache); falls back to buffered reads with a warning"),
+    MOETIER_ROW(warm, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
+            "warm start: the cache's hot state is kept in a sidecar next to the store (<store>/cache-state.bin, or "
+            "<model>.cache-state); at load its hottest experts are read in the background; written at exit and "
+            "every minute of decoding; a missing, stale or corrupt one is ignored with a warning"),
 };
 
 #undef MOETIER_ROW
@@ -57,6 +68,7 @@ static constexpr int32_t MOETIER_N_PARAMS = (int32_t) (sizeof(g_rows) / sizeof(g
 struct moetier_params moetier_default_params(void) {
     moetier_params p = {
         /*.cache_bytes =*/0,
+        /*.reserve     =*/0,
         /*.store_dir   =*/nullptr,
         /*.policy      =*/"lru",
         /*.t1          =*/1.0f,
@@ -68,8 +80,10 @@ struct moetier_params moetier_default_params(void) {
         /*.w_fld       =*/0.25f,
         /*.prefetch    =*/0,
         /*.io_threads  =*/2,
+        /*.n_ctx       =*/0,
         /*.io_uring    =*/true,
         /*.direct_io   =*/true,
+        /*.warm        =*/true,
     };
     return p;
 }
@@ -120,7 +134,7 @@ static std::string moetier_param_text(const moetier_params * p, const moetier_pa
     const void * f = moetier_param_field(p, info);
     switch (info->type) {
         case MOETIER_PARAM_TYPE_SIZE:
-            return moetier_format_bytes(*(const uint64_t *) f);
+            return *(const uint64_t *) f == MOETIER_CACHE_AUTO ? "auto" : moetier_format_bytes(*(const uint64_t *) f);
         case MOETIER_PARAM_TYPE_STRING:
             return *(const char * const *) f ? *(const char * const *) f : "none";
         case MOETIER_PARAM_TYPE_FLOAT:
@@ -203,6 +217,14 @@ bool moetier_parse_size(const char * text, uint64_t * out) {
     return true;
 }
 
+bool moetier_parse_cache_size(const char * text, uint64_t * out) {
+    if (text != nullptr && out != nullptr && strcmp(text, "auto") == 0) {
+        *out = MOETIER_CACHE_AUTO;
+        return true;
+    }
+    return moetier_parse_size(text, out);
+}
+
 int32_t moetier_format_size(uint64_t n, char * buf, size_t buf_size) {
     const std::string s = moetier_format_bytes(n);
     if (buf && buf_size > 0) {
@@ -243,6 +265,11 @@ static std::string moetier_params_set_opt(moetier_params * p, const std::string 
     void * f    = moetier_param_field(p, info);
     char * rest = nullptr;
     switch (info->type) {
+        case MOETIER_PARAM_TYPE_SIZE:
+            if (!moetier_parse_size(value.c_str(), (uint64_t *) f)) {
+                return format("expert cache option %s: '%s' is not a size (e.g. 512M)", key.c_str(), value.c_str());
+            }
+            return "";
         case MOETIER_PARAM_TYPE_FLOAT:
             {
                 const float v = strtof(value.c_str(), &rest);

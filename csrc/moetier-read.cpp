@@ -51,7 +51,9 @@ bool moetier_read_verify(const moetier_layer & l,
     return true;
 }
 
-bool moetier_read_run(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept {
+static bool moetier_read_run_untimed(const moetier_read &     r,
+                                     moetier_aligned_buffer & bb,
+                                     moetier_error &          err) noexcept {
     const moetier_layer & l = *r.layer;
     std::string           msg;
     if (r.proj == MOETIER_READ_ALL) {
@@ -88,6 +90,15 @@ bool moetier_read_run(const moetier_read & r, moetier_aligned_buffer & bb, moeti
         return false;
     }
     return moetier_read_verify_proj(p, r.prec, r.expert, r.slot, err);
+}
+
+bool moetier_read_run(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept {
+    const int64_t t0 = moetier_time_us();
+    const bool    ok = moetier_read_run_untimed(r, bb, err);
+    if (ok && r.layer->read_hist) {
+        r.layer->read_hist->add(moetier_time_us() - t0);
+    }
+    return ok;
 }
 
 bool moetier_read_expert(const moetier_layer &    l,
@@ -170,9 +181,12 @@ bool moetier_read_io_prep(const moetier_io_task & task, moetier_io_vec_read & rd
 }
 
 bool moetier_read_io_finish(const moetier_io_task & task, std::string & err) noexcept {
-    moetier_error e;
-    if (!moetier_read_verify(*(const moetier_layer *) task.layer, (moetier_precision) task.prec, task.expert, task.slot,
-                             e)) {
+    moetier_error         e;
+    const moetier_layer & l = *(const moetier_layer *) task.layer;
+    if (l.read_hist && task.t_start_us > 0) {
+        l.read_hist->add(moetier_time_us() - task.t_start_us);
+    }
+    if (!moetier_read_verify(l, (moetier_precision) task.prec, task.expert, task.slot, e)) {
         err = e.msg;
         return false;
     }

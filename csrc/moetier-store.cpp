@@ -184,8 +184,9 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
         if (low_type_ == GGML_TYPE_COUNT) {
             throw std::runtime_error("unknown low_type");
         }
-        const std::string store_id  = j.at("store_id").get<std::string>();
-        const uint64_t    data_size = j.at("data_size").get<uint64_t>();
+        const std::string store_id = j.at("store_id").get<std::string>();
+        id_                        = store_id;
+        const uint64_t data_size   = j.at("data_size").get<uint64_t>();
 
         for (const json & jl : j.at("layers")) {
             moetier_store_layer l;

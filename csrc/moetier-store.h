@@ -78,8 +78,12 @@ class moetier_store {
 
     ggml_type low_type() const { return low_type_; }
 
+    // random id written by each pack: a re-packed store is another store
+    const std::string & id() const { return id_; }
+
   private:
     std::string                      dir_;
+    std::string                      id_;
     std::string                      data_path_;
     std::string                      manifest_path_;
     ggml_type                        low_type_ = GGML_TYPE_COUNT;

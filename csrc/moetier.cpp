@@ -4,9 +4,14 @@
 #include "moetier.h"
 
 #include "llama-model.h"
+#include "moetier-budget.h"
+#include "moetier-configure.h"
 #include "moetier-impl.h"
 #include "moetier-model.h"
 
+#include <algorithm>
+#include <cinttypes>
+#include <cstring>
 #include <string>
 
 static moetier_model * moetier_of(const llama_model * model) {
@@ -109,6 +114,7 @@ void moetier_model_reset_stats(struct llama_model * model) {
     for (auto & c : m->caches) {
         c->reset_prefetch_stats();
     }
+    m->read_hist.reset();
 }
 
 void moetier_model_reset_sequence(struct llama_model * model) {
@@ -167,4 +173,160 @@ void moetier_model_clear_error(struct llama_model * model) {
         c->sync();
         c->clear_error();
     }
+}
+
+//
+// loading a model with an expert cache
+//
+
+bool moetier_model_configure(const char * path_model, const struct moetier_params * params) {
+    moetier_set_last_error(MOETIER_ERROR_NONE, "");
+    if (path_model == nullptr) {
+        moetier_set_last_error(MOETIER_ERROR_CONFIG, "moetier_model_configure: no model path");
+        return false;
+    }
+    if (params == nullptr || (params->cache_bytes == 0 && !(params->store_dir && params->store_dir[0]))) {
+        moetier_pending_set(path_model, nullptr);
+        return true;
+    }
+    if (params->cache_bytes == 0) {
+        moetier_set_last_error(MOETIER_ERROR_CONFIG,
+                               format("expert store %s given without an expert cache budget", params->store_dir));
+        moetier_pending_set(path_model, nullptr);
+        return false;
+    }
+    if (const char * bad = moetier_params_check(params)) {
+        moetier_set_last_error(MOETIER_ERROR_CONFIG, bad);
+        moetier_pending_set(path_model, nullptr);
+        return false;
+    }
+    moetier_pending_set(path_model, params);
+    return true;
+}
+
+struct llama_model * moetier_model_load(const char *                  path_model,
+                                        struct llama_model_params     mparams,
+                                        const struct moetier_params * params) {
+    if (!moetier_model_configure(path_model, params)) {
+        return nullptr;
+    }
+    llama_model * m = llama_model_load_from_file(path_model, mparams);
+    moetier_pending_set(path_model, nullptr);  // a load that failed before the loader took it
+    return m;
+}
+
+uint64_t moetier_memory_limit(const char * root, char * source, size_t source_size) {
+    const moetier_memory mem    = moetier_memory_read(root && root[0] ? root : "/");
+    const bool           cgroup = mem.cgroup_limit > 0 && (mem.available == 0 || mem.cgroup_limit < mem.available);
+    const std::string    src    = cgroup ? mem.cgroup_source : mem.available > 0 ? "MemAvailable /proc/meminfo" : "";
+    if (source && source_size > 0) {
+        const size_t k = std::min(src.size(), source_size - 1);
+        memcpy(source, src.data(), k);
+        source[k] = '\0';
+    }
+    return cgroup ? mem.cgroup_limit : mem.available;
+}
+
+const char * moetier_model_budget_note(const struct llama_model * model) {
+    const moetier_model * m = moetier_of(model);
+    return m ? m->budget_note.c_str() : "";
+}
+
+int32_t moetier_model_read_hist(const struct llama_model * model, struct moetier_read_hist * out) {
+    static_assert(moetier_latency_hist::n_buckets == MOETIER_READ_HIST_BUCKETS, "one bucket layout");
+    const moetier_model * m = moetier_of(model);
+    if (!m) {
+        return -1;
+    }
+    *out = {};
+    for (int i = 0; i < MOETIER_READ_HIST_BUCKETS; ++i) {
+        out->le_us[i] = moetier_latency_hist::le_us(i);
+        out->count[i] = m->read_hist.count[i].load(std::memory_order_relaxed);
+    }
+    out->n      = m->read_hist.n.load(std::memory_order_relaxed);
+    out->sum_us = m->read_hist.sum_us.load(std::memory_order_relaxed);
+    return 0;
+}
+
+const char * moetier_model_state_path(const struct llama_model * model) {
+    const moetier_model * m = moetier_of(model);
+    return m ? m->state_path.c_str() : "";
+}
+
+int32_t moetier_model_save_state(const struct llama_model * model) {
+    const moetier_model * m = moetier_of(model);
+    if (!m || m->state_path.empty()) {
+        return 1;
+    }
+    std::string err;
+    if (!m->save_state(err)) {
+        moetier_set_last_error(MOETIER_ERROR_IO, err);
+        return -1;
+    }
+    return 0;
+}
+
+int32_t moetier_model_warm_progress(const struct llama_model * model, int32_t * n_read) {
+    const moetier_model * m = moetier_of(model);
+    const int32_t         n = m && m->warm ? m->warm->size() : 0;
+    if (n_read) {
+        *n_read = m && m->warm ? m->warm->n_read() : 0;
+    }
+    return n;
+}
+
+int32_t moetier_model_prometheus(const struct llama_model * model, const char * prefix, char * buf, size_t buf_size) {
+    moetier_model * m = moetier_of(model);
+    std::string     out;
+    if (m) {
+        const std::string      p = prefix ? prefix : "";
+        moetier_read_hist      h;
+        moetier_cache_info     info;
+        moetier_prefetch_stats pf;
+        moetier_model_read_hist(model, &h);
+        moetier_model_cache_info(model, &info);
+        moetier_model_prefetch_stats(model, &pf);
+        int32_t           n_warm_read = 0;
+        const int32_t     n_warm      = moetier_model_warm_progress(model, &n_warm_read);
+        const std::string name        = p + "expert_cache_read_seconds";
+        out += "# HELP " + name + " moetier: latency of expert reads (on demand, prefetch and warm start)\n";
+        out += "# TYPE " + name + " histogram\n";
+        uint64_t cum = 0;
+        for (int i = 0; i + 1 < MOETIER_READ_HIST_BUCKETS; ++i) {
+            cum += h.count[i];
+            out += format("%s_bucket{le=\"%g\"} %" PRIu64 "\n", name.c_str(), (double) h.le_us[i] * 1e-6, cum);
+        }
+        out += format("%s_bucket{le=\"+Inf\"} %" PRIu64 "\n", name.c_str(), h.n);
+        out += format("%s_sum %g\n%s_count %" PRIu64 "\n", name.c_str(), (double) h.sum_us * 1e-6, name.c_str(), h.n);
+
+        const struct {
+            const char * name;
+            const char * type;
+            const char * help;
+            double       value;
+        } items[] = {
+            { "expert_cache_size_bytes",            "gauge",   "moetier: bytes of the expert cache's slots",
+             (double) info.cache_bytes                                                                                                              },
+            { "expert_cache_experts_bytes",         "gauge",
+             "moetier: bytes of all served experts (what stock llama.cpp loads)",                                        (double) info.expert_bytes },
+            { "expert_cache_prefetch_used_total",   "counter", "moetier: needed experts that a prefetch had read",
+             (double) pf.n_hits                                                                                                                     },
+            { "expert_cache_prefetch_wasted_total", "counter",
+             "moetier: prefetched experts the layer did not need, read anyway",                                          (double) pf.n_wasted       },
+            { "expert_cache_warm_experts",          "gauge",   "moetier: experts the warm start reads from its sidecar",
+             (double) n_warm                                                                                                                        },
+            { "expert_cache_warm_read",             "gauge",   "moetier: ... of which read so far",                      (double) n_warm_read       },
+        };
+
+        for (const auto & it : items) {
+            out += format("# HELP %s%s %s\n# TYPE %s%s %s\n%s%s %.17g\n", p.c_str(), it.name, it.help, p.c_str(),
+                          it.name, it.type, p.c_str(), it.name, it.value);
+        }
+    }
+    if (buf && buf_size > 0) {
+        const size_t k = std::min(out.size(), buf_size - 1);
+        memcpy(buf, out.data(), k);
+        buf[k] = '\0';
+    }
+    return (int32_t) out.size();
 }

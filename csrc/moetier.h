@@ -2,11 +2,15 @@
 
 // moetier: serve the experts of a llama.cpp MoE model from disk through a bounded expert cache.
 //
-// The cache is configured per model through llama_model_params.moetier (patched into llama.h):
-// with cache_bytes == 0 the model loads exactly as stock llama.cpp does. Otherwise the expert
+// The cache is configured per model load with moetier_model_configure (or moetier_model_load);
+// llama.h and llama_model_params stay stock llama.cpp's, so programs built against them (such as
+// llama-cpp-python's ctypes bindings) run on this library unchanged. Without a configuration, or
+// with cache_bytes == 0, a model loads exactly as stock llama.cpp does. Otherwise the expert
 // tensors of MoE layers (blk.N.ffn_{gate,up,down,gate_up}_exps) are not loaded; they are read on
 // demand, with pread, into slot pools sized from cache_bytes, from the packed store in store_dir or
 // straight from the GGUF.
+
+#include "llama.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -29,13 +33,12 @@
 extern "C" {
 #endif
 
-struct llama_model;
-struct llama_context;
-
 // Expert cache configuration of one model. Every field is a row of the option table
 // (moetier_param_info): its name, type, range and help text live there once.
 struct moetier_params {
-    uint64_t     cache_bytes;  // expert cache budget in bytes; 0 = cache off (stock llama.cpp loading)
+    uint64_t     cache_bytes;  // expert cache budget in bytes; 0 = cache off (stock llama.cpp loading);
+                               // MOETIER_CACHE_AUTO = chosen at load from the memory available
+    uint64_t     reserve;      // auto budget: memory left free beside the estimated needs (other processes)
     const char * store_dir;    // packed expert store (moetier pack); NULL = read experts from the GGUF
     const char * policy;       // eviction policy: lru, lfu, lhu, fld, multi, random; NULL = default
 
@@ -54,12 +57,23 @@ struct moetier_params {
     int32_t io_threads;  // prefetch lanes: reads in flight on the io_uring, or I/O threads that read
                          // prefetches; a prefetch walk starts at most this many reads. 0: no I/O pool
                          // (no io_uring, no prefetch): the compute threads read every miss
+    int32_t n_ctx;       // auto budget: context tokens whose KV cache is left room for (0: the model's
+                         // training context, as llama.cpp allocates for n_ctx 0)
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
     bool io_uring;   // read with io_uring (no I/O threads) where the kernel allows it and every
                      // read is one O_DIRECT range of a store; false: I/O threads
     bool direct_io;  // O_DIRECT reads; refused by the file system -> buffered reads + a warning
+    bool warm;       // warm start: the cache's hot state is kept in a sidecar next to the store
+                     // (moetier_model_state_path); at load its hottest experts are read in the
+                     // background, at model free (and every minute of decoding) it is written
 };
+
+// cache_bytes of an automatic budget: the memory limit (cgroup v2 memory.max, cgroup v1
+// memory.limit_in_bytes, else MemAvailable) minus the resident non-expert weights, the KV cache of
+// n_ctx tokens, the compute buffers, the process's own memory, reserve and a margin. The load logs
+// the chosen size and why (also moetier_model_budget_note).
+#define MOETIER_CACHE_AUTO UINT64_MAX
 
 MOETIER_API struct moetier_params moetier_default_params(void);
 
@@ -91,8 +105,7 @@ MOETIER_API const struct moetier_param_info * moetier_param_get(int32_t i);
 // moetier_default_params(). Valid for the life of the program.
 MOETIER_API const char * moetier_params_help(void);
 
-// Fills p's strings for use as llama_model_params.moetier: an empty store means none. The strings
-// must outlive the model load. Returns p.
+// Fills p's strings: an empty store means none, an empty policy the default. Returns p.
 MOETIER_API const struct moetier_params * moetier_params_from_strings(struct moetier_params * p,
                                                                       const char *            store_dir,
                                                                       const char *            policy);
@@ -108,6 +121,32 @@ MOETIER_API const char * moetier_params_check(const struct moetier_params * p);
 // Parses a byte size: a non-negative number with an optional K, M, G or T suffix (powers of 1024,
 // optional trailing B or iB), e.g. "512M", "1.5G", "4096". Returns false if text is not a size.
 MOETIER_API bool moetier_parse_size(const char * text, uint64_t * out);
+
+// A cache budget: a size, or "auto" (MOETIER_CACHE_AUTO). Returns false if text is neither.
+MOETIER_API bool moetier_parse_cache_size(const char * text, uint64_t * out);
+
+// The memory this process may use, in bytes: the lowest cgroup limit on its path (v2 memory.max,
+// v1 memory.limit_in_bytes), else MemAvailable of /proc/meminfo. root: where /proc and /sys are
+// found ("" or NULL: "/"; tests point it at a fake tree). source (may be NULL) receives where the
+// number comes from, e.g. "cgroup v2 /sys/fs/cgroup/a/memory.max". 0 if nothing could be read.
+MOETIER_API uint64_t moetier_memory_limit(const char * root, char * source, size_t source_size);
+
+//
+// loading a model with an expert cache
+//
+
+// Configures the expert cache of the next load of path_model in this process
+// (llama_model_load_from_file(path_model, ...), or _from_splits with path_model first): that load
+// takes the configuration, which is copied here (strings included). params NULL, or cache_bytes 0
+// without a store, removes a pending configuration. Returns false if params is invalid
+// (moetier_last_error says why; nothing is pending then).
+MOETIER_API bool moetier_model_configure(const char * path_model, const struct moetier_params * params);
+
+// moetier_model_configure + llama_model_load_from_file: no configuration is left pending, whether
+// the load succeeds or not. NULL on failure (moetier_last_error says why when moetier failed).
+MOETIER_API struct llama_model * moetier_model_load(const char *                  path_model,
+                                                    struct llama_model_params     mparams,
+                                                    const struct moetier_params * params);
 
 // Writes n as a human-readable size in powers of 1024 ("3.25 MiB") into buf (NUL-terminated,
 // truncated to buf_size). Returns the length of the full text.
@@ -192,6 +231,30 @@ struct moetier_prefetch_stats {
 
 MOETIER_API int32_t moetier_model_prefetch_stats(const struct llama_model * model, struct moetier_prefetch_stats * out);
 
+// Latency of expert reads (one expert in one precision, from the read's start to its data in the
+// slot, on demand or prefetch): count[i] reads took at most le_us[i] microseconds and more than
+// le_us[i - 1]; the last bucket is unbounded (le_us = UINT64_MAX).
+#define MOETIER_READ_HIST_BUCKETS 16
+
+struct moetier_read_hist {
+    uint64_t le_us[MOETIER_READ_HIST_BUCKETS];
+    uint64_t count[MOETIER_READ_HIST_BUCKETS];
+    uint64_t n;       // reads
+    uint64_t sum_us;  // their latencies summed
+};
+
+// 0 on success, -1 if the model has no expert cache
+MOETIER_API int32_t moetier_model_read_hist(const struct llama_model * model, struct moetier_read_hist * out);
+
+// What an operator watches beyond the counters, in the Prometheus text format with metric names
+// prefixed by prefix: the read latency histogram (PREFIXexpert_cache_read_seconds), the cache's
+// size in bytes, prefetched experts used and wasted, warm-start reads. Written into buf
+// (NUL-terminated, truncated to buf_size); returns the length of the full text (0 without a cache).
+MOETIER_API int32_t moetier_model_prometheus(const struct llama_model * model,
+                                             const char *               prefix,
+                                             char *                     buf,
+                                             size_t                     buf_size);
+
 // true if the model serves its experts from the cache
 MOETIER_API bool moetier_model_has_cache(const struct llama_model * model);
 
@@ -199,6 +262,10 @@ MOETIER_API bool moetier_model_has_cache(const struct llama_model * model);
 // without low-precision copies, policy weights on a policy that has none, prefetch with nothing to
 // predict, io_uring refused by the kernel). NULL past the last one. Also logged at WARN level.
 MOETIER_API const char * moetier_model_warning(const struct llama_model * model, int32_t i);
+
+// How the budget was chosen: for an automatic budget the limit and what was subtracted, else the
+// size given. "" if the model has no expert cache. Valid for the life of the model.
+MOETIER_API const char * moetier_model_budget_note(const struct llama_model * model);
 
 // 0 on success, -1 if the model has no expert cache
 MOETIER_API int32_t moetier_model_cache_info(const struct llama_model * model, struct moetier_cache_info * info);
@@ -212,6 +279,19 @@ MOETIER_API int32_t moetier_model_layer_stats(const struct llama_model *   model
 MOETIER_API struct moetier_layer_stats moetier_model_stats_total(const struct llama_model * model);
 
 MOETIER_API void moetier_model_reset_stats(struct llama_model * model);
+
+// Warm start (moetier_params.warm). The sidecar: <store>/cache-state.bin with a store, else
+// <first GGUF>.cache-state. Empty if the model has no cache or warm is off.
+MOETIER_API const char * moetier_model_state_path(const struct llama_model * model);
+
+// Writes the cache's hot state (per expert: uses and last use; which experts the slots hold) to the
+// sidecar: a temporary file renamed over it, so a crash never leaves a torn one. 0 on success, -1 on
+// error (moetier_last_error), 1 if the model has no cache or warm is off.
+MOETIER_API int32_t moetier_model_save_state(const struct llama_model * model);
+
+// The warm start of this load: experts read from the sidecar's ranking (0 if none: no sidecar, or
+// one that was ignored with a warning), and how many of them were read so far.
+MOETIER_API int32_t moetier_model_warm_progress(const struct llama_model * model, int32_t * n_read);
 
 // Marks the start of a new sequence for the eviction policy (sequence-level records reset).
 MOETIER_API void moetier_model_reset_sequence(struct llama_model * model);

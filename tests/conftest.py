@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
         return cache[key]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def cold_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every test starts with cold caches: the warm-start sidecars that earlier tests' models wrote
+    next to the shared fixture models and stores are removed (tests of warm starts write their own)."""
+    gc.collect()  # models freed late would write theirs during this test
+    base = tmp_path_factory.getbasetemp()
+    for pattern in ("*.cache-state", "cache-state.bin"):
+        for f in base.rglob(pattern):
+            f.unlink(missing_ok=True)
+    yield
 
 
 LONG_PROMPT = (

@@ -14,7 +14,6 @@ py_model::py_model(const std::string &          path,
     path_(path),
     cparams_(cparams) {
     llama_model_params mp = llama_model_default_params();
-    mp.moetier            = &params;
     // repacked weights are anonymous copies: a memory cap cannot page them out like mmap'ed ones
     mp.use_extra_bufts    = repack;
 
@@ -24,7 +23,7 @@ py_model::py_model(const std::string &          path,
     {
         py::gil_scoped_release release;
         moetier_py_clear_logged_error();
-        m = llama_model_load_from_file(path.c_str(), mp);
+        m = moetier_model_load(path.c_str(), mp, &params);
         if (!m) {
             kind = moetier_last_error_kind();
             why  = moetier_last_error();

@@ -165,10 +165,10 @@ py::dict generate(py_model &                       pm,
     return d;
 }
 
-py::dict cache_info(const py_model & pm) {
+py::dict cache_info(const llama_model * model) {
     py::dict           d;
     moetier_cache_info info;
-    if (moetier_model_cache_info(pm.model(), &info) != 0) {
+    if (moetier_model_cache_info(model, &info) != 0) {
         return d;
     }
     d["n_layers"]         = info.n_layers;
@@ -189,14 +189,22 @@ py::dict cache_info(const py_model & pm) {
     return d;
 }
 
-std::vector<moetier_layer_stats> layer_stats(const py_model & pm) {
+std::vector<moetier_layer_stats> layer_stats(const llama_model * model) {
     moetier_cache_info info;
-    if (moetier_model_cache_info(pm.model(), &info) != 0) {
+    if (moetier_model_cache_info(model, &info) != 0) {
         return {};
     }
     std::vector<moetier_layer_stats> ls(info.n_layers);
-    moetier_model_layer_stats(pm.model(), ls.data(), (int32_t) ls.size());
+    moetier_model_layer_stats(model, ls.data(), (int32_t) ls.size());
     return ls;
+}
+
+// a llama_model that another binding loaded (llama-cpp-python's ctypes): its address
+const llama_model * model_at(uintptr_t addr) {
+    if (addr == 0) {
+        throw std::invalid_argument("no model (null pointer)");
+    }
+    return reinterpret_cast<const llama_model *>(addr);
 }
 
 moetier_prefetch_stats prefetch_stats(const py_model & pm) {
@@ -260,6 +268,35 @@ void register_model(py::module_ & m) {
         return d;
     });
 
+    // the cache of a model that llama-cpp-python loaded on this libllama (moetier.Llama)
+    m.def(
+        "configure_load",
+        [](const std::string & path, const py::object & params) {
+            const bool ok = params.is_none() ? moetier_model_configure(path.c_str(), nullptr) :
+                                               moetier_model_configure(path.c_str(), &moetier_py_params_of(params));
+            if (!ok) {
+                throw moetier_py_error{ moetier_last_error_kind(), path + ": " + moetier_last_error() };
+            }
+        },
+        py::arg("path"), py::arg("params"),
+        "configures the expert cache of the next load of path (None: removes a pending configuration)");
+    m.def(
+        "last_error", []() { return std::string(moetier_last_error()); },
+        "the last moetier error of this thread ('' if none)");
+    m.def(
+        "has_cache_at", [](uintptr_t addr) { return moetier_model_has_cache(model_at(addr)); }, py::arg("model"),
+        "whether the llama_model at this address serves its experts from the cache");
+    m.def(
+        "stats_at",
+        [](uintptr_t addr) {
+            const llama_model * model = model_at(addr);
+            return py::make_tuple(moetier_model_stats_total(model), layer_stats(model));
+        },
+        py::arg("model"), "(total, per-layer) counters of the llama_model at this address");
+    m.def(
+        "cache_info_at", [](uintptr_t addr) { return cache_info(model_at(addr)); }, py::arg("model"),
+        "the cache_info of the llama_model at this address");
+
     py::class_<py_model>(m, "Model")
         .def(py::init([](const std::string & path, const py::object & params, const llama_context_params & cparams,
                          bool repack) { return new py_model(path, moetier_py_params_of(params), cparams, repack); }),
@@ -270,12 +307,14 @@ void register_model(py::module_ & m) {
         .def("logits", &logits, py::arg("tokens"))
         .def("generate", &generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature") = 0.0f,
              py::arg("seed") = 0)
-        .def("layer_stats", &layer_stats, "the counters of each served layer (empty without a cache)")
+        .def(
+            "layer_stats", [](const py_model & pm) { return layer_stats(pm.model()); },
+            "the counters of each served layer (empty without a cache)")
         .def(
             "stats_total", [](const py_model & pm) { return moetier_model_stats_total(pm.model()); },
             "the counters summed over layers (all zero without a cache)")
         .def("prefetch_stats", &prefetch_stats)
-        .def("cache_info", &cache_info)
+        .def("cache_info", [](const py_model & pm) { return cache_info(pm.model()); })
         .def("reset_stats", [](py_model & pm) { moetier_model_reset_stats(pm.model()); })
         .def("_abort_after", &py_model::abort_after, py::arg("n_nodes"),
              "fault injection for tests: the next graph computation stops after n_nodes more nodes")
@@ -289,6 +328,53 @@ void register_model(py::module_ & m) {
                 return out;
             },
             "parameters that could not take effect as given (also logged at WARN level)")
+        .def_property_readonly(
+            "budget_note", [](const py_model & pm) { return std::string(moetier_model_budget_note(pm.model())); },
+            "how the cache's budget was chosen (for an automatic one: the limit and what was subtracted)")
+        .def_property_readonly(
+            "state_path", [](const py_model & pm) { return std::string(moetier_model_state_path(pm.model())); },
+            "the warm-start sidecar ('' if warm is off or there is no cache)")
+        .def(
+            "save_state",
+            [](const py_model & pm) {
+                const int32_t rc = moetier_model_save_state(pm.model());
+                if (rc < 0) {
+                    throw moetier_py_error{ moetier_last_error_kind(), moetier_last_error() };
+                }
+                return rc == 0;
+            },
+            "writes the warm-start sidecar now; False if warm is off")
+        .def(
+            "warm_progress",
+            [](const py_model & pm) {
+                int32_t       n_read = 0;
+                const int32_t n      = moetier_model_warm_progress(pm.model(), &n_read);
+                return py::make_tuple(n, n_read);
+            },
+            "(experts the warm start reads, of which read so far)")
+        .def(
+            "read_hist",
+            [](const py_model & pm) -> py::object {
+                moetier_read_hist h;
+                if (moetier_model_read_hist(pm.model(), &h) != 0) {
+                    return py::none();
+                }
+                py::dict d;
+                d["le_us"]  = std::vector<uint64_t>(h.le_us, h.le_us + MOETIER_READ_HIST_BUCKETS);
+                d["count"]  = std::vector<uint64_t>(h.count, h.count + MOETIER_READ_HIST_BUCKETS);
+                d["n"]      = h.n;
+                d["sum_us"] = h.sum_us;
+                return d;
+            },
+            "latencies of expert reads: per bucket (le_us) a count; None without a cache")
+        .def(
+            "prometheus",
+            [](const py_model & pm, const std::string & prefix) {
+                std::string out(moetier_model_prometheus(pm.model(), prefix.c_str(), nullptr, 0) + 1, '\0');
+                out.resize(moetier_model_prometheus(pm.model(), prefix.c_str(), out.data(), out.size()));
+                return out;
+            },
+            py::arg("prefix") = "llamacpp:", "the cache's extra /metrics text (histogram, size, prefetch, warm start)")
         .def_property_readonly("n_vocab", [](const py_model & pm) { return llama_vocab_n_tokens(pm.vocab()); })
         .def_property_readonly("has_cache", [](const py_model & pm) { return moetier_model_has_cache(pm.model()); });
 }

@@ -194,6 +194,27 @@ void register_params(py::module_ & m) {
         py::arg("text"), "bytes of a size like '512M', or None if text is not a size");
 
     m.def(
+        "parse_cache_size",
+        [](const std::string & text) -> py::object {
+            uint64_t v = 0;
+            if (!moetier_parse_cache_size(text.c_str(), &v)) {
+                return py::none();
+            }
+            return py::int_(v);
+        },
+        py::arg("text"), "bytes of a budget like '512M', CACHE_AUTO for 'auto', or None if text is neither");
+    m.attr("CACHE_AUTO") = py::int_((uint64_t) MOETIER_CACHE_AUTO);
+    m.def(
+        "memory_limit",
+        [](const std::string & root) {
+            char           source[512];
+            const uint64_t n = moetier_memory_limit(root.c_str(), source, sizeof(source));
+            return py::make_tuple(n, std::string(source));
+        },
+        py::arg("root") = "/",
+        "(bytes, source): the memory this process may use: the lowest cgroup limit (v2 memory.max, v1 "
+        "memory.limit_in_bytes) or MemAvailable; root: where /proc and /sys are (tests use a fake tree)");
+    m.def(
         "format_size",
         [](uint64_t n) {
             char buf[64];

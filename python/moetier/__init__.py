@@ -7,6 +7,17 @@ from .errors import ConfigError, ModelError, MoetierError, StoreError
 from .model import CacheStats, GenerateResult, LayerStats, Model, PrefetchStats
 from .pack import pack
 
+
+def __getattr__(name: str) -> object:
+    # moetier.Llama is llama-cpp-python's Llama on moetier's libllama: built on first use, so that
+    # `import moetier` neither needs nor loads llama_cpp
+    if name == "Llama":
+        from .lcpp import llama_class
+
+        return llama_class()
+    raise AttributeError(name)
+
+
 # the one version source: pyproject.toml reads it (scikit-build-core regex metadata provider)
 __version__ = "0.1.0"
 
@@ -17,6 +28,7 @@ __all__ = [
     "ContextConfig",
     "GenerateResult",
     "LayerStats",
+    "Llama",
     "Model",
     "ModelError",
     "MoetierError",

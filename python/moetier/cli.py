@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _log
-from .config import CacheConfig, ContextConfig, PackConfig, format_size
+from .config import AUTO, CacheConfig, ContextConfig, PackConfig, format_size
 from .errors import MoetierError
 from .tools.moefy import MoefyConfig
 
@@ -71,6 +71,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     m = Model(ns.model, store=ns.store, cache=cache, context=ctx)
     for w in m.warnings:
         sys.stderr.write(f"moetier: warning: {w}\n")
+    if cache is not None and cache.budget_bytes == AUTO:
+        sys.stderr.write(f"moetier: {m.budget_note}\n")
     r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
     sys.stdout.write(r.text + "\n")
     sys.stderr.write(_stats_line(m, r) + "\n")
@@ -180,10 +182,10 @@ def _tool_args(ns: argparse.Namespace, extra: list[str]) -> list[str]:
     from .server import cache_flags
 
     if not ns.cache and ns.cache_config:
-        ns.cache = str(CacheConfig.from_file(ns.cache_config).budget_bytes)
+        ns.cache = CacheConfig.from_file(ns.cache_config).budget_text
     if not ns.cache:
         return ["-m", ns.model, *extra]
-    cache = _cache_config(ns, parse_size(ns.cache, "--cache"))
+    cache = _cache_config(ns, parse_size(ns.cache, "--cache", auto=True))
     return ["-m", ns.model, *cache_flags(cache, ns.store), *extra]
 
 
@@ -309,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache",
         dest="cache_budget",
         default=CacheConfig.budget,
-        help="alias of --cache-budget: expert cache size, e.g. 256M",
+        help="alias of --cache-budget: expert cache size, e.g. 256M, or auto (from the memory limit; the default)",
     )
     r.add_argument("--cache-config", default=None, help="JSON cache config (from `moetier calibrate`)")
     _add_dataclass_args(r, ContextConfig)
@@ -329,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(see `moetier tool llama-server --help`).",
     )
     s.add_argument("-m", "--model", required=True, help="GGUF model file")
-    s.add_argument("--cache", default=None, help="expert cache size, e.g. 256M (default: off)")
+    s.add_argument(
+        "--cache", default=None, help="expert cache size, e.g. 256M, or auto (from the memory limit) (default: off)"
+    )
     s.add_argument("--store", default=None, help="expert store written by `moetier pack`")
     s.add_argument(
         "--cache-config", default=None, help="JSON cache config (from `moetier calibrate`); gives the budget too"

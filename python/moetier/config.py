@@ -18,9 +18,10 @@ from .errors import ConfigError
 # the two agree.
 PARAM_TABLE: dict[str, dict[str, Any]] = {str(r["name"]): dict(r) for r in _core.param_table()}
 _DEFAULTS = _core.Params()
-# CacheConfig field -> option table row, where the names differ; rows that are not fields
+# CacheConfig field -> option table row, where the names differ; rows that are not fields (the store
+# is a Model argument; n_ctx, the context an automatic budget leaves room for, comes from ContextConfig)
 FIELD_ROWS = {"budget": "cache_bytes"}
-NOT_FIELDS = ("store_dir",)
+NOT_FIELDS = ("store_dir", "n_ctx")
 # option table types of numbers -> what a value must be, and the type it is stored as
 _NUMBERS: dict[str, tuple[type, Callable[[Any], int | float], str]] = {
     "int": (numbers.Integral, int, "an integer"),
@@ -32,8 +33,11 @@ def _help(row: str) -> str:
     return str(PARAM_TABLE[row]["help"])
 
 
-def parse_size(value: int | str, what: str) -> int:
-    """Bytes of a size given as an int or a string like '512M', '1.5G', '4096'."""
+def parse_size(value: int | str, what: str, auto: bool = False) -> int:
+    """Bytes of a size given as an int or a string like '512M', '1.5G', '4096'; with auto, 'auto'
+    gives AUTO (the core chooses the budget at load)."""
+    if auto and value == "auto":
+        return AUTO
     if isinstance(value, bool):
         msg = f"{what}: {value!r} is not a size; use e.g. 512M"
         raise ConfigError(msg)
@@ -49,6 +53,9 @@ def parse_size(value: int | str, what: str) -> int:
     return int(parsed)
 
 
+AUTO: int = int(_core.CACHE_AUTO)  # budget "auto": chosen at load from the memory limit (moetier.h)
+
+
 def format_size(n: float) -> str:
     """n bytes in powers of 1024, e.g. '3.25 MiB' (the core's formatter, as in its log)."""
     return str(_core.format_size(int(n)))
@@ -58,7 +65,8 @@ def format_size(n: float) -> str:
 class CacheConfig:
     """The expert cache of one model."""
 
-    budget: int | str = field(default="256M", metadata={"help": _help("cache_bytes").replace("; 0 = cache off", "")})
+    budget: int | str = field(default="auto", metadata={"help": _help("cache_bytes").replace("; 0 = cache off", "")})
+    reserve: int | str = field(default=0, metadata={"help": _help("reserve")})
     policy: str = field(default=str(_DEFAULTS.policy), metadata={"help": _help("policy")})
     direct_io: bool = field(default=bool(_DEFAULTS.direct_io), metadata={"help": _help("direct_io")})
     t1: float = field(default=round(float(_DEFAULTS.t1), 6), metadata={"help": _help("t1")})
@@ -71,9 +79,11 @@ class CacheConfig:
     prefetch: int = field(default=int(_DEFAULTS.prefetch), metadata={"help": _help("prefetch")})
     io_threads: int = field(default=int(_DEFAULTS.io_threads), metadata={"help": _help("io_threads")})
     io_uring: bool = field(default=bool(_DEFAULTS.io_uring), metadata={"help": _help("io_uring")})
+    warm: bool = field(default=bool(_DEFAULTS.warm), metadata={"help": _help("warm")})
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget"))
+        object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget", auto=True))
+        object.__setattr__(self, "reserve", parse_size(self.reserve, "cache.reserve"))
         if self.budget == 0:
             msg = "cache.budget: 0 turns the cache off; pass cache=None instead"
             raise ConfigError(msg)
@@ -104,11 +114,13 @@ class CacheConfig:
             msg = f"cache: {err}"
             raise ConfigError(msg)
 
-    def params(self, store: str | os.PathLike[str] | None = None) -> _core.Params:
-        """The C++ core's moetier_params: the library's defaults, each field set by name."""
+    def params(self, store: str | os.PathLike[str] | None = None, n_ctx: int = 0) -> _core.Params:
+        """The C++ core's moetier_params: the library's defaults, each field set by name; n_ctx: the
+        context an automatic budget leaves KV cache room for (0: the model's training context)."""
         p = _core.Params()
         p.cache_bytes = self.budget_bytes
         p.store_dir = str(store) if store is not None else ""
+        p.n_ctx = n_ctx
         for f in fields(self):
             if f.name not in FIELD_ROWS:
                 setattr(p, f.name, getattr(self, f.name))
@@ -121,7 +133,7 @@ class CacheConfig:
             row = PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]
             if row["is_opt"]:
                 v = getattr(self, f.name)
-                out.append(f"{f.name}={int(v) if row['type'] in ('bool', 'int') else float(v)!r}")
+                out.append(f"{f.name}={int(v) if row['type'] in ('bool', 'int', 'size') else float(v)!r}")
         return ",".join(out)
 
     @classmethod
@@ -152,7 +164,13 @@ class CacheConfig:
 
     @property
     def budget_bytes(self) -> int:
+        """The budget in bytes; AUTO if the core chooses it at load."""
         return int(self.budget)  # normalised to bytes in __post_init__
+
+    @property
+    def budget_text(self) -> str:
+        """The budget as the tools' --expert-cache takes it: a byte count or 'auto'."""
+        return "auto" if self.budget_bytes == AUTO else str(self.budget_bytes)
 
 
 # ContextConfig.flash_attn -> llama_flash_attn_type

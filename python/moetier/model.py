@@ -112,7 +112,7 @@ class Model:
         self.cache = cache
         self.context = ctx
         self.store = Path(store) if store is not None else None
-        params = cache.params(self.store) if cache else _core.Params()
+        params = cache.params(self.store, n_ctx=ctx.n_ctx) if cache else _core.Params()
         # errors come typed from the core: ConfigError, StoreError (at load and at decode alike), ModelError
         self._m = _core.Model(str(self.path), params, ctx.params(), repack)
 
@@ -137,6 +137,38 @@ class Model:
         on a policy without weights, prefetch with nothing to predict, io_uring or O_DIRECT refused).
         Also logged at WARN level."""
         return tuple(self._m.warnings)
+
+    @property
+    def budget_note(self) -> str:
+        """How the cache's budget was chosen: for budget='auto' the memory limit and what was
+        subtracted from it ('' without a cache)."""
+        return str(self._m.budget_note)
+
+    @property
+    def state_path(self) -> str:
+        """The warm-start sidecar ('' if warm is off or there is no cache)."""
+        return str(self._m.state_path)
+
+    def save_state(self) -> bool:
+        """Writes the warm-start sidecar now (it is also written when the model is freed and every
+        minute of decoding); False if warm is off."""
+        return bool(self._m.save_state())
+
+    def warm_progress(self) -> tuple[int, int]:
+        """(experts the warm start reads in the background, of which read so far); (0, 0) without
+        a usable sidecar."""
+        n, done = self._m.warm_progress()
+        return int(n), int(done)
+
+    def read_latency(self) -> dict[str, object] | None:
+        """Latencies of expert reads: counts per bucket (upper bounds le_us), n and sum_us; None
+        without a cache."""
+        h = self._m.read_hist()
+        return dict(h) if h is not None else None
+
+    def close(self) -> None:
+        """Frees the model now (the sidecar is written then) instead of at garbage collection."""
+        self._m = None  # type: ignore[assignment]
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return list(self._m.tokenize(text, add_special))

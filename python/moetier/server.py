@@ -26,7 +26,7 @@ def tool_path(name: str) -> Path:
 
 def cache_flags(cache: CacheConfig, store: str | None = None) -> list[str]:
     """The expert cache flags the patched binaries accept (added to llama.cpp's common arguments)."""
-    out = ["--expert-cache", str(cache.budget_bytes), "--expert-policy", cache.policy, "--expert-opt", cache.opts()]
+    out = ["--expert-cache", cache.budget_text, "--expert-policy", cache.policy, "--expert-opt", cache.opts()]
     if store:
         out += ["--expert-store", store]
     return out

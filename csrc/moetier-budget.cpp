@@ -1,0 +1,143 @@
+#include "moetier-budget.h"
+
+#include "moetier-impl.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+// cgroup files hold "max" (v2) or a page-rounded huge number (v1) when there is no limit
+static constexpr uint64_t MOETIER_NO_LIMIT = (uint64_t) 1 << 60;
+
+static bool moetier_read_number(const std::string & path, uint64_t & out) {
+    std::ifstream f(path);
+    std::string   word;
+    if (!f || !(f >> word) || word.empty() || word == "max") {
+        return false;
+    }
+    char *                   end = nullptr;
+    const unsigned long long v   = strtoull(word.c_str(), &end, 10);
+    if (end == nullptr || *end != '\0') {
+        return false;
+    }
+    out = (uint64_t) v;
+    return out < MOETIER_NO_LIMIT;
+}
+
+static bool moetier_is_dir(const std::string & path) {
+    struct stat st;
+    return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// the lowest limit in file name of dir base + path and its ancestors up to base
+static void moetier_cgroup_walk(const std::string & base,
+                                std::string         path,
+                                const char *        name,
+                                const char *        kind,
+                                moetier_memory &    mem) {
+    if (!moetier_is_dir(base + path)) {
+        path = "/";  // a cgroup namespace: this process's cgroup is the mount's root
+    }
+    for (;;) {
+        const std::string file = base + (path == "/" ? "" : path) + "/" + name;
+        uint64_t          v    = 0;
+        if (moetier_read_number(file, v) && (mem.cgroup_limit == 0 || v < mem.cgroup_limit)) {
+            mem.cgroup_limit  = v;
+            mem.cgroup_source = format("%s %s", kind, file.c_str());
+        }
+        if (path == "/" || path.empty()) {
+            break;
+        }
+        const size_t slash = path.find_last_of('/');
+        path               = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+    }
+}
+
+moetier_memory moetier_memory_read(const std::string & root_) {
+    const std::string root = root_ == "/" ? "" : root_;
+    moetier_memory    mem;
+    std::ifstream     cg(root + "/proc/self/cgroup");
+    std::string       line;
+    while (std::getline(cg, line)) {
+        // hierarchy-ID:controller-list:path
+        const size_t a = line.find(':');
+        const size_t b = a == std::string::npos ? std::string::npos : line.find(':', a + 1);
+        if (b == std::string::npos) {
+            continue;
+        }
+        const std::string id = line.substr(0, a), controllers = line.substr(a + 1, b - a - 1),
+                          path = line.substr(b + 1);
+        if (id == "0" && controllers.empty()) {
+            moetier_cgroup_walk(root + "/sys/fs/cgroup", path, "memory.max", "cgroup v2", mem);
+        } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
+            moetier_cgroup_walk(root + "/sys/fs/cgroup/memory", path, "memory.limit_in_bytes", "cgroup v1", mem);
+        }
+    }
+    std::ifstream meminfo(root + "/proc/meminfo");
+    while (std::getline(meminfo, line)) {
+        std::istringstream ss(line);
+        std::string        key;
+        uint64_t           kb = 0;
+        if ((ss >> key >> kb) && key == "MemAvailable:") {
+            mem.available = kb * 1024;
+        }
+    }
+    return mem;
+}
+
+uint64_t moetier_process_anon_bytes(const std::string & root_) {
+    const std::string root = root_ == "/" ? "" : root_;
+    std::ifstream     f(root + "/proc/self/status");
+    std::string       line;
+    while (std::getline(f, line)) {
+        std::istringstream ss(line);
+        std::string        key;
+        uint64_t           kb = 0;
+        if ((ss >> key >> kb) && key == "RssAnon:") {
+            return kb * 1024;
+        }
+    }
+    return 0;
+}
+
+uint64_t moetier_budget_auto(const moetier_memory &       mem,
+                             const moetier_budget_needs & needs,
+                             uint64_t                     all_experts,
+                             std::string &                note) {
+    // usable memory: a cgroup limit counts the process's own anonymous memory (page cache is
+    // reclaimable); MemAvailable already leaves it out
+    uint64_t    usable = 0;
+    std::string from;
+    if (mem.cgroup_limit > 0) {
+        usable = mem.cgroup_limit > needs.process ? mem.cgroup_limit - needs.process : 0;
+        from   = format("%s %s - process %s", mem.cgroup_source.c_str(), moetier_format_bytes(mem.cgroup_limit).c_str(),
+                        moetier_format_bytes(needs.process).c_str());
+    }
+    if (mem.available > 0 && (usable == 0 || mem.available < usable)) {
+        usable = mem.available;
+        from   = format("MemAvailable %s", moetier_format_bytes(mem.available).c_str());
+    }
+    const uint64_t margin = std::max<uint64_t>((uint64_t) 128 << 20, usable / 20);
+    const uint64_t needed = needs.weights + needs.kv + needs.compute + needs.reserve + margin;
+    const uint64_t left   = usable > needed ? usable - needed : 0;
+    const uint64_t budget = std::min(left, all_experts);
+    note = format("expert cache auto: %s = %s - non-expert weights %s - KV cache %s (n_ctx %d) - compute buffers %s",
+                  moetier_format_bytes(budget).c_str(), from.c_str(), moetier_format_bytes(needs.weights).c_str(),
+                  moetier_format_bytes(needs.kv).c_str(), needs.n_ctx, moetier_format_bytes(needs.compute).c_str());
+    if (needs.reserve > 0) {
+        note += format(" - reserve %s", moetier_format_bytes(needs.reserve).c_str());
+    }
+    note += format(" - margin %s", moetier_format_bytes(margin).c_str());
+    if (budget < left) {
+        note +=
+            format(" (capped at all experts, %s: the cache never evicts)", moetier_format_bytes(all_experts).c_str());
+    }
+    if (usable == 0) {
+        note = "expert cache auto: no memory limit could be read (no cgroup limit, no MemAvailable)";
+    }
+    return budget;
+}

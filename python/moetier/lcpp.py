@@ -1,0 +1,133 @@
+"""moetier.Llama: llama-cpp-python's `Llama` (its whole API: completions, chat, streaming, grammars,
+embeddings) running on moetier's patched libllama, with the experts served by the expert cache.
+
+llama-cpp-python is used as it is, without its own native build (install it with
+`CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" pip install llama-cpp-python==0.3.36`): its ctypes
+bindings load moetier's libllama (LLAMA_CPP_LIB_PATH), whose llama.h is stock llama.cpp's. The cache
+is configured beside the load (moetier_model_configure), not through llama_model_params."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import _core
+from .config import CacheConfig
+from .errors import ConfigError, ModelError
+from .model import CacheStats
+
+LLAMA_CPP_VERSION = "0.3.36"  # the sdist whose llama.cpp moetier patches and builds
+INSTALL_HINT = f'CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" pip install llama-cpp-python=={LLAMA_CPP_VERSION}'
+LIB_DIR = Path(__file__).resolve().parent  # libllama.so of this install
+
+if TYPE_CHECKING:
+    pass
+
+# a pending configuration is per model path: loads of one path must not interleave
+_load_lock = threading.Lock()
+
+
+def import_llama_cpp() -> Any:
+    """llama_cpp, loaded on moetier's libllama. Raises ModelError if it is missing, of another
+    version, or already loaded on another libllama."""
+    wanted = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if wanted is not None and Path(wanted).resolve() != LIB_DIR:
+        msg = f"LLAMA_CPP_LIB_PATH={wanted}: moetier.Llama needs moetier's libllama ({LIB_DIR}); unset it"
+        raise ModelError(msg)
+    if "llama_cpp" not in sys.modules:
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
+    try:
+        import llama_cpp
+    except ImportError as e:
+        msg = f"moetier.Llama needs llama-cpp-python {LLAMA_CPP_VERSION} (Python package only): {INSTALL_HINT} ({e})"
+        raise ModelError(msg) from None
+    if llama_cpp.__version__ != LLAMA_CPP_VERSION:
+        msg = (
+            f"llama-cpp-python {llama_cpp.__version__} is installed; moetier's libllama is {LLAMA_CPP_VERSION}'s: "
+            f"{INSTALL_HINT}"
+        )
+        raise ModelError(msg)
+    lib = Path(llama_cpp.llama_cpp._lib._name).resolve()
+    if lib.parent != LIB_DIR:
+        msg = (
+            f"llama_cpp was imported before moetier.Llama and loaded {lib}; import moetier first "
+            f"(or set LLAMA_CPP_LIB_PATH={LIB_DIR})"
+        )
+        raise ModelError(msg)
+    return llama_cpp
+
+
+def _llama_class() -> type:
+    llama_cpp = import_llama_cpp()
+
+    class Llama(llama_cpp.Llama):  # type: ignore[misc, name-defined]
+        """llama_cpp.Llama with the experts served by moetier's expert cache.
+
+        cache: the cache (None: stock llama.cpp, every expert loaded); store: an expert store written
+        by `moetier pack`; every other argument is llama_cpp.Llama's."""
+
+        def __init__(
+            self,
+            model_path: str,
+            *args: Any,
+            cache: CacheConfig | None = None,
+            store: str | os.PathLike[str] | None = None,
+            **kwargs: Any,
+        ) -> None:
+            if store is not None and cache is None:
+                msg = f"{store}: an expert store needs an expert cache; pass cache=CacheConfig(...)"
+                raise ConfigError(msg)
+            self.expert_cache_config = cache
+            path = str(model_path)
+            with _load_lock:
+                if cache is not None:
+                    params = cache.params(store, n_ctx=int(kwargs.get("n_ctx", 512)))
+                    _core.configure_load(path, params)
+                try:
+                    super().__init__(path, *args, **kwargs)
+                except ValueError as e:
+                    why = _core.last_error()
+                    raise ModelError(f"{path}: {why}" if why else str(e)) from None
+                finally:
+                    _core.configure_load(path, None)
+            self._moetier_model = ctypes.cast(self._model.model, ctypes.c_void_p).value or 0
+            if cache is not None and _core.has_cache_at(self._moetier_model):
+                # a failed expert read stops the graph instead of computing with an empty slot
+                lib = llama_cpp.llama_cpp._lib
+                self._moetier_abort = llama_cpp.ggml_abort_callback(
+                    ctypes.cast(lib.moetier_abort_callback, ctypes.c_void_p).value
+                )
+                llama_cpp.llama_set_abort_callback(
+                    self._ctx.ctx, self._moetier_abort, ctypes.c_void_p(self._moetier_model)
+                )
+
+        @property
+        def has_expert_cache(self) -> bool:
+            return bool(_core.has_cache_at(self._moetier_model))
+
+        def cache_stats(self) -> CacheStats:
+            """The expert cache's counters (all zero without a cache)."""
+            total, layers = _core.stats_at(self._moetier_model)
+            return CacheStats(total=total, layers=tuple(layers))
+
+        def cache_info(self) -> dict[str, int | bool]:
+            return dict(_core.cache_info_at(self._moetier_model))
+
+    Llama.__module__ = "moetier"
+    Llama.__qualname__ = "Llama"
+    return Llama
+
+
+_cls: type | None = None
+
+
+def llama_class() -> type:
+    """moetier.Llama (built on first use: importing moetier does not import llama_cpp)."""
+    global _cls
+    if _cls is None:
+        _cls = _llama_class()
+    return _cls

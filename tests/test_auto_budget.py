@@ -1,0 +1,119 @@
+"""--cache auto: the budget from the memory limit (cgroup v2, v1, MemAvailable) minus the model's
+other needs, printed with its reasons."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ModelFactory
+from moetier import CacheConfig, Model, ModelError, _core
+from moetier.config import AUTO
+
+GiB = 1 << 30
+
+
+def _tree(root: Path, cgroup: str, files: dict[str, str], meminfo_kb: int = 8 << 20) -> Path:
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    (root / "proc/meminfo").write_text(f"MemTotal: {2 * meminfo_kb} kB\nMemAvailable: {meminfo_kb} kB\n")
+    for name, text in files.items():
+        f = root / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return root
+
+
+def test_memory_limit_cgroup_v2_takes_the_lowest_on_the_path(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        "0::/user/app\n",
+        {
+            "sys/fs/cgroup/user/app/memory.max": "max\n",
+            "sys/fs/cgroup/user/memory.max": f"{3 * GiB}\n",
+            "sys/fs/cgroup/memory.max": f"{5 * GiB}\n",
+        },
+    )
+    n, source = _core.memory_limit(str(root))
+    assert n == 3 * GiB
+    assert source.startswith("cgroup v2") and source.endswith("user/memory.max")
+
+
+def test_memory_limit_cgroup_v1_and_namespaces(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path / "a",
+        "12:cpu,cpuacct:/x\n4:memory:/x\n",
+        {"sys/fs/cgroup/memory/x/memory.limit_in_bytes": f"{2 * GiB}\n"},
+    )
+    assert _core.memory_limit(str(root)) == (2 * GiB, f"cgroup v1 {root}/sys/fs/cgroup/memory/x/memory.limit_in_bytes")
+    # in a cgroup namespace the path of /proc/self/cgroup is not under the mount: its root counts
+    root = _tree(tmp_path / "b", "4:memory:/elsewhere\n", {"sys/fs/cgroup/memory/memory.limit_in_bytes": f"{GiB}\n"})
+    assert _core.memory_limit(str(root))[0] == GiB
+    # no limit (v1's huge number): MemAvailable
+    root = _tree(
+        tmp_path / "c",
+        "4:memory:/\n",
+        {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n"},
+        meminfo_kb=1 << 20,
+    )
+    assert _core.memory_limit(str(root)) == (GiB, "MemAvailable /proc/meminfo")
+    # a limit above what is available: what is available counts
+    root = _tree(tmp_path / "d", "0::/\n", {"sys/fs/cgroup/memory.max": f"{64 * GiB}\n"}, meminfo_kb=2 << 20)
+    assert _core.memory_limit(str(root))[0] == 2 * GiB
+
+
+def test_auto_budget_is_chosen_and_explained(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    cache = CacheConfig()
+    assert cache.budget_bytes == AUTO and cache.budget_text == "auto"
+    m = Model(path, cache=cache)
+    info = m.cache_info()
+    # the machine has GiBs: every expert of the tiny model fits, and the note says so
+    assert int(info["n_slots"]) == int(info["n_layers"]) * int(info["n_expert"])
+    note = m.budget_note
+    assert note.startswith("expert cache auto:") and "non-expert weights" in note and "KV cache" in note
+    assert "capped at all experts" in note
+    assert "n_ctx 2048" in note, "the context's KV cache is what is left room for"
+    stock = Model(path)
+    assert m.generate("hello world", max_tokens=8).tokens == stock.generate("hello world", max_tokens=8).tokens
+    assert Model(path, cache=CacheConfig.exact(budget="64M")).budget_note == "expert cache: 64.00 MiB (given)"
+
+
+def test_auto_budget_too_small_is_a_clear_error(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    with pytest.raises(ModelError, match=r"expert cache auto: .* not enough memory"):
+        Model(path, cache=CacheConfig(reserve="100T"))
+
+
+def test_cli_prints_the_auto_budget(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    r = subprocess.run(
+        [sys.executable, "-m", "moetier.cli", "run", "-m", str(path), "-p", "hi", "-n", "2", "--cache", "auto"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "moetier: expert cache auto:" in r.stderr
+
+
+def test_server_auto_budget_metrics_and_sidecar(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """`moetier serve --cache auto`: the budget is chosen for -c, /metrics shows the cache's size and
+    the read latency histogram, and the warm-start sidecar is written when the server exits."""
+    from _server import serve
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    sidecar = Path(str(path) + ".cache-state")
+    log = tmp_path / "server.log"
+    with serve(["-m", str(path), "--cache", "auto"], log) as server:
+        assert server.complete("hello world")["content"]
+        assert server.metric("expert_cache_size_bytes") > 0
+        n = server.metric("expert_cache_read_seconds_count")
+        assert n > 0 and server.metric('expert_cache_read_seconds_bucket{le="+Inf"}') == n
+        assert server.metric("expert_cache_read_seconds_sum") > 0
+    text = log.read_text()
+    assert "expert cache auto:" in text and "(n_ctx 512)" in text
+    assert sidecar.is_file(), "llama-server writes the sidecar when it exits"

@@ -1,0 +1,94 @@
+"""llama-cpp-python's Llama (its Python package, no native build of its own) on moetier's patched
+libllama, with the experts served by the expert cache: moetier.Llama is a llama_cpp.Llama."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import moetier
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, Model, ModelError
+from moetier.lcpp import INSTALL_HINT, import_llama_cpp
+
+if importlib.util.find_spec("llama_cpp") is None:
+    pytest.skip(f"llama-cpp-python is not installed: {INSTALL_HINT}", allow_module_level=True)
+llama_cpp = import_llama_cpp()  # on moetier's libllama
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model: ModelFactory) -> Path:
+    return tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+
+
+def _llama(path: Path, cache: CacheConfig | None = None, **kw: object) -> llama_cpp.Llama:
+    return moetier.Llama(str(path), cache=cache, n_ctx=512, n_threads=2, verbose=False, seed=1, **kw)
+
+
+def _min_budget(path: Path) -> int:
+    return int(Model(path, cache=CacheConfig.exact(budget="64M", warm=False)).cache_info()["min_cache_bytes"])
+
+
+def test_is_a_llama_cpp_llama_on_moetier_libllama(model_path: Path) -> None:
+    llm = _llama(model_path)
+    assert isinstance(llm, llama_cpp.Llama)
+    assert Path(llama_cpp.llama_cpp._lib._name).resolve().parent == Path(moetier.__file__).resolve().parent
+    # stock (no cache): llama_model_params is stock llama.cpp's, so the ctypes struct matches
+    assert not llm.has_expert_cache
+    assert llm("Hello", max_tokens=4, temperature=0)["choices"][0]["text"] is not None
+
+
+def test_oracle_same_greedy_tokens_as_model_and_stock(model_path: Path) -> None:
+    budget = _min_budget(model_path)
+    stock = Model(model_path, n_ctx=512).generate(LONG_PROMPT, max_tokens=16)
+    cached = Model(model_path, cache=CacheConfig.exact(budget=budget, warm=False), n_ctx=512)
+    ours = cached.generate(LONG_PROMPT, max_tokens=16)
+    llm = _llama(model_path, CacheConfig.exact(budget=budget, warm=False))
+    assert llm.has_expert_cache and llm.cache_info()["cache_bytes"] == cached.cache_info()["cache_bytes"]
+    tokens = llm.tokenize(LONG_PROMPT.encode())
+    out = []
+    for t in llm.generate(tokens, temp=0.0, top_k=1):
+        out.append(t)
+        if len(out) == 16:
+            break
+    assert out == ours.tokens == stock.tokens
+    s = llm.cache_stats()
+    assert s.n_lookups > 0 and s.n_misses > 0 and s.n_hits + s.n_misses == s.n_lookups
+
+
+def test_completion_chat_stream_and_grammar(model_path: Path) -> None:
+    llm = _llama(model_path, CacheConfig.exact(budget=_min_budget(model_path), warm=False))
+    done = llm.create_completion(LONG_PROMPT, max_tokens=12, temperature=0)
+    text = done["choices"][0]["text"]
+    streamed = "".join(
+        c["choices"][0]["text"] for c in llm.create_completion(LONG_PROMPT, max_tokens=12, temperature=0, stream=True)
+    )
+    assert streamed == text and done["usage"]["completion_tokens"] > 0
+
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = llm.create_chat_completion(messages=messages, max_tokens=8, temperature=0)
+    reply = chat["choices"][0]["message"]
+    assert reply["role"] == "assistant" and isinstance(reply["content"], str)
+    chunks = llm.create_chat_completion(messages=messages, max_tokens=8, temperature=0, stream=True)
+    joined = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert joined == reply["content"]
+
+    grammar = llama_cpp.LlamaGrammar.from_string('root ::= "yes" | "no"', verbose=False)
+    answer = llm.create_completion("Is the sky blue? Answer:", max_tokens=4, temperature=0, grammar=grammar)
+    assert answer["choices"][0]["text"] in ("yes", "no")
+    assert llm.cache_stats().n_lookups > 0
+
+
+def test_embeddings(model_path: Path) -> None:
+    llm = _llama(model_path, CacheConfig.exact(budget=_min_budget(model_path), warm=False), embedding=True)
+    v = llm.embed("hello world")
+    assert len(v) > 0 and all(isinstance(x, float) for x in (v[0] if isinstance(v[0], list) else v))
+
+
+def test_bad_cache_config_is_a_clear_error(model_path: Path) -> None:
+    with pytest.raises(ModelError, match="below the minimum"):
+        _llama(model_path, CacheConfig.exact(budget="1K", warm=False))
+    # the failed load left nothing pending: the next plain load is stock
+    assert not _llama(model_path).has_expert_cache
