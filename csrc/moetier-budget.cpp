@@ -117,11 +117,13 @@ uint64_t moetier_budget_auto(const moetier_memory &       mem,
         from   = format("%s %s - process %s", mem.cgroup_source.c_str(), moetier_format_bytes(mem.cgroup_limit).c_str(),
                         moetier_format_bytes(needs.process).c_str());
     }
-    if (mem.available > 0 && (usable == 0 || mem.available < usable)) {
+    if (mem.available > 0 && (mem.cgroup_limit == 0 || mem.available < usable)) {
         usable = mem.available;
         from   = format("MemAvailable %s", moetier_format_bytes(mem.available).c_str());
     }
-    const uint64_t margin = std::max<uint64_t>((uint64_t) 128 << 20, usable / 20);
+    // the margin covers the page cache nobody counts (the interpreter's and the libraries' code,
+    // ~50 MiB for the Python API) and the estimates' error
+    const uint64_t margin = std::max<uint64_t>((uint64_t) 64 << 20, usable / 32);
     const uint64_t needed = needs.weights + needs.kv + needs.compute + needs.reserve + margin;
     const uint64_t left   = usable > needed ? usable - needed : 0;
     const uint64_t budget = std::min(left, all_experts);
@@ -136,7 +138,7 @@ uint64_t moetier_budget_auto(const moetier_memory &       mem,
         note +=
             format(" (capped at all experts, %s: the cache never evicts)", moetier_format_bytes(all_experts).c_str());
     }
-    if (usable == 0) {
+    if (mem.cgroup_limit == 0 && mem.available == 0) {
         note = "expert cache auto: no memory limit could be read (no cgroup limit, no MemAvailable)";
     }
     return budget;

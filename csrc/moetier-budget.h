@@ -31,7 +31,7 @@ struct moetier_budget_needs {
 };
 
 // The budget: the usable memory (the cgroup limit minus the process's own memory, or MemAvailable,
-// whichever is lower) minus the needs and a margin (5%, at least 128 MiB), at most all_experts (the
+// whichever is lower) minus the needs and a margin (1/32, at least 64 MiB), at most all_experts (the
 // cache then never evicts). 0 if nothing is left. note: the numbers, for the log.
 uint64_t moetier_budget_auto(const moetier_memory &       mem,
                              const moetier_budget_needs & needs,

@@ -139,6 +139,31 @@ void moetier_cache::settle_warm() noexcept {
     }
 }
 
+void moetier_cache::wait_warm_all() noexcept {
+    for (const int32_t i : warm_entry) {
+        if (i >= 0) {
+            warm->wait(i);
+        }
+    }
+    settle_warm();
+}
+
+void moetier_cache::end_warm() noexcept {
+    moetier_slots & hi = *sets[MOETIER_PRECISION_HIGH];
+    for (int32_t s = 0; s < (int32_t) warm_entry.size() && n_warm > 0; ++s) {
+        const int32_t i = warm_entry[s];
+        if (i < 0) {
+            continue;
+        }
+        hi.hold(s, false);
+        if (!warm->finished(i) || warm->failed(i)) {
+            hi.drop(s);
+        }
+        warm_entry[s] = -1;
+        --n_warm;
+    }
+}
+
 bool moetier_cache::claim_warm(int32_t s) noexcept {
     const int32_t i  = warm_entry[s];
     const bool    ok = warm->wait(i);
@@ -332,7 +357,13 @@ void moetier_cache::resolve(moetier_layer & layer,
             if (need[e] == MOETIER_NEED_LOW && lo.n_slots() > 0 && queue_load(p, layer, MOETIER_PRECISION_LOW, e)) {
                 ++c.n_loads_low;
             } else {
-                const bool ok = queue_load(p, layer, MOETIER_PRECISION_HIGH, e);
+                bool ok = queue_load(p, layer, MOETIER_PRECISION_HIGH, e);
+                if (!ok && n_warm > 0) {
+                    // the warm start holds the slots (with prefetch holding others): its reads end
+                    // soon, in layer order; wait for them, then the slots are ordinary again
+                    wait_warm_all();
+                    ok = queue_load(p, layer, MOETIER_PRECISION_HIGH, e);
+                }
                 GGML_ASSERT(ok && "expert cache: no unpinned slot; the pool is smaller than one layer's experts");
                 ++c.n_loads_high;
             }

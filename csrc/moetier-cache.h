@@ -103,6 +103,8 @@ class moetier_cache {
     int32_t warm_take(const moetier_layer & layer, int32_t e);
     // the background reads of the slots warm_take gave: entry i of warm reads slot s
     void    warm_attach(const moetier_warm * w, int32_t s, int32_t i);
+    // after the warm start's thread stopped: slots it never read are dropped, the rest released
+    void    end_warm() noexcept;
 
     const std::vector<moetier_proj> & proj_shapes() const { return shapes; }
 
@@ -178,6 +180,8 @@ class moetier_cache {
     void settle_warm() noexcept;
     // waits for the warm read of slot s; false if it failed
     bool claim_warm(int32_t s) noexcept;
+    // waits for every pending warm read (a miss found no evictable slot: warm holds them)
+    void wait_warm_all() noexcept;
     moetier_policy_ctx policy_ctx(int32_t layer) const;
 
     const int32_t          n_expert_;

@@ -1,7 +1,6 @@
 #include "moetier-configure.h"
 
 #include <map>
-#include <mutex>
 
 moetier_params_copy::moetier_params_copy(const moetier_params & from) :
     p(from),
@@ -30,12 +29,11 @@ void moetier_params_copy::point() {
     p.policy    = policy.empty() ? moetier_default_params().policy : policy.c_str();
 }
 
-// loads may run on any thread: one lock around the map, held only to insert or take
-static std::mutex                                 g_pending_mutex;
-static std::map<std::string, moetier_params_copy> g_pending;
+// per thread: llama_model_load runs on the thread that called it, so a configuration can only be
+// taken by the load it was left for, never by another thread's load of the same file
+static thread_local std::map<std::string, moetier_params_copy> g_pending;
 
 void moetier_pending_set(const std::string & path, const moetier_params * params) {
-    std::lock_guard<std::mutex> lock(g_pending_mutex);
     if (params == nullptr) {
         g_pending.erase(path);
     } else {
@@ -44,8 +42,7 @@ void moetier_pending_set(const std::string & path, const moetier_params * params
 }
 
 bool moetier_pending_take(const std::string & path, moetier_params_copy & out) {
-    std::lock_guard<std::mutex> lock(g_pending_mutex);
-    auto                        it = g_pending.find(path);
+    auto it = g_pending.find(path);
     if (it == g_pending.end()) {
         return false;
     }

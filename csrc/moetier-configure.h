@@ -1,7 +1,7 @@
 #pragma once
 
-// Pending cache configurations: moetier_model_configure leaves one per model path, the next load of
-// that path takes it. llama_model_params stays stock llama.cpp's (its size and layout are part of
+// Pending cache configurations: moetier_model_configure leaves one per model path and thread, the
+// next load of that path on that thread takes it. llama_model_params stays stock llama.cpp's (its size and layout are part of
 // the ABI that llama-cpp-python's ctypes bindings declare), so the configuration travels beside it.
 
 #include "moetier.h"

@@ -111,7 +111,15 @@ moetier_model::~moetier_model() {
         saver_cv.notify_all();
         saver.join();
     }
-    warm.reset();  // stops the background reads: none may outlive the pools
+    if (warm) {
+        // stop the background reads (none may outlive the pools); the slots they never filled must
+        // not be saved as resident
+        warm->stop();
+        for (auto & c : caches) {
+            c->end_warm();
+        }
+        warm.reset();
+    }
     if (!state_path.empty()) {
         std::string err;
         if (!save_state(err)) {
@@ -504,7 +512,8 @@ void moetier_model::choose_budget(const llama_model & model) {
     }
     // compute buffers: llama.cpp reserves them for a 512-token ubatch with every position's logits
     // (~305 MiB for Qwen2.5's 151936-token vocabulary), but generation asks for the last
-    // position's logits only, so the pages that get touched are the ubatch's activations
+    // position's logits only, and ggml-alloc reuses the memory of a layer's dead activations for
+    // the next ones: the pages touched are about one layer's live activations of a full ubatch
     // (measured: ~100 MiB of anonymous memory for the 1.5B MoE after a 645-token prompt). Tools
     // that compute every position's logits (llama-perplexity) need 4 * 512 * n_vocab bytes more
     // (reserve).
@@ -515,7 +524,7 @@ void moetier_model::choose_budget(const llama_model & model) {
         n_ff     = std::max<uint64_t>(n_ff, hp.n_ff(il));
         n_ff_moe = std::max<uint64_t>(n_ff_moe, (uint64_t) hp.n_ff_exp(il) * hp.n_expert_used(il));
     }
-    needs.compute = 4 * n_ubatch * (16 * (uint64_t) hp.n_embd + 4 * n_ff + 3 * n_ff_moe) +
+    needs.compute = 4 * n_ubatch * (8 * (uint64_t) hp.n_embd + 3 * n_ff + 2 * n_ff_moe) +
                     4 * 16 * (uint64_t) model.vocab.n_tokens() + ((uint64_t) 16 << 20);
     needs.process            = process_anon;
     needs.reserve            = reserve;

@@ -2,6 +2,8 @@
 
 #include "moetier-read.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -115,7 +117,8 @@ bool moetier_warm_save(const std::string & path, const moetier_warm_state & s, s
         moetier_put(out, s.resident[i]);
     }
     moetier_put(out, moetier_checksum(out.data(), out.size()));
-    const std::string tmp = path + ".tmp";
+    // a name of this writer's own: two models on one store may save at once
+    const std::string tmp = format("%s.tmp.%d.%p", path.c_str(), (int) getpid(), (const void *) &s);
     {
         std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
         if (!f || !f.write(out.data(), (std::streamsize) out.size()) || !f.flush()) {
@@ -141,7 +144,11 @@ moetier_warm::moetier_warm(std::vector<entry> entries_) :
 }
 
 moetier_warm::~moetier_warm() {
-    stop.store(true, std::memory_order_relaxed);
+    stop();
+}
+
+void moetier_warm::stop() {
+    stopping.store(true, std::memory_order_relaxed);
     if (worker.joinable()) {
         worker.join();
     }
@@ -167,8 +174,10 @@ void moetier_warm::run() {
     for (size_t i = 0; i < entries.size(); ++i) {
         moetier_error err;
         const entry & en = entries[i];
-        const bool    ok = !stop.load(std::memory_order_relaxed) &&
-                        moetier_read_expert(*en.layer, MOETIER_PRECISION_HIGH, en.expert, en.slot, bb, err);
+        if (stopping.load(std::memory_order_relaxed)) {
+            return;  // the rest stay unfinished: the model drops their slots
+        }
+        const bool ok = moetier_read_expert(*en.layer, MOETIER_PRECISION_HIGH, en.expert, en.slot, bb, err);
         if (!ok && !err.msg.empty()) {
             MOETIER_LOG_WARN("moetier: warm start: %s\n", err.msg.c_str());
         }

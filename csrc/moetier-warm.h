@@ -56,6 +56,9 @@ class moetier_warm {
 
     void start();
 
+    // stops after the read in progress and joins the thread (entries never read stay unfinished)
+    void stop();
+
     int32_t size() const { return (int32_t) entries.size(); }
 
     const entry & get(int32_t i) const { return entries[i]; }
@@ -76,6 +79,6 @@ class moetier_warm {
     std::vector<entry>                     entries;
     std::unique_ptr<std::atomic<int8_t>[]> state;  // per entry: 0 pending, 1 read, 2 failed
     std::atomic<int32_t>                   n_read_{ 0 };
-    std::atomic<bool>                      stop{ false };
+    std::atomic<bool>                      stopping{ false };
     std::thread                            worker;
 };

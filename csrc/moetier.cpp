@@ -291,13 +291,17 @@ int32_t moetier_model_prometheus(const struct llama_model * model, const char * 
         const std::string name        = p + "expert_cache_read_seconds";
         out += "# HELP " + name + " moetier: latency of expert reads (on demand, prefetch and warm start)\n";
         out += "# TYPE " + name + " histogram\n";
+        // +Inf and _count from the buckets themselves: reads that land while this runs must not
+        // make a bucket's running total exceed them
         uint64_t cum = 0;
         for (int i = 0; i + 1 < MOETIER_READ_HIST_BUCKETS; ++i) {
             cum += h.count[i];
             out += format("%s_bucket{le=\"%g\"} %" PRIu64 "\n", name.c_str(), (double) h.le_us[i] * 1e-6, cum);
         }
-        out += format("%s_bucket{le=\"+Inf\"} %" PRIu64 "\n", name.c_str(), h.n);
-        out += format("%s_sum %g\n%s_count %" PRIu64 "\n", name.c_str(), (double) h.sum_us * 1e-6, name.c_str(), h.n);
+        cum += h.count[MOETIER_READ_HIST_BUCKETS - 1];
+        out += format("%s_bucket{le=\"+Inf\"} %" PRIu64 "\n", name.c_str(), cum);
+        out +=
+            format("%s_sum %.17g\n%s_count %" PRIu64 "\n", name.c_str(), (double) h.sum_us * 1e-6, name.c_str(), cum);
 
         const struct {
             const char * name;

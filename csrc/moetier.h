@@ -135,7 +135,7 @@ MOETIER_API uint64_t moetier_memory_limit(const char * root, char * source, size
 // loading a model with an expert cache
 //
 
-// Configures the expert cache of the next load of path_model in this process
+// Configures the expert cache of the next load of path_model on this thread
 // (llama_model_load_from_file(path_model, ...), or _from_splits with path_model first): that load
 // takes the configuration, which is copied here (strings included). params NULL, or cache_bytes 0
 // without a store, removes a pending configuration. Returns false if params is invalid

@@ -35,6 +35,8 @@ THREAD_LOCAL_ALLOWED: dict[str, str] = {
     "moetier-impl.cpp:g_last_error": "the C API's last error (moetier_last_error) is per calling thread, as errno is",
     "moetier-params.cpp:g_opts_error": "storage of the message moetier_params_set_opts/check return, per thread",
     "moetier.cpp:msg": "storage of the string moetier_model_error returns, per calling thread",
+    "moetier-configure.cpp:g_pending": "a cache configuration is for the next load on the thread that set it "
+    "(llama_model_load runs on its caller's thread): two threads loading one file never swap them",
 }
 
 # Public C headers: declarations only, included by every layer. Each is a module of its own (its

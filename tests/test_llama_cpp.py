@@ -92,3 +92,10 @@ def test_bad_cache_config_is_a_clear_error(model_path: Path) -> None:
         _llama(model_path, CacheConfig.exact(budget="1K", warm=False))
     # the failed load left nothing pending: the next plain load is stock
     assert not _llama(model_path).has_expert_cache
+    # a configuration left pending by a load that never ran does not reach a stock Llama
+    moetier._core.configure_load(str(model_path), CacheConfig.exact(budget="64M").params())
+    llm = _llama(model_path)
+    assert not llm.has_expert_cache
+    llm.close()
+    with pytest.raises(ValueError, match="null pointer"):
+        llm.cache_stats()

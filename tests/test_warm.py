@@ -101,3 +101,21 @@ def test_warm_off_writes_nothing(tiny_model: ModelFactory, tmp_path: Path) -> No
     m.generate(LONG_PROMPT, max_tokens=4)
     m.close()
     assert sorted(p.name for p in store.iterdir()) == ["experts.bin", "manifest.json"]
+
+
+def test_warm_start_with_prefetch_and_a_long_prompt(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """The first prompt after a warm load routes to every expert while the warm reads hold most
+    slots and prefetch holds others: the misses wait for the warm reads instead of finding no slot."""
+    path = tiny_model("qwen2moe", n_expert=16, n_expert_used=4, n_layer=4)
+    store = pack(path, tmp_path / "store", progress=False)
+    cache = CacheConfig.exact(budget=_budget(path, store, 20), prefetch=2)
+    prompt = LONG_PROMPT * 4
+    stock = Model(path).generate(prompt, max_tokens=8)
+    m = Model(path, store=store, cache=cache)
+    m.generate(prompt, max_tokens=8)
+    m.close()
+    for _ in range(3):
+        m = Model(path, store=store, cache=cache)
+        assert m.warm_progress()[0] > 0
+        assert m.generate(prompt, max_tokens=8).tokens == stock.tokens
+        m.close()

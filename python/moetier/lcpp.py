@@ -84,9 +84,10 @@ def _llama_class() -> type:
             self.expert_cache_config = cache
             path = str(model_path)
             with _load_lock:
-                if cache is not None:
-                    params = cache.params(store, n_ctx=int(kwargs.get("n_ctx", 512)))
-                    _core.configure_load(path, params)
+                # a configuration left pending for this path (by a load that never ran) must not
+                # reach this one: None is stock
+                params = cache.params(store, n_ctx=int(kwargs.get("n_ctx", 512))) if cache is not None else None
+                _core.configure_load(path, params)
                 try:
                     super().__init__(path, *args, **kwargs)
                 except ValueError as e:
@@ -104,6 +105,10 @@ def _llama_class() -> type:
                 llama_cpp.llama_set_abort_callback(
                     self._ctx.ctx, self._moetier_abort, ctypes.c_void_p(self._moetier_model)
                 )
+
+        def close(self) -> None:
+            self._moetier_model = 0  # the model is freed: its address must not be used again
+            super().close()
 
         @property
         def has_expert_cache(self) -> bool:
@@ -131,3 +136,26 @@ def llama_class() -> type:
     if _cls is None:
         _cls = _llama_class()
     return _cls
+
+
+def install(argv: list[str] | None = None) -> int:
+    """Installs llama-cpp-python's Python package without its native build (moetier's libllama
+    serves it): from the sdist the moetier build fetched into $MOETIER_CACHE (sha256 checked there),
+    else from the package index."""
+    import argparse
+    import subprocess
+
+    from .tools.models import default_cache
+
+    p = argparse.ArgumentParser(prog="python -m moetier.lcpp", description=install.__doc__)
+    p.add_argument("command", choices=["install"], help="install llama-cpp-python (Python package only)")
+    p.parse_args(argv)
+    sdist = default_cache() / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
+    target = str(sdist) if sdist.is_file() else f"llama-cpp-python=={LLAMA_CPP_VERSION}"
+    env = {**os.environ, "CMAKE_ARGS": "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"}
+    sys.stderr.write(f"moetier: pip install {target} (CMAKE_ARGS={env['CMAKE_ARGS']})\n")
+    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", target], env=env, check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(install())
