@@ -165,6 +165,9 @@ def test_stats_against_server(tiny_model: ModelFactory, tmp_path: Path) -> None:
                 stdout=f,
                 stderr=subprocess.PIPE,
                 text=True,
+                # a shell that started pytest in the background ignores SIGINT, and an ignored signal
+                # stays ignored across exec: give the child the default, as a terminal's Ctrl-C finds it
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             )
         try:
             deadline = time.time() + 30
