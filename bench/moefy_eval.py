@@ -58,13 +58,14 @@ def main() -> None:
 
     moe = Path(a.moe)
     r = gguf.GGUFReader(moe)
-    e = int(r.fields["qwen2moe.expert_count"].parts[-1][0])
-    k0 = int(r.fields["qwen2moe.expert_used_count"].parts[-1][0])
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()  # ernie4_5-moe or qwen2moe
+    e = int(r.fields[f"{arch}.expert_count"].parts[-1][0])
+    k0 = int(r.fields[f"{arch}.expert_used_count"].parts[-1][0])
     ks = sorted({k0, *[int(x) for x in a.ks.split(",") if x]})
     dense = perplexity(Path(a.dense), Path(a.text), a.ctx, a.chunks, a.threads, [])
     rows = {"dense": dense}
     for k in ks:
-        extra = [] if k == k0 else ["--override-kv", f"qwen2moe.expert_used_count=int:{k}"]
+        extra = [] if k == k0 else ["--override-kv", f"{arch}.expert_used_count=int:{k}"]
         rows[f"k={k}"] = perplexity(moe, Path(a.text), a.ctx, a.chunks, a.threads, extra)
         sys.stderr.write(f"k={k}: {rows[f'k={k}']:.3f}\n")
     lines = [

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import LONG_PROMPT
-from moetier import CacheConfig, ConfigError, Model
+from moetier import CacheConfig, ConfigError, Model, ModelError
 from moetier.tools.moefy import MoefyConfig, moefy
 from moetier.tools.tiny import write_tiny_model
 
@@ -40,12 +40,12 @@ def test_shapes_and_routing(dense: Path, tmp_path: Path) -> None:
     assert all(0.0 < e < 0.5 for e in errs)
     r = gguf.GGUFReader(out)
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    assert arch == "qwen2moe"
-    assert int(r.fields["qwen2moe.expert_count"].parts[-1][0]) == 4
-    assert int(r.fields["qwen2moe.expert_used_count"].parts[-1][0]) == 2
+    assert arch == "ernie4_5-moe"
+    assert int(r.fields["ernie4_5-moe.expert_count"].parts[-1][0]) == 4
+    assert int(r.fields["ernie4_5-moe.expert_used_count"].parts[-1][0]) == 2
     t = {x.name: x for x in r.tensors}
-    ff_e = int(r.fields["qwen2moe.expert_feed_forward_length"].parts[-1][0])
-    n_sh = int(r.fields["qwen2moe.expert_shared_feed_forward_length"].parts[-1][0])
+    ff_e = int(r.fields["ernie4_5-moe.expert_feed_forward_length"].parts[-1][0])
+    n_sh = int(r.fields["ernie4_5-moe.expert_shared_feed_forward_length"].parts[-1][0])
     assert 4 * ff_e + n_sh == 512 and ff_e % 32 == 0 and n_sh >= 128
     assert [int(v) for v in t["blk.0.ffn_gate_exps.weight"].shape] == [64, ff_e, 4]
     assert [int(v) for v in t["blk.0.ffn_down_exps.weight"].shape] == [ff_e, 64, 4]
@@ -73,3 +73,27 @@ def test_rejects_moe_source(tmp_path: Path) -> None:
     src = write_tiny_model(tmp_path / "moe.gguf", "qwen2moe")
     with pytest.raises(ModelError, match="converts qwen2 models"):
         moefy(src, tmp_path / "x.gguf", CALIB, progress=False)
+
+
+def test_qwen2moe_target_still_available(dense: Path, tmp_path: Path) -> None:
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, arch="qwen2moe")
+    out = tmp_path / "moe.gguf"
+    moefy(dense, out, CALIB, cfg, progress=False)
+    r = gguf.GGUFReader(out)
+    assert bytes(r.fields["general.architecture"].parts[-1]).decode() == "qwen2moe"
+    assert "blk.0.ffn_gate_inp_shexp.weight" in {t.name for t in r.tensors}
+    m = Model(out)
+    assert np.isfinite(m.logits(m.tokenize(LONG_PROMPT))).all()
+
+
+def test_non_finite_logits_are_a_conversion_error(dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: a qwen2moe shared gate of exactly 0 makes llama.cpp's silu(z)/z 0/0 = NaN for
+    every token; moefy's held-out check refuses the model and leaves no file behind."""
+    import moetier.tools.moefy as mf
+
+    monkeypatch.setattr(mf, "QWEN2MOE_SHEXP_GATE", 0.0)
+    out = tmp_path / "moe.gguf"
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=512, arch="qwen2moe")
+    with pytest.raises(ModelError, match="logits are not finite"):
+        moefy(dense, out, CALIB, cfg, progress=False)
+    assert not out.exists() and not list(tmp_path.iterdir())

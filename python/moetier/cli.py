@@ -369,10 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser(
         "moefy",
-        help="turn a dense qwen2 GGUF into a qwen2moe GGUF (training-free: clustering, fitted routers, refit)",
+        help="turn a dense qwen2 GGUF into a MoE GGUF (ernie4_5-moe or qwen2moe; training-free: clustering, "
+        "fitted routers, refit)",
     )
     f.add_argument("model", help="dense qwen2 GGUF")
-    f.add_argument("-o", "--output", required=True, help="qwen2moe GGUF to write")
+    f.add_argument("-o", "--output", required=True, help="MoE GGUF to write")
     f.add_argument("--calib", nargs="+", required=True, help="calibration text file(s): real text, not the eval set")
     f.add_argument("-t", "--threads", type=int, default=None, help="threads for the calibration run")
     f.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -1,4 +1,11 @@
-"""moefy: turn a dense qwen2 GGUF into a qwen2moe GGUF that stock llama.cpp runs.
+"""moefy: turn a dense qwen2 GGUF into a MoE GGUF that stock llama.cpp runs.
+
+The target architecture is ernie4_5-moe by default: its shared expert is ungated, so it adds the
+dense part of the FFN exactly. qwen2moe (also available) gates the shared expert with a sigmoid that
+llama.cpp computes as silu(z)/z: no gate weight makes that a constant for every input (z = 0 gives
+NaN, an underflowing z a gate of 0). The attention is qwen2's in both: ernie4_5-moe rotates
+adjacent pairs (rope NORM) where qwen2 rotates halves (NEOX), so Q and K rows are permuted per
+head, which leaves every q.k product, hence the attention, unchanged.
 
 Training-free MoEfication of each FFN (see ../shared/notes/moefy-probe.md for what this reached
 before, and why):
@@ -34,6 +41,20 @@ from tqdm import tqdm
 from ..errors import ConfigError, ModelError
 
 F32 = npt.NDArray[np.float32]
+# target architectures: whether llama.cpp renormalises the top-k weights, and the shared expert's gate
+ARCHS = {"ernie4_5-moe": (True, 1.0), "qwen2moe": (False, 0.5)}
+# qwen2moe's shared-gate weight (every component): z = QWEN2MOE_SHEXP_GATE * sum(x) stays small
+QWEN2MOE_SHEXP_GATE = 1e-4
+# checked besides the calibration text's held-out tail: the converted model's logits must be finite
+CHECK_SAMPLES = (
+    "The committee met on Tuesday to review the budget. After a long discussion, the members agreed "
+    "that the library would stay open on weekends, and that the old reading room would be repaired "
+    "before winter. Several residents wrote letters in support; one of them recalled how, as a child, "
+    "she had spent whole afternoons there among the atlases and the encyclopedias.",
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    out = []\n    i = j = 0\n"
+    "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n"
+    "        else:\n            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n",
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +78,13 @@ class MoefyConfig:
     refit_ridge: float = field(default=1e-1, metadata={"help": "ridge strength of the down-projection refit"})
     down_type: str = field(default="q8_0", metadata={"help": "type of the re-split down projections: q8_0 or f16"})
     seed: int = field(default=0, metadata={"help": "seed of the clustering"})
+    arch: str = field(
+        default="ernie4_5-moe",
+        metadata={
+            "help": "target architecture: ernie4_5-moe (ungated shared expert, top-k weights renormalised) or "
+            "qwen2moe (sigmoid-gated shared expert: NaN where the gate input is exactly 0)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.n_expert < 2:
@@ -67,6 +95,9 @@ class MoefyConfig:
             raise ConfigError(msg)
         if not 0.0 <= self.shared_frac < 1.0:
             msg = f"moefy.shared_frac: {self.shared_frac} must be in [0, 1)"
+            raise ConfigError(msg)
+        if self.arch not in ARCHS:
+            msg = f"moefy.arch: {self.arch!r} must be one of {', '.join(ARCHS)}"
             raise ConfigError(msg)
         if self.down_type not in ("q8_0", "f16"):
             msg = f"moefy.down_type: {self.down_type!r} must be q8_0 or f16"
@@ -182,10 +213,12 @@ def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rn
     top = np.argsort(-logits_rank, axis=1)[:, :k]
     mask = np.zeros_like(p)
     np.put_along_axis(mask, top, 1.0, axis=1)
-    w = (p * mask).astype(np.float32)  # [N, E] weight of each expert, 0 if not selected
-
-    # the shared gate is sigmoid(z) with z ~ 0 (see write): a constant 1/2, compensated in down
-    sh_gate = 0.5
+    w = p * mask  # [N, E] weight of each expert, 0 if not selected
+    renorm, sh_gate = ARCHS[cfg.arch]
+    if renorm:  # ernie4_5-moe: the selected experts' weights sum to 1
+        w /= w.sum(axis=1, keepdims=True)
+    w = w.astype(np.float32)
+    # qwen2moe's shared gate is sigmoid(z) with z ~ 0 (see write): 1/2, compensated in down
     mean_w = np.array([w[:, e][mask[:, e] > 0].mean() if mask[:, e].any() else 1.0 for e in range(E)])
     prior = np.concatenate(
         [w_down[:, shared] / sh_gate] + [w_down[:, g] / mean_w[e] for e, g in enumerate(groups)], axis=1
@@ -217,6 +250,14 @@ def _kv_copy(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, arch_from: str, a
             writer.add_key_value(name, bytes(f.parts[f.data[0]]).decode("utf-8"), vtype)
         else:
             writer.add_key_value(name, f.parts[f.data[0]].tolist()[0], vtype)
+
+
+def _rope_norm_rows(n_rows: int, head_dim: int) -> npt.NDArray[np.int64]:
+    """Row order that turns NEOX rope rows (head halves rotate together) into NORM rope rows
+    (adjacent pairs rotate together): per head [0, h, 1, h + 1, ...] with h = head_dim / 2."""
+    h = head_dim // 2
+    head = np.stack([np.arange(h), np.arange(h) + h], axis=1).reshape(-1)
+    return (np.arange(n_rows // head_dim)[:, None] * head_dim + head[None, :]).reshape(-1)
 
 
 def _quantize(a: F32, qtype: str) -> tuple[np.ndarray[Any, Any], gguf.GGMLQuantizationType]:
@@ -251,7 +292,8 @@ def moefy(
     tensors = {t.name: t for t in reader.tensors}
 
     dense = Model(src, n_ctx=512, n_threads=n_threads)
-    tokens = dense.tokenize(calib_text)[: cfg.calib_tokens]
+    tokens_all = dense.tokenize(calib_text)
+    tokens = tokens_all[: cfg.calib_tokens]
     if len(tokens) < 512:
         msg = f"moefy: calibration text gives {len(tokens)} tokens; need at least 512"
         raise ConfigError(msg)
@@ -267,8 +309,21 @@ def moefy(
         plans.append(plan_layer(xs[f"ffn_norm-{il}"], w_gate, w_up, w_down, cfg, rng))
 
     tmp = dst.with_name(dst.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, "qwen2moe")
-    _kv_copy(reader, writer, "qwen2", "qwen2moe")
+    writer = gguf.GGUFWriter(tmp, cfg.arch)
+    _kv_copy(reader, writer, "qwen2", cfg.arch)
+    # rows of Q and K (and their biases) in the target's rope layout
+    permute: dict[str, npt.NDArray[np.int64]] = {}
+    if cfg.arch == "ernie4_5-moe":
+        writer.add_interleave_moe_layer_step(1)  # every layer is a MoE layer
+        n_head = int(reader.fields["qwen2.attention.head_count"].parts[-1][0])
+        head_dim = int(tensors["blk.0.attn_q.weight"].shape[1]) // n_head
+        for il in range(n_layer):
+            for proj in ("q", "k"):
+                for kind in ("weight", "bias"):
+                    name = f"blk.{il}.attn_{proj}.{kind}"
+                    if name in tensors:
+                        n_rows = int(tensors[name].shape[1 if kind == "weight" else 0])
+                        permute[name] = _rope_norm_rows(n_rows, head_dim)
     ff_e = plans[0].groups.shape[1]
     n_sh = plans[0].shared.shape[0]
     writer.add_expert_count(cfg.n_expert)
@@ -280,6 +335,10 @@ def moefy(
         writer.add_tensor("output.weight", np.asarray(t.data), raw_dtype=t.tensor_type)
     for t in reader.tensors:
         if any(t.name.endswith(s) for s in (".ffn_gate.weight", ".ffn_up.weight", ".ffn_down.weight")):
+            continue
+        if t.name in permute:
+            data = _rows_raw(t) if len(t.shape) == 2 else np.asarray(t.data)  # weight rows, or bias values
+            writer.add_tensor(t.name, np.ascontiguousarray(data[permute[t.name]]), raw_dtype=t.tensor_type)
             continue
         writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     d = int(tensors["blk.0.ffn_gate.weight"].shape[0])
@@ -296,12 +355,39 @@ def moefy(
         q, qt = _quantize(pl.down_shared, cfg.down_type)
         writer.add_tensor(f"blk.{il}.ffn_down_shexp.weight", q, raw_dtype=qt)
         writer.add_tensor(f"blk.{il}.ffn_gate_inp.weight", pl.router)
-        # shared gate sigmoid(z) must not see z == 0 exactly (computed as silu(z)/z): a tiny constant
-        # direction keeps z small, so the gate is 1/2 (compensated in the refit), never NaN
-        writer.add_tensor(f"blk.{il}.ffn_gate_inp_shexp.weight", np.full(d, 1e-4, dtype=np.float32))
+        if cfg.arch == "qwen2moe":
+            # shared gate sigmoid(z), computed as silu(z)/z: a tiny constant direction keeps z small,
+            # so the gate is 1/2 (compensated in the refit), but z == 0 exactly gives NaN
+            gate = np.full(d, QWEN2MOE_SHEXP_GATE, dtype=np.float32)
+            writer.add_tensor(f"blk.{il}.ffn_gate_inp_shexp.weight", gate)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=show)
     writer.close()
+    try:
+        _check_finite(tmp, tokens_all[cfg.calib_tokens :], n_threads)
+    except ModelError as e:
+        tmp.unlink(missing_ok=True)
+        msg = f"{dst}: conversion failed: {e}"
+        raise ModelError(msg) from None
     os.replace(tmp, dst)
     return [pl.rel_error for pl in plans]
+
+
+def _check_finite(path: Path, held_out: list[int], n_threads: int | None, window: int = 256) -> None:
+    """The converted model's last-position logits over windows of held-out text (the calibration
+    text past the tokens the fit used, and CHECK_SAMPLES) must be finite. A NaN or inf at any position
+    reaches the last one through the attention, so one check per window covers the window."""
+    from ..model import Model
+
+    m = Model(path, n_ctx=window + 8, n_threads=n_threads)
+    windows = [held_out[i : i + window] for i in range(0, min(len(held_out), 4 * window), window)]
+    windows += [m.tokenize(s) for s in CHECK_SAMPLES]
+    for w in windows:
+        if len(w) < 2:
+            continue
+        logits = m.logits(w)
+        if not np.isfinite(logits).all():
+            text = m.detokenize(w[:12]).replace("\n", " ")
+            msg = f"logits are not finite ({int((~np.isfinite(logits)).sum())} of {logits.size}) after {text!r}..."
+            raise ModelError(msg)
