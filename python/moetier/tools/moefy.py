@@ -374,6 +374,29 @@ def moefy(
     return [pl.rel_error for pl in plans]
 
 
+def builtin_calibration_text(n_chars: int, slice_chars: int = 3000) -> str:
+    """Prose and code that every CPython install has, interleaved slice by slice: the language
+    reference's topics (pydoc_data, English prose) and the standard library's top-level sources. A
+    model calibrated on code alone answers prose badly (issue 12); evaluation text must come from
+    elsewhere (bench/corpora.py keeps its eval documents apart)."""
+    import sysconfig
+    from pydoc_data.topics import topics
+
+    prose = [topics[k] for k in sorted(topics)]
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    code = [f.read_text(errors="replace") for f in files[:: max(1, len(files) // 60)]]
+    out: list[str] = []
+    total = i = 0
+    while total < n_chars and i < max(len(prose), len(code)):
+        for docs in (prose, code):
+            if i < len(docs):
+                t = docs[i][:slice_chars]
+                out.append(t)
+                total += len(t)
+        i += 1
+    return "\n\n".join(out)[:n_chars]
+
+
 def _check_finite(path: Path, held_out: list[int], n_threads: int | None, window: int = 256) -> None:
     """The converted model's last-position logits over windows of held-out text (the calibration
     text past the tokens the fit used, and CHECK_SAMPLES) must be finite. A NaN or inf at any position
