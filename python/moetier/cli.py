@@ -371,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("-n", "--n-predict", type=int, default=48, help="tokens to generate (default: 48)")
     d.add_argument("-p", "--prompt", default="def fibonacci(n):\n", help="prompt (default: a Python def)")
-    d.add_argument("--calib-tokens", type=int, default=2048, help="moefy calibration tokens (default: 2048)")
+    d.add_argument("--calib-tokens", type=int, default=8192, help="moefy calibration tokens (default: 8192)")
     d.set_defaults(func=cmd_demo)
 
     g = sub.add_parser(
