@@ -641,7 +641,9 @@ void moetier_model::init_warm() {
         while (!saver_cv.wait_for(lock, std::chrono::seconds(60), [this] { return saver_stop; })) {
             std::string err;
             if (!save_state(err)) {
-                MOETIER_LOG_WARN("moetier: warm start: %s\n", err.c_str());
+                // a read-only directory fails every time: say it once, then stop trying
+                MOETIER_LOG_WARN("moetier: warm start: %s; no more periodic saves\n", err.c_str());
+                return;
             }
         }
     });
