@@ -511,7 +511,7 @@ void moetier_model::choose_budget(const llama_model & model) {
         needs.kv += (uint64_t) needs.n_ctx * (hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il)) * 2;  // f16
     }
     // compute buffers: llama.cpp reserves them for a 512-token ubatch with every position's logits
-    // (~305 MiB for Qwen2.5's 151936-token vocabulary), but generation asks for the last
+    // (4 * 512 * n_vocab bytes: 297 MiB for Qwen2.5's 151936 tokens), but generation asks for the last
     // position's logits only, and ggml-alloc reuses the memory of a layer's dead activations for
     // the next ones: the pages touched are about one layer's live activations of a full ubatch
     // (measured: ~100 MiB of anonymous memory for the 1.5B MoE after a 645-token prompt). Tools

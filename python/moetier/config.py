@@ -35,9 +35,7 @@ def _help(row: str) -> str:
 
 def parse_size(value: int | str, what: str, auto: bool = False) -> int:
     """Bytes of a size given as an int or a string like '512M', '1.5G', '4096'; with auto, 'auto'
-    gives AUTO (the core chooses the budget at load)."""
-    if auto and value == "auto":
-        return AUTO
+    gives AUTO (the core chooses the budget at load). The core parses both, as the tools' flags do."""
     if isinstance(value, bool):
         msg = f"{what}: {value!r} is not a size; use e.g. 512M"
         raise ConfigError(msg)
@@ -46,9 +44,9 @@ def parse_size(value: int | str, what: str, auto: bool = False) -> int:
             msg = f"{what}: {value} is negative"
             raise ConfigError(msg)
         return value
-    parsed = _core.parse_size(str(value))
+    parsed = _core.parse_cache_size(str(value)) if auto else _core.parse_size(str(value))
     if parsed is None:
-        msg = f"{what}: {value!r} is not a size; use e.g. 512M"
+        msg = f"{what}: {value!r} is not a size{' or auto' if auto else ''}; use e.g. 512M"
         raise ConfigError(msg)
     return int(parsed)
 
