@@ -6,6 +6,7 @@ Corpora (documents are files; each goes wholly to one split, by a hash of its pa
     py-library    the Python 3.11 library reference (same package)
     linux-doc     the Linux 6.1 Documentation/ reStructuredText (Debian linux-doc-6.1)
     py-stdlib     the running Python's standard library sources, top level *.py ("code")
+    fortunes      general English prose: quotes, literature, definitions (Debian fortunes)
 
 The .deb files are fetched with `apt-get download` (no install, no root needed to read them) and
 read as tar streams from `dpkg-deb --fsys-tarfile`. Built text is cached under
@@ -281,10 +282,18 @@ class CorpusSpec:
     convert: Callable[[bytes], str]
     deb: str = ""  # Debian package; empty for the stdlib
     recursive: bool = False
+    skip: tuple[str, ...] = ()  # name endings that are not documents (index files, links)
 
     def matches(self, rel: str) -> bool:
         """Whether `rel` (a path relative to `root`) is a document of this corpus."""
-        return rel.endswith(self.suffix) and (self.recursive or "/" not in rel)
+        return (
+            rel.endswith(self.suffix) and not rel.endswith(self.skip or ("\0",)) and (self.recursive or "/" not in rel)
+        )
+
+
+def _fortunes(data: bytes) -> str:
+    """A fortune file: entries separated by lines holding only '%'."""
+    return re.sub(r"\n%\n", "\n\n", "\n" + _decode(data)).strip() + "\n"
 
 
 PYDOC = "usr/share/doc/python3.11/html"
@@ -317,6 +326,15 @@ CORPORA: dict[str, CorpusSpec] = {
             recursive=True,
         ),
         CorpusSpec("py-stdlib", "Python standard library sources, top level *.py", "stdlib", ".py", _decode),
+        CorpusSpec(
+            "fortunes",
+            "general English prose: quotes, literature, definitions, humour (Debian fortunes, '%' lines dropped)",
+            "usr/share/games/fortunes",
+            "",
+            _fortunes,
+            deb="fortunes",
+            skip=(".dat", ".u8", "ascii-art", "art"),
+        ),
     )
 }
 

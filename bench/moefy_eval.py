@@ -1,10 +1,14 @@
-"""Perplexity of a moefied model against its dense source, and the perplexity-vs-top-k curve.
+"""Perplexity of moefied models against their dense source on held-out texts, their routing realism,
+and the perplexity-vs-top-k curve.
 
-Runs the shipped llama-perplexity on held-out text: the dense model, then the MoE with its trained
-top-k and with other k (llama.cpp's --override-kv on expert_used_count; the router and the down
-refit were fitted for the trained k). Prints a markdown table, writes JSON.
+Runs the shipped llama-perplexity on each text: the dense model, then each MoE with its trained top-k
+(and, with --ks, other k through llama.cpp's --override-kv on expert_used_count; the router and the
+experts were fitted for the trained k). With --routing, each MoE's routing report
+(moetier.tools.routing: selection frequency, top-1 share of the gate weight, stacked-gate accuracy)
+on the first text. Prints a markdown table, writes JSON.
 
-    python bench/moefy_eval.py --dense D.gguf --moe M.gguf --text eval.txt --ks 1,2,3,4,6,8 --out R.json
+    python bench/moefy_eval.py --dense D.gguf --moe M1.gguf M2.gguf --text prose.txt code.txt \\
+        [--ks 1,2,4] [--routing] --out R.json
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import gguf
 
@@ -22,6 +28,7 @@ from moetier.server import tool_path
 
 
 def perplexity(model: Path, text: Path, ctx: int, chunks: int, threads: int, extra: list[str]) -> float:
+    """llama-perplexity's final estimate; a NaN chunk or a failed run is an error."""
     cmd = [
         str(tool_path("llama-perplexity")),
         "-m",
@@ -37,47 +44,74 @@ def perplexity(model: Path, text: Path, ctx: int, chunks: int, threads: int, ext
         *extra,
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
-    if not m:
-        msg = f"llama-perplexity failed on {model}: {(r.stderr or r.stdout)[-500:]}"
+    out = r.stdout + r.stderr
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+    if not m or "nan" in out.split("Final estimate")[0].split("perplexity:")[-1]:
+        msg = f"llama-perplexity failed or gave nan on {model} / {text}: {out[-500:]}"
         raise RuntimeError(msg)
     return float(m.group(1))
+
+
+def moe_meta(path: Path) -> tuple[str, int, int]:
+    r = gguf.GGUFReader(path)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()  # ernie4_5-moe or qwen2moe
+    return (
+        arch,
+        int(r.fields[f"{arch}.expert_count"].parts[-1][0]),
+        int(r.fields[f"{arch}.expert_used_count"].parts[-1][0]),
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dense", required=True, help="dense source GGUF")
-    p.add_argument("--moe", required=True, help="moefied GGUF")
-    p.add_argument("--text", required=True, help="held-out evaluation text (not the calibration text)")
+    p.add_argument("--moe", required=True, nargs="+", help="moefied GGUF(s)")
+    p.add_argument("--text", required=True, nargs="+", help="held-out evaluation text(s), not calibration text")
     p.add_argument("--ks", default="", help="top-k values to evaluate besides the trained one, e.g. 1,2,3,6,8")
+    p.add_argument("--routing", action="store_true", help="also each MoE's routing report on the first text")
     p.add_argument("--ctx", type=int, default=512, help="perplexity context (default: 512)")
-    p.add_argument("--chunks", type=int, default=20, help="max chunks (default: 20)")
+    p.add_argument("--chunks", type=int, default=12, help="max chunks per text (default: 12)")
     p.add_argument("--threads", type=int, default=2, help="threads (default: 2)")
     p.add_argument("--out", default=None, help="JSON output path")
     a = p.parse_args()
 
-    moe = Path(a.moe)
-    r = gguf.GGUFReader(moe)
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()  # ernie4_5-moe or qwen2moe
-    e = int(r.fields[f"{arch}.expert_count"].parts[-1][0])
-    k0 = int(r.fields[f"{arch}.expert_used_count"].parts[-1][0])
-    ks = sorted({k0, *[int(x) for x in a.ks.split(",") if x]})
-    dense = perplexity(Path(a.dense), Path(a.text), a.ctx, a.chunks, a.threads, [])
-    rows = {"dense": dense}
-    for k in ks:
-        extra = [] if k == k0 else ["--override-kv", f"{arch}.expert_used_count=int:{k}"]
-        rows[f"k={k}"] = perplexity(moe, Path(a.text), a.ctx, a.chunks, a.threads, extra)
-        sys.stderr.write(f"k={k}: {rows[f'k={k}']:.3f}\n")
-    lines = [
-        f"{moe.name}: {e} experts, trained top-{k0}; eval {Path(a.text).name}, c={a.ctx}",
-        "",
-        "| model | perplexity | vs dense |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {name} | {v:.3f} | {100 * (v / dense - 1):+.1f}% |" for name, v in rows.items()]
+    texts = [Path(t) for t in a.text]
+    dense = Path(a.dense)
+    ppl: dict[str, dict[str, float]] = {"dense": {}}
+    for t in texts:
+        ppl["dense"][t.stem] = perplexity(dense, t, a.ctx, a.chunks, a.threads, [])
+    routing: dict[str, Any] = {}
+    for mp in (Path(m) for m in a.moe):
+        arch, e, k0 = moe_meta(mp)
+        for k in sorted({k0, *[int(x) for x in a.ks.split(",") if x]}):
+            extra = [] if k == k0 else ["--override-kv", f"{arch}.expert_used_count=int:{k}"]
+            row = f"{mp.stem}" + ("" if k == k0 else f" k={k}")
+            ppl[row] = {t.stem: perplexity(mp, t, a.ctx, a.chunks, a.threads, extra) for t in texts}
+            sys.stderr.write(f"{row}: {ppl[row]}\n")
+        if a.routing:
+            from moetier.tools.routing import routing_report
+
+            rep = routing_report(mp, texts[0].read_text(errors="replace"), n_threads=a.threads)
+            routing[mp.stem] = asdict(rep) | {"summary": rep.summary()}
+
+    head = "| model | " + " | ".join(t.stem for t in texts) + " |"
+    lines = [f"llama-perplexity -c {a.ctx} --chunks {a.chunks}; ratio to dense in brackets", "", head]
+    lines.append("|---" * (len(texts) + 1) + "|")
+    for name, row in ppl.items():
+        cells = [
+            f"{row[t.stem]:.3f}" + ("" if name == "dense" else f" ({row[t.stem] / ppl['dense'][t.stem]:.2f}x)")
+            for t in texts
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name, r in routing.items():
+        lines += ["", f"{name}: {r['summary']}"]
     sys.stdout.write("\n".join(lines) + "\n")
     if a.out:
-        Path(a.out).write_text(json.dumps({"moe": str(moe), "n_expert": e, "trained_k": k0, "ppl": rows}, indent=1))
+        Path(a.out).write_text(
+            json.dumps(
+                {"dense": str(dense), "texts": [str(t) for t in texts], "ppl": ppl, "routing": routing}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_all_experts_active_equals_dense(dense: Path, tmp_path: Path) -> None:
     cfg = MoefyConfig(n_expert=4, n_expert_used=4, router_scale=0.0, refit=False, down_type="f16", calib_tokens=1024)
     out = tmp_path / "moe.gguf"
-    errs = moefy(dense, out, CALIB, cfg, progress=False)
+    errs = moefy(dense, out, CALIB, cfg, progress=False).errors
     assert max(errs) < 1e-5, "the split itself is lossless"
     d, m = Model(dense), Model(out)
     toks = d.tokenize(LONG_PROMPT)
@@ -36,8 +36,9 @@ def test_all_experts_active_equals_dense(dense: Path, tmp_path: Path) -> None:
 def test_shapes_and_routing(dense: Path, tmp_path: Path) -> None:
     cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024)
     out = tmp_path / "moe.gguf"
-    errs = moefy(dense, out, CALIB, cfg, progress=False)
-    assert all(0.0 < e < 0.5 for e in errs)
+    res = moefy(dense, out, CALIB, cfg, progress=False)
+    assert all(0.0 < e < 0.5 for e in res.errors)
+    assert res.errors == res.errors_plan, "no distillation asked, none done"
     r = gguf.GGUFReader(out)
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
     assert arch == "ernie4_5-moe"

@@ -1,16 +1,20 @@
 // moetier._core ggml ops on their own: mul_mat_id once, so tests can check the negative-id rule and
-// the unchanged result for valid ids against a NumPy reference.
+// the unchanged result for valid ids against a NumPy reference; quantize, so moefy writes trained
+// weights in any type ggml has (K-quants included), with llama-quantize's importance weighting.
 
 #include "bindings.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
 
 #include <pybind11/numpy.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
+#include <string>
 
 namespace py = pybind11;
 
@@ -56,9 +60,53 @@ py::array_t<float> mul_mat_id(f32_array as, f32_array b, i32_array ids, int n_th
     return res;
 }
 
+// rows [n_rows, n_per_row] f32 -> the bytes of those rows in type_name (a ggml type name, e.g. "q4_K");
+// imatrix [n_per_row] (mean squared input per column, as llama-imatrix computes) weights the rounding
+py::array_t<uint8_t> quantize(f32_array rows, const std::string & type_name, std::optional<f32_array> imatrix) {
+    if (rows.ndim() != 2) {
+        throw std::invalid_argument("quantize: rows must be 2-D [n_rows, n_per_row]");
+    }
+    ggml_type type = GGML_TYPE_COUNT;
+    for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+        const char * name = ggml_type_name((ggml_type) t);
+        if (name && type_name == name && ggml_get_type_traits((ggml_type) t)->blck_size > 0) {
+            type = (ggml_type) t;
+        }
+    }
+    if (type == GGML_TYPE_COUNT) {
+        throw std::invalid_argument("quantize: unknown ggml type '" + type_name + "'");
+    }
+    const int64_t n_rows = rows.shape(0), n_per_row = rows.shape(1);
+    if (n_per_row % ggml_blck_size(type) != 0) {
+        throw std::invalid_argument("quantize: rows of " + std::to_string(n_per_row) + " values do not split into " +
+                                    type_name + " blocks of " + std::to_string(ggml_blck_size(type)));
+    }
+    if (imatrix && (imatrix->ndim() != 1 || imatrix->shape(0) != n_per_row)) {
+        throw std::invalid_argument("quantize: imatrix must have one value per column");
+    }
+    if (ggml_quantize_requires_imatrix(type) && !imatrix) {
+        throw std::invalid_argument("quantize: " + type_name + " needs an imatrix");
+    }
+    const size_t         row_size = ggml_row_size(type, n_per_row);
+    py::array_t<uint8_t> out({ n_rows, (int64_t) row_size });
+    {
+        py::gil_scoped_release release;
+        ggml_quantize_init(type);
+        const size_t n = ggml_quantize_chunk(type, rows.data(), out.mutable_data(), 0, n_rows, n_per_row,
+                                             imatrix ? imatrix->data() : nullptr);
+        if (n != row_size * n_rows) {
+            throw std::runtime_error("quantize: ggml_quantize_chunk wrote an unexpected size");
+        }
+    }
+    return out;
+}
+
 }  // namespace
 
 void register_ops(py::module_ & m) {
     m.def("mul_mat_id", &mul_mat_id, py::arg("as_"), py::arg("b"), py::arg("ids"), py::arg("n_threads") = 1,
           "ggml-cpu mul_mat_id on f32 arrays: as [E,N,K], b [T,U,K], ids [T,U] (negative = zero row) -> [T,U,N]");
+    m.def("quantize", &quantize, py::arg("rows"), py::arg("type"), py::arg("imatrix") = py::none(),
+          "f32 rows [n_rows, n_per_row] -> uint8 [n_rows, row bytes] in a ggml type (e.g. 'q4_K'), optionally "
+          "weighted by an importance matrix [n_per_row]");
 }

