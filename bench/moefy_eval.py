@@ -82,7 +82,7 @@ def main() -> None:
         ppl["dense"][t.stem] = perplexity(dense, t, a.ctx, a.chunks, a.threads, [])
     routing: dict[str, Any] = {}
     for mp in (Path(m) for m in a.moe):
-        arch, e, k0 = moe_meta(mp)
+        arch, _, k0 = moe_meta(mp)
         for k in sorted({k0, *[int(x) for x in a.ks.split(",") if x]}):
             extra = [] if k == k0 else ["--override-kv", f"{arch}.expert_used_count=int:{k}"]
             row = f"{mp.stem}" + ("" if k == k0 else f" k={k}")

@@ -75,13 +75,13 @@ def test_distill_fits_a_moe_teacher_on_held_out_tokens() -> None:
 
 
 def test_bad_distill_config() -> None:
-    with pytest.raises(ConfigError, match="distill.epochs"):
+    with pytest.raises(ConfigError, match=r"distill\.epochs"):
         dl.DistillConfig(epochs=-1)
-    with pytest.raises(ConfigError, match="distill.lr"):
+    with pytest.raises(ConfigError, match=r"distill\.lr"):
         dl.DistillConfig(lr=0)
-    with pytest.raises(ConfigError, match="distill.rounds"):
+    with pytest.raises(ConfigError, match=r"distill\.rounds"):
         dl.DistillConfig(rounds=0)
-    with pytest.raises(ConfigError, match="distill.holdout"):
+    with pytest.raises(ConfigError, match=r"distill\.holdout"):
         dl.DistillConfig(holdout=0.7)
     with pytest.raises(ConfigError, match="not a number"):
         dl.DistillConfig(epochs=True)

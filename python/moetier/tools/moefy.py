@@ -42,7 +42,7 @@ import numpy.typing as npt
 from tqdm import tqdm
 
 from ..errors import ConfigError, ModelError
-from .distill import DistillConfig, DistillResult, MoeLayer, distill_layer, forward, rel_error
+from .distill import DistillConfig, DistillResult, MoeLayer, distill_layer
 
 F32 = npt.NDArray[np.float32]
 # target architectures: whether llama.cpp renormalises the top-k weights, and the shared expert's gate
@@ -437,7 +437,8 @@ def moefy(
             asdict(cfg), {k: v for k, v in asdict(dcfg).items() if k not in ("rounds", "residual")} if dcfg else None
         )
     t0 = time.monotonic()
-    dense_kinds = ("ffn_norm", "l_out") if dcfg is not None and dcfg.rounds > 1 and dcfg.residual > 0 else ("ffn_norm",)
+    residual = dcfg is not None and dcfg.rounds > 1 and dcfg.residual > 0
+    dense_kinds = ("ffn_norm", "l_out") if residual else ("ffn_norm",)
     dense_acts = _collect(src, tokens, n_layer, n_threads, work / "dense" if work else None, dense_kinds)
     xs = dense_acts["ffn_norm"]
     seconds["collect"] = time.monotonic() - t0
@@ -533,8 +534,9 @@ def _write_moe(
     show: bool = False,
 ) -> None:
     """Writes the MoE GGUF. Without xs, gate/up rows are the source's bytes split by splits (shared
-    and per-expert neuron indices: the training-free conversion changes no gate/up weight); with xs (each layer's FFN inputs), the float gate/up are
-    quantized to the source's types, weighted by the mean squared input per column."""
+    and per-expert neuron indices: the training-free conversion changes no gate/up weight); with xs
+    (each layer's FFN inputs), the float gate/up are quantized to the source's types, weighted by the
+    mean squared input per column."""
     n_layer = len(layers)
     writer = gguf.GGUFWriter(path, cfg.arch)
     _kv_copy(reader, writer, "qwen2", cfg.arch)

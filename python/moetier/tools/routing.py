@@ -53,14 +53,15 @@ class RoutingReport:
         return (
             f"routing over {self.n_tokens} tokens, top-{self.n_expert_used} of {self.n_expert}: selection frequency "
             f"{lo:.2f}-{hi:.2f} (uniform {self.n_expert_used / self.n_expert:.2f}, CV {cv:.2f}); top-1 share of the "
-            f"selected weight {t1.mean():.2f} (layers {t1.min():.2f}-{t1.max():.2f}; flat {1 / self.n_expert_used:.2f}); "
+            f"selected weight {t1.mean():.2f} (layers {t1.min():.2f}-{t1.max():.2f}; "
+            f"flat {1 / self.n_expert_used:.2f}); "
             f"stacked gate distance 1: top-1 {100 * self.stacked_top1:.1f}%, whole top-k "
             f"{100 * self.stacked_allk:.1f}% ({self.n_pred} predictions)"
         )
 
     def table(self) -> str:
         lines = ["| layer | freq min | freq max | top-1 share |", "|---|---|---|---|"]
-        for il, (f, s) in enumerate(zip(self.freq, self.top1_share)):
+        for il, (f, s) in enumerate(zip(self.freq, self.top1_share, strict=True)):
             lines.append(f"| {il} | {min(f):.3f} | {max(f):.3f} | {s:.3f} |")
         return "\n".join(lines)
 
