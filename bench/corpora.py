@@ -14,6 +14,7 @@ read as tar streams from `dpkg-deb --fsys-tarfile`. Built text is cached under
 
     python bench/corpora.py build                 # every corpus; prints chars per split
     python bench/corpora.py show py-tutorial eval --chars 2000
+    python bench/corpora.py mix calib fortunes linux-doc py-library py-stdlib -o calib.txt
 """
 
 from __future__ import annotations
@@ -477,6 +478,21 @@ def corpus(name: str, split: str, cache_dir: Path | None = None) -> str:
     return _paths(name, cache)[split].read_text(encoding="utf-8")
 
 
+def mix(names: Sequence[str], split: str, n_chars: int, slice_chars: int = 3000, cache_dir: Path | None = None) -> str:
+    """One text of n_chars from several corpora's split, interleaved slice by slice (so the first
+    tokens of it, which a calibration takes, hold every corpus in equal parts)."""
+    texts = [corpus(n, split, cache_dir) for n in names]
+    out: list[str] = []
+    total = i = 0
+    while total < n_chars and any(i * slice_chars < len(t) for t in texts):
+        for t in texts:
+            piece = t[i * slice_chars : (i + 1) * slice_chars]
+            out.append(piece)
+            total += len(piece)
+        i += 1
+    return "".join(out)[:n_chars]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -494,6 +510,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("name", choices=list(CORPORA), help="corpus")
     s.add_argument("split", choices=SPLITS, help="split")
     s.add_argument("--chars", type=int, default=2000, help="characters to print (default: 2000)")
+    x = sub.add_parser("mix", help="interleave several corpora's split into one text (a calibration mix)")
+    x.add_argument("split", choices=SPLITS, help="split")
+    x.add_argument("names", nargs="+", choices=list(CORPORA), metavar="NAME", help="corpora to mix")
+    x.add_argument("--chars", type=int, default=400_000, help="characters to write (default: 400000)")
+    x.add_argument("-o", "--output", type=Path, required=True, help="text file to write")
     a = ap.parse_args(argv)
     if a.cmd == "build" and (unknown := set(a.names) - set(CORPORA)):
         ap.error(f"unknown corpus {', '.join(sorted(unknown))}; known: {', '.join(CORPORA)}")
@@ -506,6 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for sp in SPLITS:
                     m = meta["splits"][sp]
                     print(f"| {name} | {sp} | {m['documents']} | {m['chars']:,} | {meta['source']} |")
+        elif a.cmd == "mix":
+            text = mix(a.names, a.split, a.chars, cache_dir=a.cache)
+            a.output.write_text(text, encoding="utf-8")
+            print(f"{a.output}: {len(text):,} characters of {', '.join(a.names)} ({a.split})")
         else:
             print(corpus(a.name, a.split, a.cache)[: a.chars])
     except CorpusError as e:

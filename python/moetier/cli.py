@@ -170,7 +170,8 @@ def cmd_moefy(ns: argparse.Namespace) -> int:
 
     cfg = MoefyConfig(**_fields_of(ns, MoefyConfig))
     dcfg = DistillConfig(**_fields_of(ns, DistillConfig, "distill-"))
-    text = "".join(Path(f).read_text(errors="replace") for f in ns.calib)
+    texts = [Path(f).read_text(errors="replace") for f in ns.calib]
+    text = "".join(texts)
     res = moefy(
         ns.model,
         ns.output,
@@ -178,6 +179,7 @@ def cmd_moefy(ns: argparse.Namespace) -> int:
         cfg,
         distill=dcfg,
         work_dir=ns.work_dir,
+        check_texts=tuple(t[-4000:] for t in texts),
         n_threads=ns.threads,
         progress=False if ns.quiet else None,
     )

@@ -49,15 +49,25 @@ F32 = npt.NDArray[np.float32]
 ARCHS = {"ernie4_5-moe": (True, 1.0), "qwen2moe": (False, 0.5)}
 # qwen2moe's shared-gate weight (every component): z = QWEN2MOE_SHEXP_GATE * sum(x) stays small
 QWEN2MOE_SHEXP_GATE = 1e-4
-# checked besides the calibration text's held-out tail: the converted model's logits must be finite
+# checked besides the held-out tail of each calibration text: the converted model's logits must be finite
 CHECK_SAMPLES = (
+    # plain English prose
     "The committee met on Tuesday to review the budget. After a long discussion, the members agreed "
     "that the library would stay open on weekends, and that the old reading room would be repaired "
     "before winter. Several residents wrote letters in support; one of them recalled how, as a child, "
     "she had spent whole afternoons there among the atlases and the encyclopedias.",
+    # code
     "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    out = []\n    i = j = 0\n"
     "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n"
     "        else:\n            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n",
+    # numbers, tables and markup
+    "| year | revenue | margin |\n|---|---|---|\n| 2021 | 1,204.50 | 12.5% |\n| 2022 | 1,387.25 | 13.1% |\n"
+    '{"id": 40213, "tags": ["a", "b"], "ratio": 0.000125, "ok": true}\n<div class="x"><p>3 &lt; 4</p></div>\n',
+    # other languages and scripts
+    "Der schnelle braune Fuchs springt über den faulen Hund. 敏捷的棕色狐狸跳过了懒狗。 "
+    "Быстрая коричневая лиса перепрыгивает через ленивую собаку. El zorro marrón salta sobre el perro.",
+    # degenerate input: one token over and over, and whitespace
+    "a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a" + " " * 64 + "\n\n\n\t\t\t" + "=" * 48,
 )
 
 
@@ -388,6 +398,7 @@ def moefy(
     *,
     distill: DistillConfig | None = None,
     work_dir: str | os.PathLike[str] | None = None,
+    check_texts: tuple[str, ...] = (),
     n_threads: int | None = None,
     progress: bool | None = None,
 ) -> MoefyResult:
@@ -399,7 +410,8 @@ def moefy(
     produces (so each layer learns the inputs it will see: errors of earlier layers no longer
     compound unseen); the trained gate/up go back to the source's quantization types, weighted by the
     calibration inputs (an importance matrix). work_dir keeps the collected activations and trained
-    layers, so an interrupted conversion resumes where it stopped."""
+    layers, so an interrupted conversion resumes where it stopped. check_texts: more samples (e.g. the
+    end of each calibration file) on which the converted model's logits must be finite."""
     cfg = cfg or MoefyConfig()
     dcfg = distill if distill is not None and distill.epochs > 0 else None
     src, dst = Path(src), Path(dst)
@@ -509,7 +521,7 @@ def moefy(
     tmp = dst.with_name(dst.name + ".tmp")
     _write_moe(reader, tensors, tmp, cfg, layers, splits, xs if dcfg is not None else None, show=show)
     try:
-        _check_finite(tmp, tokens_all[cfg.calib_tokens :], n_threads)
+        _check_finite(tmp, tokens_all[cfg.calib_tokens :], n_threads, check_texts)
     except ModelError as e:
         tmp.unlink(missing_ok=True)
         msg = f"{dst}: conversion failed: {e}"
@@ -626,15 +638,18 @@ def builtin_calibration_text(n_chars: int, slice_chars: int = 3000) -> str:
     return "\n\n".join(out)[:n_chars]
 
 
-def _check_finite(path: Path, held_out: list[int], n_threads: int | None, window: int = 256) -> None:
+def _check_finite(
+    path: Path, held_out: list[int], n_threads: int | None, texts: tuple[str, ...] = (), window: int = 256
+) -> None:
     """The converted model's last-position logits over windows of held-out text (the calibration
-    text past the tokens the fit used, and CHECK_SAMPLES) must be finite. A NaN or inf at any position
-    reaches the last one through the attention, so one check per window covers the window."""
+    text past the tokens the fit used, CHECK_SAMPLES, the last window of each of texts) must be
+    finite. A NaN or inf at any position reaches the last one through the attention, so one check per
+    window covers the window."""
     from ..model import Model
 
     m = Model(path, n_ctx=window + 8, n_threads=n_threads)
     windows = [held_out[i : i + window] for i in range(0, min(len(held_out), 4 * window), window)]
-    windows += [m.tokenize(s) for s in CHECK_SAMPLES]
+    windows += [m.tokenize(s)[-window:] for s in (*CHECK_SAMPLES, *texts)]
     for w in windows:
         if len(w) < 2:
             continue
