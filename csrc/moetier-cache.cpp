@@ -44,6 +44,7 @@ void moetier_cache::add_layer(moetier_layer * layer) {
 }
 
 void moetier_cache::set_error(const moetier_error & err) noexcept {
+    n_read_errors_.fetch_add(1, std::memory_order_relaxed);
     try {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (error_.msg.empty()) {

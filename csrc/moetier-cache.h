@@ -167,6 +167,9 @@ class moetier_cache {
 
     bool failed() const { return has_error.load(std::memory_order_relaxed); }
 
+    // expert reads that failed (I/O error, short read, checksum) since load; clear_error keeps it
+    uint64_t n_read_errors() const { return n_read_errors_.load(std::memory_order_relaxed); }
+
   private:
     // settles the open pass: accounts its read time; a pass the graph aborted before its load op
     // drops every slot it assigned (nothing was read into them, or checked); failed reads drop theirs
@@ -214,7 +217,8 @@ class moetier_cache {
     int32_t                             n_warm = 0;
     std::vector<moetier_aligned_buffer> bounce;  // per compute thread index, grown on first use
 
-    mutable std::mutex error_mutex;
-    moetier_error      error_;
-    std::atomic<bool>  has_error{ false };
+    mutable std::mutex    error_mutex;
+    moetier_error         error_;
+    std::atomic<bool>     has_error{ false };
+    std::atomic<uint64_t> n_read_errors_{ 0 };
 };

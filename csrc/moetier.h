@@ -307,6 +307,10 @@ MOETIER_API const char *            moetier_model_error(const struct llama_model
 MOETIER_API enum moetier_error_kind moetier_model_error_kind(const struct llama_model * model);
 MOETIER_API void                    moetier_model_clear_error(struct llama_model * model);
 
+// Expert reads that failed since load (each made its decode return 2); moetier_model_clear_error
+// does not reset it. llama-server's /metrics shows it as expert_cache_read_errors_total.
+MOETIER_API uint64_t moetier_model_read_errors(const struct llama_model * model);
+
 //
 // expert store
 //
