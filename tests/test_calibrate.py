@@ -157,3 +157,10 @@ def test_calibrate_searches_the_pool_split(moe: Path, tmp_path: Path) -> None:
     # a given split is kept
     rep = calibrate(moe, LONG_PROMPT * 3, budget, tmp_path / "n.cache.json", cfg, store=store, low_frac=0.3)
     assert rep["config"]["low_frac"] == 0.3 and len(rep["low_frac_search"]) == 1
+
+
+def test_bad_budget_fails_before_tracing(tmp_path: Path) -> None:
+    """The budget is checked first: the model path does not even exist, so a check after the trace
+    would fail on the model instead."""
+    with pytest.raises(ConfigError, match=r"cache\.budget: '25%'"):
+        calibrate(tmp_path / "absent.gguf", "text", "25%", tmp_path / "c.json")

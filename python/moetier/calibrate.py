@@ -261,6 +261,7 @@ def calibrate(
     OUT.report.json (thresholds, split, the policy table), and returns that report."""
     cfg = cfg or CalibrateConfig()
     outp = Path(out)
+    CacheConfig(budget=budget)  # a bad budget is an error before the minutes of tracing, not after
     trace = record_trace(model_path, text, cfg, n_threads)
     trace_path = trace.save(outp.with_name(outp.stem + ".trace.npz"))
     scores = scores_of(trace)
