@@ -67,11 +67,17 @@ def test_distill_fits_a_moe_teacher_on_held_out_tokens() -> None:
     for n, a in start.arrays().items():
         if n != "router":
             a += (0.1 * rng.normal(size=a.shape)).astype(np.float32)
+    start_gate = start.gate.copy()
     res = dl.distill_layer(start, x, y, 2, True, dl.DistillConfig(epochs=4, lr=1e-2, batch_tokens=128))
     assert res.err_after < 0.6 * res.err_before
     assert 1 <= res.best_epoch <= 4
     assert dl.rel_error(res.layer, x[-300:], y[-300:], 2, True) == pytest.approx(res.err_after, rel=1e-5)
-    assert np.array_equal(start.gate, start.gate), "the start layer is not trained in place"
+    assert np.array_equal(start.gate, start_gate), "the start layer is not trained in place"
+    # the history: the start and every epoch, held-out errors as the selection saw them
+    assert len(res.history) == 5
+    assert res.history[0][1] == pytest.approx(res.err_before)
+    assert res.history[res.best_epoch][1] == pytest.approx(res.err_after)
+    assert res.history[-1][0] < res.history[0][0], "the training tokens' error falls"
 
 
 def test_bad_distill_config() -> None:
