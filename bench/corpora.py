@@ -478,10 +478,18 @@ def corpus(name: str, split: str, cache_dir: Path | None = None) -> str:
     return _paths(name, cache)[split].read_text(encoding="utf-8")
 
 
-def mix(names: Sequence[str], split: str, n_chars: int, slice_chars: int = 3000, cache_dir: Path | None = None) -> str:
-    """One text of n_chars from several corpora's split, interleaved slice by slice (so the first
-    tokens of it, which a calibration takes, hold every corpus in equal parts)."""
-    texts = [corpus(n, split, cache_dir) for n in names]
+def mix(
+    names: Sequence[str],
+    split: str,
+    n_chars: int,
+    slice_chars: int = 3000,
+    cache_dir: Path | None = None,
+    extra: Sequence[str] = (),
+) -> str:
+    """One text of n_chars from several corpora's split (and the texts of extra, each as one more
+    corpus), interleaved slice by slice (so the first tokens of it, which a calibration takes, hold
+    every corpus in equal parts)."""
+    texts = [corpus(n, split, cache_dir) for n in names] + list(extra)
     out: list[str] = []
     total = i = 0
     while total < n_chars and any(i * slice_chars < len(t) for t in texts):
@@ -515,6 +523,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     x.add_argument("names", nargs="+", choices=list(CORPORA), metavar="NAME", help="corpora to mix")
     x.add_argument("--chars", type=int, default=400_000, help="characters to write (default: 400000)")
     x.add_argument("-o", "--output", type=Path, required=True, help="text file to write")
+    x.add_argument(
+        "--prose-model",
+        default=None,
+        help="also mix in everyday prose this (dense) GGUF writes itself (moetier.tools.moefy.generated_prose)",
+    )
+    x.add_argument("--prose-tokens", type=int, default=4096, help="tokens of that prose (default: 4096)")
     a = ap.parse_args(argv)
     if a.cmd == "build" and (unknown := set(a.names) - set(CORPORA)):
         ap.error(f"unknown corpus {', '.join(sorted(unknown))}; known: {', '.join(CORPORA)}")
@@ -528,9 +542,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     m = meta["splits"][sp]
                     print(f"| {name} | {sp} | {m['documents']} | {m['chars']:,} | {meta['source']} |")
         elif a.cmd == "mix":
-            text = mix(a.names, a.split, a.chars, cache_dir=a.cache)
+            extra = []
+            if a.prose_model:
+                from moetier.tools.moefy import generated_prose
+
+                extra.append("\n\n".join(generated_prose(a.prose_model, a.prose_tokens)))
+            text = mix(a.names, a.split, a.chars, cache_dir=a.cache, extra=extra)
             a.output.write_text(text, encoding="utf-8")
-            print(f"{a.output}: {len(text):,} characters of {', '.join(a.names)} ({a.split})")
+            more = f" + {a.prose_tokens} tokens of {a.prose_model}'s own prose" if a.prose_model else ""
+            print(f"{a.output}: {len(text):,} characters of {', '.join(a.names)} ({a.split}){more}")
         else:
             print(corpus(a.name, a.split, a.cache)[: a.chars])
     except CorpusError as e:

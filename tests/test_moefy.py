@@ -106,3 +106,19 @@ def test_builtin_calibration_text_mixes_prose_and_code() -> None:
     text = builtin_calibration_text(60_000)
     assert len(text) == 60_000
     assert "statement" in text and "def " in text and "import " in text  # the language reference and sources
+
+
+def test_generated_prose_is_the_models_own_and_reproducible(dense: Path) -> None:
+    """The dense model continues the prose prompts (sampled, one seed per text): the same model gives
+    the same texts, enough of them for the token count asked, and they join the built-in text as a
+    third stream."""
+    from moetier.tools.moefy import PROSE_PROMPTS, builtin_calibration_text, generated_prose
+
+    texts = generated_prose(dense, 300)
+    assert texts == generated_prose(dense, 300)
+    assert all(t.startswith(PROSE_PROMPTS[i % len(PROSE_PROMPTS)]) for i, t in enumerate(texts))
+    m = Model(dense)
+    assert sum(len(m.tokenize(t)) for t in texts) >= 300 - 2 * len(texts)  # BOS / joins aside
+    extra = "\n\n".join(texts)
+    mixed = builtin_calibration_text(20_000, extra=extra)
+    assert extra[:200] in mixed and "def " in mixed

@@ -75,14 +75,15 @@ CHECK_SAMPLES = (
 class MoefyConfig:
     """How a dense FFN becomes a MoE layer."""
 
-    # defaults: the best measured trade-off on Qwen2.5-Coder-0.5B (bench/results/moefy-0.5b.md):
-    # half of the routed neurons active per token, perplexity +22.6% over dense
+    # defaults: half of the routed neurons active per token; with 16384 tokens of a prose + code mix,
+    # held-out perplexity 1.16-1.21x dense on Qwen2.5-Coder-0.5B, 1.19-1.35x on the 1.5B
+    # (bench/results/moefy-c16k.md)
     n_expert: int = field(default=16, metadata={"help": "routed experts per layer"})
     n_expert_used: int = field(default=8, metadata={"help": "routed experts per token (top-k)"})
     shared_frac: float = field(
         default=0.5, metadata={"help": "fraction of each FFN's neurons in the always-active shared expert"}
     )
-    calib_tokens: int = field(default=8192, metadata={"help": "calibration tokens used for clustering and fits"})
+    calib_tokens: int = field(default=16384, metadata={"help": "calibration tokens used for clustering and fits"})
     router_ridge: float = field(default=1e-1, metadata={"help": "ridge strength of the router fit"})
     router_scale: float = field(
         default=1.0,
@@ -615,21 +616,75 @@ def _write_moe(
     writer.close()
 
 
-def builtin_calibration_text(n_chars: int, slice_chars: int = 3000) -> str:
+# general-knowledge openings for the dense model to continue (generated_prose): everyday topics a
+# CPython install has no prose about; none is a question the demo asks
+PROSE_PROMPTS = (
+    "The history of the printing press begins",
+    "Photosynthesis is the process by which",
+    "When you travel by train across Europe,",
+    "The human heart has four chambers:",
+    "A good recipe for bread needs",
+    "The Pacific Ocean is the largest",
+    "Volcanoes form where",
+    "In the nineteenth century, the railways",
+    "The moon orbits the Earth",
+    "A short story: The old fisherman woke before dawn and",
+    "Honey bees communicate with each other by",
+    "The rules of chess are simple:",
+    "Rainbows appear when",
+    "The Roman Empire was",
+    "To plant a tree, first",
+    "Elephants are the largest land animals,",
+    "The invention of the telephone",
+    "Mount Everest stands on the border of",
+    "Dear friend, I am writing to tell you about my trip to",
+    "The seasons change because",
+    "Music has been part of every human culture,",
+    "A healthy breakfast usually includes",
+    "The library in our town opened in",
+    "Earthquakes are measured with",
+)
+
+
+def generated_prose(model_path: str | os.PathLike[str], n_tokens: int, n_threads: int | None = None) -> list[str]:
+    """English prose written by the dense model itself, continuing PROSE_PROMPTS (sampled at
+    temperature 0.7, one seed per text, so the same model gives the same texts): general text in the
+    model's own words where no prose corpus is at hand. A CPython install has the language reference
+    and its sources but little everyday English, and a MoE calibrated without it gets simple facts
+    wrong (issue 12: 'Water freezes at a temperature of 10 degrees Celsius')."""
+    from ..model import Model
+
+    m = Model(model_path, n_ctx=512, n_threads=n_threads)
+    out: list[str] = []
+    total = i = 0
+    while total < n_tokens:
+        prompt = PROSE_PROMPTS[i % len(PROSE_PROMPTS)]
+        r = m.generate(prompt, max_tokens=160, temperature=0.7, seed=i)
+        out.append(prompt + r.text)
+        total += r.prompt_tokens + len(r.tokens)
+        i += 1
+    return out
+
+
+def builtin_calibration_text(n_chars: int, slice_chars: int = 3000, extra: str = "") -> str:
     """Prose and code that every CPython install has, interleaved slice by slice: the language
-    reference's topics (pydoc_data, English prose) and the standard library's top-level sources. A
-    model calibrated on code alone answers prose badly (issue 12); evaluation text must come from
-    elsewhere (bench/corpora.py keeps its eval documents apart)."""
+    reference's topics (pydoc_data, English prose), the standard library's top-level sources and, if
+    given, the slices of extra (e.g. generated_prose joined) as a third stream. A model calibrated on
+    code alone answers prose badly (issue 12); evaluation text must come from elsewhere
+    (bench/corpora.py keeps its eval documents apart)."""
     import sysconfig
     from pydoc_data.topics import topics
 
     prose = [topics[k] for k in sorted(topics)]
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     code = [f.read_text(errors="replace") for f in files[:: max(1, len(files) // 60)]]
+    streams = [prose, code]
+    if extra:
+        streams.append([extra[j : j + slice_chars] for j in range(0, len(extra), slice_chars)])
     out: list[str] = []
     total = i = 0
-    while total < n_chars and i < max(len(prose), len(code)):
-        for docs in (prose, code):
+    while total < n_chars and i < max(len(d) for d in streams):
+        for docs in streams:
             if i < len(docs):
                 t = docs[i][:slice_chars]
                 out.append(t)
