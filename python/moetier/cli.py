@@ -279,7 +279,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
             + "): several minutes, once"
         )
         # everyday English written by the dense model itself beside the language reference and the
-        # sources: without it the MoE gets simple facts wrong (bench/results/moefy-c16k.md)
+        # sources: without it the MoE gets simple facts wrong (bench/results/demo-0.5b.md)
+        note("moetier demo: the dense model writes 4096 tokens of everyday prose for the calibration")
         prose = generated_prose(src, 4096)
         text = builtin_calibration_text(400_000, extra="\n\n".join(prose))
         res = moefy(
