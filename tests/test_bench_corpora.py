@@ -293,3 +293,12 @@ def test_fetch_is_a_no_op_when_cached(tmp_path: Path, monkeypatch: pytest.Monkey
     assert models.fetch("qwen2.5-coder-0.5b", tmp_path) == out
     with pytest.raises(models.FetchError, match="unknown model"):
         models.fetch("nope", tmp_path)
+
+
+def test_mix_interleaves_slices_and_extra_texts() -> None:
+    """mix takes one slice of every text in turn (so a calibration's first tokens hold each in equal
+    parts), runs on when one text ends, and stops at n_chars."""
+    text = corpora.mix([], "calib", 14, slice_chars=3, extra=["aaaaaaa", "bbb", "cccccc"])
+    assert text == "aaabbbcccaaacc"
+    with pytest.raises(corpora.CorpusError, match="unknown split"):
+        corpora.mix(["fortunes"], "test", 10)

@@ -93,3 +93,13 @@ def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_pa
     )
     assert r.returncode != 0
     assert f"{path}: expert cache budget 1.00 KiB is below the minimum" in r.stderr
+
+
+def test_demo_compares_first_sentence_or_line() -> None:
+    from moetier.cli import first_answer
+
+    assert first_answer(" Paris. Paris is located in France.") == "Paris."
+    assert first_answer(" Paris is a city of interest. More") == "Paris is a city of interest."
+    assert first_answer("if n <= 0:\n        return 0") == "if n <= 0:"
+    assert first_answer("0.5 degrees, about half") == "0.5 degrees, about half"  # a decimal point ends nothing
+    assert first_answer("Stop! Go") == "Stop!"
