@@ -5,10 +5,13 @@
 #include "moetier-io.h"
 #include "moetier.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
@@ -21,9 +24,44 @@
 
 using json = nlohmann::ordered_json;
 
+#ifndef RENAME_EXCHANGE
+#    define RENAME_EXCHANGE (1 << 1)  // linux/fs.h: renameat2 swaps the two paths
+#endif
+
 //
 // helpers
 //
+
+namespace {
+
+// bytes of a damaged file quoted in a message (a JSON parser's "last read: ..."), as ASCII: bytes
+// outside printable ASCII become \xNN, so no message carries invalid UTF-8 onward
+std::string printable(const std::string & s) {
+    std::string out;
+    for (const unsigned char c : s) {
+        if (c >= 0x20 && c < 0x7f) {
+            out += (char) c;
+        } else {
+            char buf[8];
+            snprintf(buf, sizeof(buf), "\\x%02x", c);
+            out += buf;
+        }
+    }
+    return out;
+}
+
+// far above any model's (llama.cpp's LLAMA_MAX_EXPERTS is 512): a bound before vectors are sized by it
+constexpr int32_t max_experts = 1 << 16;
+
+// a non-negative integer field (nlohmann would wrap a negative one into a huge uint64_t)
+uint64_t get_unsigned(const json & v, const char * what) {
+    if (!v.is_number_unsigned()) {
+        throw std::runtime_error(format("%s: %s is not a non-negative integer", what, v.dump().c_str()));
+    }
+    return v.get<uint64_t>();
+}
+
+}  // namespace
 
 std::string moetier_expert_tensor_proj(const std::string & name, int32_t * layer) {
     int il = -1;
@@ -158,7 +196,7 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
         j = json::parse(in);
     } catch (const std::exception & e) {
         throw std::runtime_error(format("%s: corrupt store manifest (not valid JSON: %s); re-run `moetier pack`",
-                                        manifest_path_.c_str(), e.what()));
+                                        manifest_path_.c_str(), printable(e.what()).c_str()));
     }
 
     try {
@@ -186,24 +224,51 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
         }
         const std::string store_id = j.at("store_id").get<std::string>();
         id_                        = store_id;
-        const uint64_t data_size   = j.at("data_size").get<uint64_t>();
+        const uint64_t data_size   = get_unsigned(j.at("data_size"), "data_size");
+        // fields this build writes with one value only: another value is another layout, not ignored
+        if (get_unsigned(j.at("alignment"), "alignment") != MOETIER_ALIGN) {
+            throw std::runtime_error(
+                format("alignment %s, this build reads %zu", j.at("alignment").dump().c_str(), MOETIER_ALIGN));
+        }
+        if (j.at("data_file").get<std::string>() != "experts.bin") {
+            throw std::runtime_error("data_file is not \"experts.bin\"");
+        }
 
+        // every expert's byte range, to check that none overlaps another
+        std::vector<std::pair<uint64_t, uint64_t>> ranges;
         for (const json & jl : j.at("layers")) {
             moetier_store_layer l;
             l.layer    = jl.at("layer").get<int32_t>();
             l.n_expert = jl.at("n_expert").get<int32_t>();
+            if (l.layer < 0 || l.n_expert <= 0 || l.n_expert > max_experts) {
+                throw std::runtime_error(format("layer %d: bad layer index or expert count %d", l.layer, l.n_expert));
+            }
+            for (const moetier_store_layer & prev : layers_) {
+                if (prev.layer == l.layer) {
+                    throw std::runtime_error(format("layer %d is listed twice", l.layer));
+                }
+            }
             for (const json & jp : jl.at("projections")) {
                 moetier_store_proj p;
-                p.name        = jp.at("name").get<std::string>();
-                p.tensor      = jp.at("tensor").get<std::string>();
-                p.ne0         = jp.at("ne").at(0).get<int64_t>();
-                p.ne1         = jp.at("ne").at(1).get<int64_t>();
-                p.type_high   = moetier_type_from_name(jp.at("type_high").get<std::string>());
-                p.type_low    = moetier_type_from_name(jp.at("type_low").get<std::string>());
-                p.bytes_high  = jp.at("bytes_high").get<uint64_t>();
-                p.bytes_low   = jp.at("bytes_low").get<uint64_t>();
-                p.offset_high = jp.at("offset_high").get<std::vector<uint64_t>>();
-                p.offset_low  = jp.at("offset_low").get<std::vector<uint64_t>>();
+                p.name       = jp.at("name").get<std::string>();
+                p.tensor     = jp.at("tensor").get<std::string>();
+                p.ne0        = jp.at("ne").at(0).get<int64_t>();
+                p.ne1        = jp.at("ne").at(1).get<int64_t>();
+                p.type_high  = moetier_type_from_name(jp.at("type_high").get<std::string>());
+                p.type_low   = moetier_type_from_name(jp.at("type_low").get<std::string>());
+                p.bytes_high = get_unsigned(jp.at("bytes_high"), "bytes_high");
+                p.bytes_low  = get_unsigned(jp.at("bytes_low"), "bytes_low");
+                for (const json & o : jp.at("offset_high")) {
+                    p.offset_high.push_back(get_unsigned(o, "offset_high"));
+                }
+                for (const json & o : jp.at("offset_low")) {
+                    p.offset_low.push_back(get_unsigned(o, "offset_low"));
+                }
+                int32_t t_layer = -1;
+                if (moetier_expert_tensor_proj(p.tensor, &t_layer) != p.name || t_layer != l.layer) {
+                    throw std::runtime_error(format("projection %s of layer %d: tensor %s is not its expert tensor",
+                                                    p.name.c_str(), l.layer, p.tensor.c_str()));
+                }
                 for (const auto & s : jp.at("checksum_high")) {
                     p.checksum_high.push_back(parse_hex64(s.get<std::string>(), p.tensor + " checksum_high"));
                 }
@@ -216,17 +281,40 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
                     throw std::runtime_error(
                         format("projection %s: bad types or per-expert list lengths", p.tensor.c_str()));
                 }
+                // one expert's bytes as its shape and type give them, in overflow-free arithmetic
+                const int64_t max_ne = int64_t(1) << 24;
+                if (p.ne0 <= 0 || p.ne1 <= 0 || p.ne0 > max_ne || p.ne1 > max_ne ||
+                    p.ne0 % ggml_blck_size(p.type_high) || p.ne0 % ggml_blck_size(p.type_low) ||
+                    p.bytes_high != ggml_row_size(p.type_high, p.ne0) * (uint64_t) p.ne1 ||
+                    p.bytes_low != ggml_row_size(p.type_low, p.ne0) * (uint64_t) p.ne1) {
+                    throw std::runtime_error(format("projection %s: shape [%" PRId64 ", %" PRId64
+                                                    "] does not give bytes_high %" PRIu64 " / bytes_low %" PRIu64,
+                                                    p.tensor.c_str(), p.ne0, p.ne1, p.bytes_high, p.bytes_low));
+                }
                 for (size_t e = 0; e < ne; ++e) {
-                    if (p.offset_high[e] % MOETIER_ALIGN || p.offset_low[e] % MOETIER_ALIGN ||
-                        p.offset_high[e] + moetier_align_up(p.bytes_high) > data_size ||
-                        p.offset_low[e] + moetier_align_up(p.bytes_low) > data_size) {
-                        throw std::runtime_error(format(
-                            "projection %s expert %zu: offset unaligned or past the data size", p.tensor.c_str(), e));
+                    for (const auto [off, n] : { std::make_pair(p.offset_high[e], moetier_align_up(p.bytes_high)),
+                                                 std::make_pair(p.offset_low[e], moetier_align_up(p.bytes_low)) }) {
+                        // off + n > data_size, written so that a huge offset cannot wrap around
+                        if (off % MOETIER_ALIGN || off < MOETIER_ALIGN || off > data_size || n > data_size - off) {
+                            throw std::runtime_error(format("projection %s expert %zu: offset %" PRIu64
+                                                            " unaligned or its %" PRIu64
+                                                            " bytes outside the data (%" PRIu64 " bytes)",
+                                                            p.tensor.c_str(), e, off, n, data_size));
+                        }
+                        ranges.emplace_back(off, off + n);
                     }
                 }
                 l.projs.push_back(std::move(p));
             }
             layers_.push_back(std::move(l));
+        }
+
+        std::sort(ranges.begin(), ranges.end());
+        for (size_t i = 1; i < ranges.size(); ++i) {
+            if (ranges[i].first < ranges[i - 1].second) {
+                throw std::runtime_error(
+                    format("two experts' byte ranges overlap at offset %" PRIu64, ranges[i].first));
+            }
         }
 
         // experts.bin must be the one this manifest was written with, and complete
@@ -343,6 +431,108 @@ static void fsync_dir(const std::string & dir) {
 
 struct moetier_pack_cancelled {};
 
+// what a store directory may hold: its two files, the warm start's sidecar (moetier-model.cpp; it
+// describes this store, so it goes with it) and their temporaries
+static bool is_store_file(const std::string & name) {
+    const auto ends_with = [&](const char * suf) {
+        const size_t n = strlen(suf);
+        return name.size() >= n && name.compare(name.size() - n, n, suf) == 0;
+    };
+    return name == "manifest.json" || name == "experts.bin" || name == "cache-state.bin" || ends_with(".tmp");
+}
+
+// the entries of dir (none if it does not exist); throws if dir is something else than a store
+// directory: a store is published by swapping whole directories, so the directory is the store's
+static std::vector<std::string> store_dir_entries(const std::string & dir) {
+    std::vector<std::string> names;
+    DIR *                    d = opendir(dir.c_str());
+    if (!d) {
+        if (errno == ENOENT) {
+            return names;
+        }
+        throw std::runtime_error(format("%s: cannot open directory: %s", dir.c_str(), strerror(errno)));
+    }
+    for (dirent * e = readdir(d); e; e = readdir(d)) {
+        const std::string n = e->d_name;
+        if (n != "." && n != "..") {
+            names.push_back(n);
+        }
+    }
+    closedir(d);
+    for (const std::string & n : names) {
+        if (!is_store_file(n)) {
+            throw std::runtime_error(
+                format("%s: holds %s, so it is not a store directory; pack into an empty or "
+                       "new directory of its own",
+                       dir.c_str(), n.c_str()));
+        }
+    }
+    return names;
+}
+
+static void remove_store_dir(const std::string & dir) {
+    for (const std::string & n : store_dir_entries(dir)) {
+        unlink((dir + "/" + n).c_str());
+    }
+    rmdir(dir.c_str());
+}
+
+// the pack's working directory, a sibling of the store's, removed unless publish() took it
+class moetier_pack_dir {
+  public:
+    explicit moetier_pack_dir(const std::string & out_dir) {
+        final_ = out_dir;
+        while (final_.size() > 1 && final_.back() == '/') {
+            final_.pop_back();
+        }
+        work_ = final_ + ".pack-tmp";
+        store_dir_entries(final_);  // refuse a directory that holds more than a store, before any work
+        remove_store_dir(work_);    // left by a pack that was killed
+        if (mkdir(work_.c_str(), 0755) != 0) {
+            throw std::runtime_error(format("%s: cannot create directory: %s", work_.c_str(), strerror(errno)));
+        }
+    }
+
+    ~moetier_pack_dir() {
+        try {
+            remove_store_dir(work_);
+        } catch (const std::exception &) {
+            // something else was put there meanwhile: leave it
+        }
+    }
+
+    const std::string & path() const { return work_; }
+
+    // the complete new store replaces the old one in one step: a kill at any point leaves the old
+    // store or the new one in out_dir, never a mix and never neither (issue 15)
+    void publish() {
+        fsync_dir(work_);
+        struct stat st;
+        if (stat(final_.c_str(), &st) != 0) {
+            if (rename(work_.c_str(), final_.c_str()) != 0) {
+                throw std::runtime_error(format("%s: rename failed: %s", final_.c_str(), strerror(errno)));
+            }
+        } else if (syscall(SYS_renameat2, AT_FDCWD, work_.c_str(), AT_FDCWD, final_.c_str(), RENAME_EXCHANGE) != 0) {
+            if (errno != EINVAL && errno != ENOSYS) {
+                throw std::runtime_error(format("%s: rename failed: %s", final_.c_str(), strerror(errno)));
+            }
+            // no atomic exchange on this filesystem: the manifest is the commit point, removed first
+            // so that an old manifest never stands next to new data (a kill here leaves no store)
+            unlink((final_ + "/manifest.json").c_str());
+            for (const char * f : { "experts.bin", "manifest.json" }) {
+                if (rename((work_ + "/" + f).c_str(), (final_ + "/" + f).c_str()) != 0) {
+                    throw std::runtime_error(format("%s/%s: rename failed: %s", final_.c_str(), f, strerror(errno)));
+                }
+            }
+        }
+        const size_t slash = final_.rfind('/');
+        fsync_dir(slash == std::string::npos ? "." : slash == 0 ? "/" : final_.substr(0, slash));
+    }
+  private:
+    std::string final_;
+    std::string work_;
+};
+
 static void moetier_pack_impl(const std::string &         model_path,
                               const std::string &         out_dir,
                               const moetier_pack_params & params) {
@@ -455,15 +645,11 @@ static void moetier_pack_impl(const std::string &         model_path,
     }
     const uint64_t data_size = pos;
 
-    if (mkdir(out_dir.c_str(), 0755) != 0 && errno != EEXIST) {
-        throw std::runtime_error(format("%s: cannot create directory: %s", out_dir.c_str(), strerror(errno)));
-    }
-    // the manifest is the commit point: remove it first so that a failure below never leaves an
-    // old manifest next to new data
-    const std::string manifest_path = out_dir + "/manifest.json";
-    unlink(manifest_path.c_str());
+    // written whole into a sibling directory, then swapped in (moetier_pack_dir::publish)
+    moetier_pack_dir  dir(out_dir);
+    const std::string manifest_path = dir.path() + "/manifest.json";
 
-    moetier_out_file out(out_dir + "/experts.bin");
+    moetier_out_file out(dir.path() + "/experts.bin");
     {
         std::vector<uint8_t> head(MOETIER_ALIGN, 0);
         const std::string    h = std::string(MOETIER_STORE_MAGIC) + store_id;
@@ -552,7 +738,7 @@ static void moetier_pack_impl(const std::string &         model_path,
     const std::string text = manifest.dump(1) + "\n";
     mf.write_at(text.data(), text.size(), 0);
     mf.commit();
-    fsync_dir(out_dir);
+    dir.publish();
 }
 
 struct moetier_pack_params moetier_pack_default_params(void) {

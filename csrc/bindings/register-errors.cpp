@@ -52,7 +52,14 @@ void register_errors(py::module_ & m) {
                     break;
             }
             py::object cls = py::module_::import("moetier._core").attr(name);
-            PyErr_SetString(cls.ptr(), e.msg.c_str());
+            // messages quote file names and file contents, which need not be UTF-8: PyErr_SetString
+            // would raise UnicodeDecodeError instead of the error itself; stray bytes show as \xNN
+            PyObject * msg = PyUnicode_DecodeUTF8(e.msg.data(), (Py_ssize_t) e.msg.size(), "backslashreplace");
+            if (!msg) {
+                return;  // the decode's own error (out of memory) is set
+            }
+            PyErr_SetObject(cls.ptr(), msg);
+            Py_DECREF(msg);
         }
     });
 }

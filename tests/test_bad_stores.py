@@ -1,0 +1,170 @@
+"""A corpus of hand-made damaged stores (issue 15): every one fails with a StoreError naming the file
+and the problem, at load or at the first read of a damaged expert, and never crashes, hangs, reads
+outside experts.bin or allocates from an unchecked size. The damage is written into a copy of a
+packed store; the fuzzer (bench/fuzz_store.py) drives the same loader with random bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, Model, StoreError, pack
+
+Manifest = dict[str, Any]
+
+
+def _proj(m: Manifest, layer: int = 0, proj: int = 0) -> dict[str, Any]:
+    p: dict[str, Any] = m["layers"][layer]["projections"][proj]
+    return p
+
+
+def _set(path: tuple[Any, ...], value: Any) -> Callable[[Manifest], None]:
+    def edit(m: Manifest) -> None:
+        d: Any = m
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+
+    return edit
+
+
+def _drop(path: tuple[Any, ...]) -> Callable[[Manifest], None]:
+    def edit(m: Manifest) -> None:
+        d: Any = m
+        for k in path[:-1]:
+            d = d[k]
+        del d[path[-1]]
+
+    return edit
+
+
+P0 = ("layers", 0, "projections", 0)
+# name -> (edit of the parsed manifest, what the error must say)
+EDITS: dict[str, tuple[Callable[[Manifest], None], str]] = {
+    "wrong format": (_set(("format",), "gguf"), "not a moetier store"),
+    "future version": (_set(("version",), 99), "store version 99"),
+    "version a string": (_set(("version",), "1"), "corrupt"),
+    "no layers": (_drop(("layers",)), "corrupt"),
+    "layers not a list": (_set(("layers",), {"0": 1}), "corrupt"),
+    "empty layers": (_set(("layers",), []), "manifest"),
+    "layer index past the model": (_set(("layers", 0, "layer"), 4096), "manifest"),
+    "negative layer index": (_set(("layers", 0, "layer"), -1), "manifest"),
+    "layer listed twice": (lambda m: m["layers"].append(json.loads(json.dumps(m["layers"][0]))), "manifest"),
+    "expert count off by one": (_set(("layers", 0, "n_expert"), 9), "manifest"),
+    "huge expert count": (_set(("layers", 0, "n_expert"), 2**40), "manifest"),
+    "offsets shorter than the experts": (lambda m: _proj(m)["offset_high"].pop(), "manifest"),
+    "checksums shorter than the experts": (lambda m: _proj(m)["checksum_low"].pop(), "manifest"),
+    "offset past the end": (lambda m: _proj(m)["offset_high"].__setitem__(3, m["data_size"] + 4096), "manifest"),
+    "offset straddles the end": (
+        lambda m: _proj(m)["offset_high"].__setitem__(3, m["data_size"] - 4096),
+        "manifest",
+    ),
+    "negative offset": (lambda m: _proj(m)["offset_low"].__setitem__(0, -4096), "manifest"),
+    "huge offset": (lambda m: _proj(m)["offset_high"].__setitem__(0, 2**63 - 4096), "manifest"),
+    "misaligned offset": (lambda m: _proj(m)["offset_high"].__setitem__(1, _proj(m)["offset_high"][1] + 1), "manifest"),
+    "overlapping ranges": (
+        lambda m: _proj(m)["offset_high"].__setitem__(1, _proj(m)["offset_high"][0]),
+        "manifest",
+    ),
+    "low over a high range": (
+        lambda m: _proj(m)["offset_low"].__setitem__(2, _proj(m)["offset_high"][2]),
+        "manifest",
+    ),
+    "huge expert size": (_set((*P0, "bytes_high"), 2**62), "manifest"),
+    "expert size not the tensor's": (_set((*P0, "bytes_high"), 4096), "manifest"),
+    "zero expert size": (_set((*P0, "bytes_low"), 0), "manifest"),
+    "shape not the model's": (_set((*P0, "ne"), [64, 65]), "manifest"),
+    "huge shape": (_set((*P0, "ne"), [2**40, 2**40]), "manifest"),
+    "unknown type": (_set((*P0, "type_low"), "q9_9"), "manifest"),
+    "tensor of another layer": (_set((*P0, "tensor"), "blk.1.ffn_gate_exps.weight"), "manifest"),
+    "tensor name not a tensor": (_set((*P0, "tensor"), "blk.0.attn_q.weight"), "manifest"),
+    "unknown projection": (_set((*P0, "name"), "gate_down"), "manifest"),
+    "no checksums": (_drop((*P0, "checksum_high")), "corrupt"),
+    "checksum not hex": (lambda m: _proj(m)["checksum_high"].__setitem__(0, "zz"), "manifest"),
+    "huge alignment": (_set(("alignment",), 2**40), "manifest"),
+    "zero alignment": (_set(("alignment",), 0), "manifest"),
+    "data size past the file": (_set(("data_size",), 2**50), "experts.bin"),
+    "data file elsewhere": (_set(("data_file",), "../../etc/passwd"), "manifest"),
+    "another model's size": (_set(("model", "file_size"), 12345), "different model"),
+    "non-ASCII string": (_set(("low_type",), "q4_\u00e9"), "manifest"),
+}
+
+
+@pytest.fixture(scope="module")
+def packed_module(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from moetier.tools.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("bad-stores")
+    path = write_tiny_model(root / "m.gguf", "qwen2moe", n_expert=8, n_expert_used=2)
+    return path, pack(path, root / "store", progress=False)
+
+
+def _damaged(packed: tuple[Path, Path], tmp_path: Path, text: bytes) -> Path:
+    store = tmp_path / "store"
+    shutil.copytree(packed[1], store)
+    (store / "manifest.json").write_bytes(text)
+    return store
+
+
+def _expect_store_error(model: Path, store: Path, match: str) -> None:
+    """The load, or else the first decode (every expert routed at some point), fails cleanly."""
+    with pytest.raises(StoreError, match=match) as info:
+        m = Model(model, store=store, cache=CacheConfig.exact(budget="16M"))
+        m.generate(LONG_PROMPT, max_tokens=8)
+    assert str(store) in str(info.value), "the message names the store's file"
+
+
+@pytest.mark.parametrize("name", sorted(EDITS))
+def test_damaged_manifest(name: str, packed_module: tuple[Path, Path], tmp_path: Path) -> None:
+    edit, match = EDITS[name]
+    m = json.loads((packed_module[1] / "manifest.json").read_text())
+    edit(m)
+    store = _damaged(packed_module, tmp_path, json.dumps(m, indent=1).encode())
+    _expect_store_error(packed_module[0], store, match)
+
+
+def test_manifest_truncated_at_every_section(packed_module: tuple[Path, Path], tmp_path: Path) -> None:
+    text = (packed_module[1] / "manifest.json").read_bytes()
+    # every top-level key and every layer's and projection's first key: a cut in each section
+    cuts = sorted(
+        {text.index(k) for k in (b'"format"', b'"version"', b'"store_id"', b'"model"', b'"low_type"')}
+        | {i for i in range(len(text)) if text.startswith(b'"layer"', i) or text.startswith(b'"name"', i)}
+        | {1, len(text) // 2, len(text) - 2}
+    )
+    assert len(cuts) > 10
+    for i, cut in enumerate(cuts):
+        store = _damaged(packed_module, tmp_path / str(i), text[:cut])
+        _expect_store_error(packed_module[0], store, r"manifest.json.*corrupt")
+
+
+@pytest.mark.parametrize("where", ["format", "middle", "store id", "end"])
+def test_manifest_with_a_non_utf8_byte(where: str, packed_module: tuple[Path, Path], tmp_path: Path) -> None:
+    """One byte 0xff (issue 15: this used to surface as a UnicodeDecodeError, not a StoreError)."""
+    text = (packed_module[1] / "manifest.json").read_bytes()
+    pos = {
+        "format": text.index(b"moetier-store") + 3,
+        "middle": len(text) // 2,
+        "store id": text.index(b'"store_id"') + 14,
+        "end": len(text) - 3,
+    }[where]
+    store = _damaged(packed_module, tmp_path, text[:pos] + b"\xff" + text[pos + 1 :])
+    _expect_store_error(packed_module[0], store, r"manifest.json.*corrupt.*\\xff")
+
+
+def test_empty_and_binary_manifests(packed_module: tuple[Path, Path], tmp_path: Path) -> None:
+    for i, text in enumerate([b"", b"\x00" * 64, b"\xff\xfe{}", b"[]", b"null", b'"moetier-store"', b"{}" * 3]):
+        store = _damaged(packed_module, tmp_path / str(i), text)
+        _expect_store_error(packed_module[0], store, r"manifest.json")
+
+
+def test_store_of_another_model_with_the_same_shapes(
+    packed_module: tuple[Path, Path], tiny_model: ModelFactory
+) -> None:
+    other = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, seed=11)
+    _expect_store_error(other, packed_module[1], r"manifest.json.*different model")
