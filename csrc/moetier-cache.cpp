@@ -442,6 +442,7 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
                 io->release(t.io_id);
                 // once more, synchronously (a short or refused ring read; a bad store fails again,
                 // with the file named)
+                n_read_retries_.fetch_add(failed ? 1 : 0, std::memory_order_relaxed);
                 if (failed && !moetier_read_run(t.read, bb, err)) {
                     t.failed = true;
                     set_error(err);
@@ -454,7 +455,10 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
         // the compute threads read, each its share
         for (int32_t i = ith; i < p.n_tasks; i += nth) {
             moetier_pass::task & t = p.tasks[i];
-            if (!moetier_read_run(t.read, bb, err)) {
+            // a failed read is tried once more: a transient fault (EIO from a flaky card, bits
+            // flipped on the way) reads right the second time; a damaged store fails again
+            if (!moetier_read_run(t.read, bb, err) &&
+                (n_read_retries_.fetch_add(1, std::memory_order_relaxed), !moetier_read_run(t.read, bb, err))) {
                 t.failed = true;
                 set_error(err);
             }
@@ -480,6 +484,7 @@ void moetier_cache::wait_prefetched(moetier_pass & p) noexcept {
         if (!failed) {
             continue;
         }
+        n_read_retries_.fetch_add(1, std::memory_order_relaxed);
         moetier_error err;
         if (!moetier_read_expert(*p.layer, w.prec, sets[w.prec]->key(w.slot).expert, w.slot, bounce[0], err)) {
             w.failed = true;

@@ -170,6 +170,9 @@ class moetier_cache {
     // expert reads that failed (I/O error, short read, checksum) since load; clear_error keeps it
     uint64_t n_read_errors() const { return n_read_errors_.load(std::memory_order_relaxed); }
 
+    // expert reads that failed once and were tried again (whatever the second try gave)
+    uint64_t n_read_retries() const { return n_read_retries_.load(std::memory_order_relaxed); }
+
   private:
     // settles the open pass: accounts its read time; a pass the graph aborted before its load op
     // drops every slot it assigned (nothing was read into them, or checked); failed reads drop theirs
@@ -221,4 +224,5 @@ class moetier_cache {
     moetier_error         error_;
     std::atomic<bool>     has_error{ false };
     std::atomic<uint64_t> n_read_errors_{ 0 };
+    std::atomic<uint64_t> n_read_retries_{ 0 };
 };

@@ -11,8 +11,10 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <stdexcept>
+#include <unordered_set>
 
 void moetier_aligned_deleter::operator()(void * p) const {
     free(p);
@@ -52,6 +54,79 @@ moetier_file::moetier_file(const std::string & path, bool direct_io) : path_(pat
     direct_ = fd_direct_ >= 0;
 }
 
+//
+// fault injection
+//
+
+namespace {
+
+struct moetier_faults {
+    std::atomic<uint64_t>        every[MOETIER_FAULT_COUNT] = {};  // 0 = off
+    std::atomic<uint64_t>        seen[MOETIER_FAULT_COUNT]  = {};
+    std::atomic<uint64_t>        injected{ 0 };
+    std::mutex                   mu;
+    std::unordered_set<uint64_t> hit;  // offsets that had a transient fault (of any kind)
+};
+
+moetier_faults g_faults;
+
+}  // namespace
+
+bool moetier_faults_configure(const char * spec, std::string & err) {
+    uint64_t                  every[MOETIER_FAULT_COUNT] = {};
+    const std::string         s                          = spec ? spec : "";
+    static const char * const names[]                    = { "eio", "short", "flip" };
+    size_t                    pos                        = 0;
+    while (!s.empty() && pos <= s.size()) {  // every item, an empty one (a stray comma) too
+        size_t end              = s.find(',', pos);
+        end                     = end == std::string::npos ? s.size() : end;
+        const std::string item  = s.substr(pos, end - pos);
+        const size_t      colon = item.find(':');
+        int               k     = -1;
+        for (int i = 0; i < MOETIER_FAULT_COUNT; ++i) {
+            if (colon != std::string::npos && item.compare(0, colon, names[i]) == 0 && colon == strlen(names[i])) {
+                k = i;
+            }
+        }
+        char *                   tail = nullptr;
+        const unsigned long long n    = k >= 0 ? strtoull(item.c_str() + colon + 1, &tail, 10) : 0;
+        if (k < 0 || n == 0 || !tail || *tail != '\0') {
+            err = format("MOETIER_FAULTS: '%s' is not KIND:N with KIND eio, short or flip and N >= 1", item.c_str());
+            return false;
+        }
+        every[k] = n;
+        pos      = end + 1;
+    }
+    std::lock_guard<std::mutex> lock(g_faults.mu);
+    for (int i = 0; i < MOETIER_FAULT_COUNT; ++i) {
+        g_faults.every[i].store(every[i]);
+        g_faults.seen[i].store(0);
+    }
+    g_faults.hit.clear();
+    g_faults.injected.store(0);
+    return true;
+}
+
+bool moetier_fault(moetier_fault_kind k, uint64_t off) {
+    const uint64_t every = g_faults.every[k].load(std::memory_order_relaxed);
+    if (every == 0) {
+        return false;
+    }
+    if (every > 1) {
+        std::lock_guard<std::mutex> lock(g_faults.mu);
+        if (g_faults.hit.count(off) || ++g_faults.seen[k] % every != 0) {
+            return false;
+        }
+        g_faults.hit.insert(off);
+    }
+    g_faults.injected.fetch_add(1, std::memory_order_relaxed);
+    return true;
+}
+
+uint64_t moetier_faults_injected() {
+    return g_faults.injected.load();
+}
+
 moetier_file::~moetier_file() {
     if (fd_direct_ >= 0) {
         close(fd_direct_);
@@ -65,7 +140,15 @@ bool moetier_file::pread_full(int fd, void * dst, uint64_t offset, size_t n, std
     uint8_t * p    = (uint8_t *) dst;
     size_t    done = 0;
     while (done < n) {
-        const ssize_t r = pread(fd, p + done, n - done, (off_t) (offset + done));
+        size_t want = n - done;
+        if (want > 2 * MOETIER_ALIGN && fault(MOETIER_FAULT_SHORT, offset + done)) {
+            want = want / 2 / MOETIER_ALIGN * MOETIER_ALIGN;  // stays block aligned for O_DIRECT
+        }
+        ssize_t r = pread(fd, p + done, want, (off_t) (offset + done));
+        if (r >= 0 && fault(MOETIER_FAULT_EIO, offset + done)) {
+            r     = -1;
+            errno = EIO;
+        }
         if (r < 0) {
             if (errno == EINTR) {
                 continue;
@@ -170,6 +253,12 @@ bool moetier_file::readv(const moetier_iovec * iov, int n, uint64_t offset, std:
     do {
         r = preadv(fd, v, n, (off_t) offset);
     } while (r < 0 && errno == EINTR);
+    if (r >= 0 && fault(MOETIER_FAULT_EIO, offset)) {
+        r     = -1;
+        errno = EIO;
+    } else if (r == (ssize_t) total && total > MOETIER_ALIGN && fault(MOETIER_FAULT_SHORT, offset)) {
+        r = (ssize_t) MOETIER_ALIGN;
+    }
     if (r == (ssize_t) total) {
         if (!direct_) {
 #ifdef POSIX_FADV_DONTNEED

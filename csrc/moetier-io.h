@@ -24,6 +24,22 @@ struct moetier_latency_hist {
     void reset();
 };
 
+// Fault injection for tests (tests/test_io_faults.py), off unless configured: MOETIER_FAULTS, read
+// at every model load, as KIND:N[,KIND:N...] makes every N-th expert read of that kind fail:
+//   eio    the read returns EIO (pread and preadv, an io_uring completion)
+//   short  the read returns fewer bytes than asked (the reader must finish or fail it)
+//   flip   one byte of what was read is flipped before the checksum is checked (silent corruption)
+// N > 1 is a transient fault: a read at a file offset that already had one (of any kind) reads right (a retry
+// passes); N = 1 is a persistent one: every read fails, retries too.
+enum moetier_fault_kind { MOETIER_FAULT_EIO, MOETIER_FAULT_SHORT, MOETIER_FAULT_FLIP, MOETIER_FAULT_COUNT };
+
+// parses spec (MOETIER_FAULTS) and resets the counters; false + err on a malformed spec
+bool     moetier_faults_configure(const char * spec, std::string & err);
+// whether this read (at file offset off) gets a fault of kind k (counts the reads of each kind)
+bool     moetier_fault(moetier_fault_kind k, uint64_t off);
+// faults injected since the last configure
+uint64_t moetier_faults_injected();
+
 // one destination of a vectored read
 struct moetier_iovec {
     void * base = nullptr;
@@ -72,12 +88,18 @@ class moetier_file {
 
     bool direct() const { return direct_; }
 
+    // this file's reads are expert reads: MOETIER_FAULTS applies to them (not to header checks)
+    void set_fault_injection(bool on) { faults_ = on; }
+
   private:
     bool pread_full(int fd, void * dst, uint64_t offset, size_t n, std::string & err) const;
+
+    bool fault(moetier_fault_kind k, uint64_t off) const { return faults_ && moetier_fault(k, off); }
 
     std::string path_;
     int         fd_        = -1;  // buffered
     int         fd_direct_ = -1;  // O_DIRECT, -1 if refused
     uint64_t    size_      = 0;
     bool        direct_    = false;
+    bool        faults_    = false;
 };

@@ -97,7 +97,12 @@ void moetier_io_pool::reap(bool block) {
         const int32_t               id = (int32_t) ud;
         const moetier_io_vec_read & rd = reads[id];
         std::string                 err;
-        bool                        ok = res >= 0 && (size_t) res == rd.bytes;
+        if (res >= 0 && moetier_fault(MOETIER_FAULT_EIO, rd.offset)) {
+            res = -EIO;
+        } else if (res > (int32_t) MOETIER_ALIGN && moetier_fault(MOETIER_FAULT_SHORT, rd.offset)) {
+            res = (int32_t) MOETIER_ALIGN;
+        }
+        bool ok = res >= 0 && (size_t) res == rd.bytes;
         if (!ok) {
             err = res < 0 ? format("read failed: %s", strerror(-res)) :
                             format("short read: %d of %zu bytes", res, rd.bytes);

@@ -32,6 +32,11 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     if (const char * bad = moetier_params_check(&params)) {
         throw moetier_exception(MOETIER_ERROR_CONFIG, bad);
     }
+    // fault injection for tests (moetier-io.h); unset, no read is touched
+    std::string fault_err;
+    if (!moetier_faults_configure(getenv("MOETIER_FAULTS"), fault_err)) {
+        throw moetier_exception(MOETIER_ERROR_CONFIG, fault_err);
+    }
     precision.t1   = params.t1;
     precision.t2   = params.t2;
     low_frac       = params.low_frac;
@@ -67,12 +72,14 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
         try {
             store      = std::make_unique<moetier_store>(params.store_dir, id);
             store_file = std::make_unique<moetier_file>(store->data_path(), direct_io);
+            store_file->set_fault_injection(true);
         } catch (const std::runtime_error & e) {
             throw moetier_exception(MOETIER_ERROR_STORE, e.what());
         }
     } else {
         for (const auto & p : paths) {
             files.push_back(std::make_unique<moetier_file>(p, direct_io));
+            files.back()->set_fault_injection(true);
         }
     }
 

@@ -20,6 +20,13 @@ uint64_t moetier_read_bytes(const moetier_layer & l, moetier_precision prec) {
     return n;
 }
 
+// fault injection (moetier-io.h): one byte of what was just read into slot s goes bad
+static void moetier_read_maybe_flip(const moetier_proj & p, moetier_precision prec, int32_t e, int32_t s) {
+    if (p.store && moetier_fault(MOETIER_FAULT_FLIP, p.expert_offset(e, prec))) {
+        moetier_slot_data(p, prec, s)[p.expert_bytes(prec) / 2] ^= 0x10;
+    }
+}
+
 static bool moetier_read_verify_proj(const moetier_proj & p,
                                      moetier_precision    prec,
                                      int32_t              e,
@@ -72,6 +79,7 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
             err.set(MOETIER_ERROR_IO, msg);
             return false;
         }
+        moetier_read_maybe_flip(first, r.prec, r.expert, r.slot);
         return moetier_read_verify(l, r.prec, r.expert, r.slot, err);
     }
     const moetier_proj & p     = l.projs[r.proj];
@@ -89,6 +97,7 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
         err.set(MOETIER_ERROR_IO, msg);
         return false;
     }
+    moetier_read_maybe_flip(p, r.prec, r.expert, r.slot);
     return moetier_read_verify_proj(p, r.prec, r.expert, r.slot, err);
 }
 
@@ -186,6 +195,7 @@ bool moetier_read_io_finish(const moetier_io_task & task, std::string & err) noe
     if (l.read_hist && task.t_start_us > 0) {
         l.read_hist->add(moetier_time_us() - task.t_start_us);
     }
+    moetier_read_maybe_flip(l.projs[l.file_order[task.prec][0]], (moetier_precision) task.prec, task.expert, task.slot);
     if (!moetier_read_verify(l, (moetier_precision) task.prec, task.expert, task.slot, e)) {
         err = e.msg;
         return false;

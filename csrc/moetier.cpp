@@ -174,6 +174,16 @@ uint64_t moetier_model_read_errors(const struct llama_model * model) {
     return n;
 }
 
+uint64_t moetier_model_read_retries(const struct llama_model * model) {
+    uint64_t n = 0;
+    if (const moetier_model * m = moetier_of(model)) {
+        for (const auto & c : m->caches) {
+            n += c->n_read_retries();
+        }
+    }
+    return n;
+}
+
 void moetier_model_clear_error(struct llama_model * model) {
     moetier_model * m = moetier_of(model);
     if (!m) {
@@ -320,18 +330,20 @@ int32_t moetier_model_prometheus(const struct llama_model * model, const char * 
             double       value;
         } items[] = {
             { "expert_cache_size_bytes",            "gauge",   "moetier: bytes of the expert cache's slots",
-             (double) info.cache_bytes                                                                                                                             },
+             (double) info.cache_bytes                                                                                                                              },
             { "expert_cache_experts_bytes",         "gauge",
-             "moetier: bytes of all served experts (what stock llama.cpp loads)",                                        (double) info.expert_bytes                },
+             "moetier: bytes of all served experts (what stock llama.cpp loads)",                                        (double) info.expert_bytes                 },
             { "expert_cache_prefetch_used_total",   "counter", "moetier: needed experts that a prefetch had read",
-             (double) pf.n_hits                                                                                                                                    },
+             (double) pf.n_hits                                                                                                                                     },
             { "expert_cache_prefetch_wasted_total", "counter",
-             "moetier: prefetched experts the layer did not need, read anyway",                                          (double) pf.n_wasted                      },
+             "moetier: prefetched experts the layer did not need, read anyway",                                          (double) pf.n_wasted                       },
             { "expert_cache_warm_experts",          "gauge",   "moetier: experts the warm start reads from its sidecar",
-             (double) n_warm                                                                                                                                       },
-            { "expert_cache_warm_read",             "gauge",   "moetier: ... of which read so far",                      (double) n_warm_read                      },
+             (double) n_warm                                                                                                                                        },
+            { "expert_cache_warm_read",             "gauge",   "moetier: ... of which read so far",                      (double) n_warm_read                       },
             { "expert_cache_read_errors_total",     "counter",
-             "moetier: expert reads that failed (I/O error, short read, checksum); the request that needed one failed",  (double) moetier_model_read_errors(model) },
+             "moetier: expert reads that failed (I/O error, short read, checksum); the request that needed one failed",  (double) moetier_model_read_errors(model)  },
+            { "expert_cache_read_retries_total",    "counter",
+             "moetier: expert reads that failed once and were read again",                                               (double) moetier_model_read_retries(model) },
         };
 
         for (const auto & it : items) {

@@ -310,6 +310,9 @@ MOETIER_API void                    moetier_model_clear_error(struct llama_model
 // Expert reads that failed since load (each made its decode return 2); moetier_model_clear_error
 // does not reset it. llama-server's /metrics shows it as expert_cache_read_errors_total.
 MOETIER_API uint64_t moetier_model_read_errors(const struct llama_model * model);
+// Expert reads that failed once and were tried again (a transient fault passes on the second try;
+// what fails twice is also a read error). /metrics: expert_cache_read_retries_total.
+MOETIER_API uint64_t moetier_model_read_retries(const struct llama_model * model);
 
 //
 // expert store

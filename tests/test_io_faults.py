@@ -1,0 +1,113 @@
+"""Injected expert-read faults (MOETIER_FAULTS, csrc/moetier-io.h): EIO, short reads and flipped
+bytes, on the pread and the io_uring paths, demand reads and prefetches (issue 15). A transient fault
+is read again and the output stays stock llama.cpp's; a fault that persists fails the decode (the
+request, under the server) with the file named, the slot is not kept, and the next decode without the
+fault is exact."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _server import serve
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, ConfigError, Model, MoetierError, StoreError, pack
+
+PATHS = [(0, 0), (0, 1), (1, 0), (1, 1)]  # (io_uring, prefetch)
+
+
+@pytest.fixture
+def setup(tiny_model: ModelFactory, tmp_path: Path) -> tuple[Path, Path, int]:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    store = pack(path, tmp_path / "store", progress=False)
+    lo = int(Model(path, store=store, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    return path, store, lo
+
+
+def _model(setup: tuple[Path, Path, int], io_uring: int, prefetch: int) -> Model:
+    path, store, lo = setup
+    return Model(path, store=store, cache=CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch))
+
+
+@pytest.mark.parametrize(("io_uring", "prefetch"), PATHS)
+@pytest.mark.parametrize("faults", ["eio:3", "short:2", "flip:3", "eio:5,short:3,flip:7", "short:1"])
+def test_transient_faults_are_read_again(
+    setup: tuple[Path, Path, int], monkeypatch: pytest.MonkeyPatch, io_uring: int, prefetch: int, faults: str
+) -> None:
+    """Every N-th read faults, so the second try of a faulted read does not (short reads are
+    finished even when every read is short): the logits are stock's, bit for bit."""
+    stock = Model(setup[0])
+    tokens = stock.tokenize(LONG_PROMPT)
+    want = stock.logits(tokens)
+    monkeypatch.setenv("MOETIER_FAULTS", faults)
+    m = _model(setup, io_uring, prefetch)
+    np.testing.assert_array_equal(m.logits(tokens), want)
+    assert m.stats().n_misses > 8, "the budget makes it read, so faults were injected"
+    assert m.generate(LONG_PROMPT, max_tokens=8).tokens == stock.generate(LONG_PROMPT, max_tokens=8).tokens
+
+
+@pytest.mark.parametrize(("io_uring", "prefetch"), PATHS)
+@pytest.mark.parametrize(
+    ("faults", "error", "says"),
+    [("eio:1", MoetierError, "Input/output error"), ("flip:1", StoreError, "checksum mismatch")],
+)
+def test_persistent_faults_fail_cleanly(
+    setup: tuple[Path, Path, int],
+    monkeypatch: pytest.MonkeyPatch,
+    io_uring: int,
+    prefetch: int,
+    faults: str,
+    error: type[Exception],
+    says: str,
+) -> None:
+    path = setup[0]
+    monkeypatch.setenv("MOETIER_FAULTS", faults)
+    m = _model(setup, io_uring, prefetch)
+    with pytest.raises(error, match=rf"experts\.bin.*{says}|{says}.*experts\.bin"):
+        m.generate(LONG_PROMPT, max_tokens=4)
+    monkeypatch.delenv("MOETIER_FAULTS")
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    np.testing.assert_array_equal(_model(setup, io_uring, prefetch).logits(tokens), stock.logits(tokens))
+
+
+def test_bad_fault_spec(setup: tuple[Path, Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("eio", "eio:0", "boom:3", "eio:3,", "short:x"):
+        monkeypatch.setenv("MOETIER_FAULTS", bad)
+        with pytest.raises(ConfigError, match="MOETIER_FAULTS"):
+            _model(setup, 0, 0)
+
+
+@pytest.mark.parametrize("io_uring", [False, True])
+def test_server_under_faults(
+    setup: tuple[Path, Path, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_uring: bool
+) -> None:
+    """Transient faults: every request gets stock's answer and /metrics counts the reads done again.
+    Persistent ones: every request fails with the reason, the server stays up and counts them."""
+    path, store, lo = setup
+    prompt = "The quick brown fox jumps over"
+    want = Model(path).generate(prompt, max_tokens=16).text
+    args = ["-m", str(path), "--store", str(store), "--cache", str(lo), "--cache-t1", "1", "--cache-t2", "1"]
+    args += ["--cache-prefetch", "1", "--cache-io-uring" if io_uring else "--no-cache-io-uring"]
+
+    monkeypatch.setenv("MOETIER_FAULTS", "eio:4,short:3,flip:5")
+    with serve(args, tmp_path / "transient.log") as srv:
+        for _ in range(3):
+            assert srv.complete(prompt)["content"] == want
+        assert srv.metric("expert_cache_read_retries_total") > 0
+        assert srv.metric("expert_cache_read_errors_total") == 0
+
+    monkeypatch.setenv("MOETIER_FAULTS", "eio:1")
+    with serve(args, tmp_path / "persistent.log") as srv:
+        for _ in range(2):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                srv.complete(prompt)
+            msg = json.loads(e.value.read())["error"]["message"]
+            assert "expert read failed" in msg and "Input/output error" in msg, msg
+        assert srv.proc.poll() is None
+        assert json.loads(srv.get("/health"))["status"] == "ok"
+        assert srv.metric("expert_cache_read_errors_total") >= 2
