@@ -1,0 +1,70 @@
+"""What the Python layer reports and refuses, pinned by values it cannot get right by accident:
+each test here killed a deliberately broken copy of config.py or model.py that the rest of the
+suite let through (../shared/notes/bench-audit.md, section 2; issue 15)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, ConfigError, Model
+from moetier.model import CacheStats, GenerateResult
+
+
+@pytest.mark.parametrize(
+    ("budget", "says"),
+    [(0, "turns the cache off"), ("0", "turns the cache off"), (-1, "negative"), (True, "not a size")],
+)
+def test_budget_refused(budget: object, says: str) -> None:
+    with pytest.raises(ConfigError, match=rf"cache\.budget.*{says}"):
+        CacheConfig(budget=budget)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["reserve"])
+def test_size_fields_refuse_negative_and_bool(field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"cache\.{field}.*negative"):
+        CacheConfig(budget="1M", **{field: -4096})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=rf"cache\.{field}.*not a size"):
+        CacheConfig(budget="1M", **{field: False})  # type: ignore[arg-type]
+
+
+def test_hit_rate_and_rates_from_a_run(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    lo = int(Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    r = Model(path, cache=CacheConfig.exact(budget=lo)).generate(LONG_PROMPT, max_tokens=16)
+    s = r.stats
+    assert 0 < s.n_hits < s.n_lookups, "the budget must both hit and miss"
+    assert s.hit_rate == pytest.approx(s.n_hits / s.n_lookups)
+    assert s.hit_rate == pytest.approx(sum(ly.n_hits for ly in s.layers) / sum(ly.n_lookups for ly in s.layers))
+    # timing: prefill runs to the first token, decode covers the rest, both inside the call
+    assert len(r.tokens) == 16
+    assert 0 < r.prefill_seconds and 0 < r.decode_seconds
+    assert r.prefill_seconds + r.decode_seconds <= r.seconds * 1.01
+    assert r.decode_tokens_per_second == pytest.approx(15 / r.decode_seconds)
+    assert r.prefill_tokens_per_second == pytest.approx(r.prompt_tokens / r.prefill_seconds)
+    assert r.tokens_per_second == pytest.approx(16 / r.seconds)
+
+
+def test_one_token_has_no_decode(tiny_model: ModelFactory) -> None:
+    """With one generated token everything is prefill: a swap of the two times shows here."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    r = Model(path).generate(LONG_PROMPT, max_tokens=1)
+    assert len(r.tokens) == 1
+    assert r.prefill_seconds > 0 and r.decode_seconds < 0.01 * r.prefill_seconds
+    assert r.decode_tokens_per_second == 0.0
+
+
+def test_rates_by_hand() -> None:
+    r = GenerateResult(
+        text="",
+        tokens=[1, 2, 3, 4, 5],
+        stats=CacheStats(),
+        prompt_tokens=12,
+        seconds=2.0,
+        prefill_seconds=0.5,
+        decode_seconds=1.0,
+    )
+    assert r.decode_tokens_per_second == 4.0  # 4 tokens after the first, in one second
+    assert r.prefill_tokens_per_second == 24.0
+    assert r.tokens_per_second == 2.5
+    assert CacheStats().hit_rate == 0.0
