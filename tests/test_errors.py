@@ -151,3 +151,21 @@ def test_graph_aborted_between_resolve_and_load(packed: tuple[Path, Path], io_ur
             break  # the graph has fewer computed nodes than k: no stop left to try
     m._m._abort_after(-1)
     assert aborted > 10
+
+
+def test_context_overflow(tiny_model: ModelFactory) -> None:
+    """A prompt past the context is a ConfigError that says so (it was llama_decode's bare return
+    code); generation stops where the context is full."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    m = Model(path, cache=CacheConfig.exact(budget="16M"), n_ctx=256)
+    n_ctx = 256
+    long = [1] * (n_ctx + 1)
+    with pytest.raises(
+        ConfigError, match=rf"{path.name}.*prompt of {n_ctx + 1} tokens does not fit the context of {n_ctx}"
+    ):
+        m.generate(long, max_tokens=4)
+    with pytest.raises(ConfigError, match=rf"{path.name}.*input of {n_ctx + 1} tokens does not fit"):
+        m.logits(long)
+    r = m.generate([1] * (n_ctx - 5), max_tokens=64)
+    assert 0 < len(r.tokens) <= 5
+    assert len(m.generate([1] * 8, max_tokens=16).tokens) <= 16  # the model still works after both

@@ -48,6 +48,17 @@ bool eval(py_model & pm, const std::vector<llama_token> & tokens, int32_t & rc) 
     return true;
 }
 
+// tokens past the context would make llama_decode fail with a bare code: say what is wrong instead
+void check_fits(const py_model & pm, size_t n_tokens, const char * what) {
+    const uint32_t n_ctx = llama_n_ctx(pm.ctx());
+    if (n_tokens > n_ctx) {
+        throw moetier_py_error{ MOETIER_ERROR_CONFIG, pm.path() + ": " + what + " of " + std::to_string(n_tokens) +
+                                                          " tokens does not fit the context of " +
+                                                          std::to_string(n_ctx) +
+                                                          " tokens; load the model with a larger n_ctx" };
+    }
+}
+
 std::vector<llama_token> tokenize(const py_model & pm, const std::string & text, bool add_special) {
     std::vector<llama_token> out(text.size() + 8);
     int32_t n = llama_tokenize(pm.vocab(), text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
@@ -85,6 +96,7 @@ py::array_t<float> logits(py_model & pm, const std::vector<llama_token> & tokens
     for (llama_token t : tokens) {
         pm.check_token(t);
     }
+    check_fits(pm, tokens.size(), "logits: the input");
     int32_t rc = 0;
     bool    ok;
     {
@@ -115,6 +127,9 @@ py::dict generate(py_model &                       pm,
     for (llama_token t : prompt) {
         pm.check_token(t);
     }
+    check_fits(pm, prompt.size(), "generate: the prompt");
+    // generation stops where the context is full, as llama.cpp's tools stop
+    const int32_t n_room = (int32_t) llama_n_ctx(pm.ctx()) - (int32_t) prompt.size();
 
     struct sampler_deleter {
         void operator()(llama_sampler * s) const { llama_sampler_free(s); }
@@ -140,7 +155,7 @@ py::dict generate(py_model &                       pm,
         start_sequence(pm);
         ok = eval(pm, prompt, rc);
         t1 = ggml_time_us();
-        for (int32_t i = 0; ok && i < max_tokens; ++i) {
+        for (int32_t i = 0; ok && i < max_tokens && (int32_t) out.size() < n_room; ++i) {
             const llama_token t = llama_sampler_sample(smpl.get(), pm.ctx(), -1);
             if (i == 0) {
                 t1 = ggml_time_us();  // time to first token includes its sampling
@@ -149,7 +164,7 @@ py::dict generate(py_model &                       pm,
                 break;
             }
             out.push_back(t);
-            if (i + 1 < max_tokens) {
+            if (i + 1 < max_tokens && (int32_t) out.size() < n_room) {
                 ok = eval(pm, { t }, rc);
             }
         }

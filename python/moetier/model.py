@@ -190,7 +190,8 @@ class Model:
     def generate(
         self, prompt: str | list[int], max_tokens: int = 64, temperature: float = 0.0, seed: int = 0
     ) -> GenerateResult:
-        """Generates up to max_tokens after prompt (greedy when temperature is 0)."""
+        """Generates up to max_tokens after prompt (greedy when temperature is 0), fewer where the
+        context fills up (as llama.cpp's tools stop); a prompt longer than the context is a ConfigError."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.reset_stats()
         t0 = time.perf_counter()
