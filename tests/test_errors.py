@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, ConfigError, Model, ModelError, StoreError, pack
+from moetier import CacheConfig, ConfigError, Model, ModelError, PackConfig, StoreError, pack
 
 
 def min_budget(path: Path) -> int:
@@ -169,3 +169,13 @@ def test_context_overflow(tiny_model: ModelFactory) -> None:
     r = m.generate([1] * (n_ctx - 5), max_tokens=64)
     assert 0 < len(r.tokens) <= 5
     assert len(m.generate([1] * 8, max_tokens=16).tokens) <= 16  # the model still works after both
+
+
+def test_low_type_a_shape_cannot_take(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """q4_K packs 256 values per block; the tiny model's rows hold 64: pack refuses, naming the tensor."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    with pytest.raises(
+        StoreError, match=rf"{path.name}: tensor blk\.\d+\.ffn_\w+_exps\.weight rows of 64 values.*q4_K block size 256"
+    ):
+        pack(path, tmp_path / "s", PackConfig(low_type="q4_K"), progress=False)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "s.pack-tmp").exists()
