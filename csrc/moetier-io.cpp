@@ -48,7 +48,8 @@ moetier_file::moetier_file(const std::string & path, bool direct_io) : path_(pat
     if (direct_io) {
 #ifdef O_DIRECT
         // refused (e.g. tmpfs): buffered reads; the owner says so (moetier_model::warn), once per model
-        fd_direct_ = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+        fd_direct_ =
+            moetier_fault(MOETIER_FAULT_NODIRECT, 0) ? -1 : open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
 #endif
     }
     direct_ = fd_direct_ >= 0;
@@ -75,7 +76,7 @@ moetier_faults g_faults;
 bool moetier_faults_configure(const char * spec, std::string & err) {
     uint64_t                  every[MOETIER_FAULT_COUNT] = {};
     const std::string         s                          = spec ? spec : "";
-    static const char * const names[]                    = { "eio", "short", "flip" };
+    static const char * const names[]                    = { "eio", "short", "flip", "nodirect" };
     size_t                    pos                        = 0;
     while (!s.empty() && pos <= s.size()) {  // every item, an empty one (a stray comma) too
         size_t end              = s.find(',', pos);
@@ -91,7 +92,8 @@ bool moetier_faults_configure(const char * spec, std::string & err) {
         char *                   tail = nullptr;
         const unsigned long long n    = k >= 0 ? strtoull(item.c_str() + colon + 1, &tail, 10) : 0;
         if (k < 0 || n == 0 || !tail || *tail != '\0') {
-            err = format("MOETIER_FAULTS: '%s' is not KIND:N with KIND eio, short or flip and N >= 1", item.c_str());
+            err = format("MOETIER_FAULTS: '%s' is not KIND:N with KIND eio, short, flip or nodirect and N >= 1",
+                         item.c_str());
             return false;
         }
         every[k] = n;

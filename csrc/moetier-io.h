@@ -31,7 +31,14 @@ struct moetier_latency_hist {
 //   flip   one byte of what was read is flipped before the checksum is checked (silent corruption)
 // N > 1 is a transient fault: a read at a file offset that already had one (of any kind) reads right (a retry
 // passes); N = 1 is a persistent one: every read fails, retries too.
-enum moetier_fault_kind { MOETIER_FAULT_EIO, MOETIER_FAULT_SHORT, MOETIER_FAULT_FLIP, MOETIER_FAULT_COUNT };
+//   nodirect  opening an expert file with O_DIRECT is refused (as some filesystems do): buffered reads
+enum moetier_fault_kind {
+    MOETIER_FAULT_EIO,
+    MOETIER_FAULT_SHORT,
+    MOETIER_FAULT_FLIP,
+    MOETIER_FAULT_NODIRECT,
+    MOETIER_FAULT_COUNT
+};
 
 // parses spec (MOETIER_FAULTS) and resets the counters; false + err on a malformed spec
 bool     moetier_faults_configure(const char * spec, std::string & err);

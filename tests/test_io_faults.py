@@ -111,3 +111,18 @@ def test_server_under_faults(
         assert srv.proc.poll() is None
         assert json.loads(srv.get("/health"))["status"] == "ok"
         assert srv.metric("expert_cache_read_errors_total") >= 2
+
+
+@pytest.mark.parametrize("io_uring", [0, 1])
+def test_store_without_o_direct(setup: tuple[Path, Path, int], monkeypatch: pytest.MonkeyPatch, io_uring: int) -> None:
+    """A filesystem that refuses O_DIRECT (tmpfs on older kernels; this one's accepts it, so the
+    refusal is injected): reads go through the page cache, without io_uring, and stay exact."""
+    stock = Model(setup[0])
+    tokens = stock.tokenize(LONG_PROMPT)
+    monkeypatch.setenv("MOETIER_FAULTS", "nodirect:1")
+    m = _model(setup, io_uring, 0)
+    info = m.cache_info()
+    assert info["direct_io"] is False and info["io_uring"] is False, info
+    np.testing.assert_array_equal(m.logits(tokens), stock.logits(tokens))
+    monkeypatch.delenv("MOETIER_FAULTS")
+    assert _model(setup, io_uring, 0).cache_info()["direct_io"] is True
