@@ -164,24 +164,23 @@ enum moetier_error_kind moetier_model_error_kind(const struct llama_model * mode
     return moetier_model_first_error(model).kind;
 }
 
-uint64_t moetier_model_read_errors(const struct llama_model * model) {
+// a counter of every layer's cache, summed
+static uint64_t moetier_sum_caches(const struct llama_model * model, uint64_t (moetier_cache::*count)() const) {
     uint64_t n = 0;
     if (const moetier_model * m = moetier_of(model)) {
         for (const auto & c : m->caches) {
-            n += c->n_read_errors();
+            n += ((*c).*count)();
         }
     }
     return n;
 }
 
+uint64_t moetier_model_read_errors(const struct llama_model * model) {
+    return moetier_sum_caches(model, &moetier_cache::n_read_errors);
+}
+
 uint64_t moetier_model_read_retries(const struct llama_model * model) {
-    uint64_t n = 0;
-    if (const moetier_model * m = moetier_of(model)) {
-        for (const auto & c : m->caches) {
-            n += c->n_read_retries();
-        }
-    }
-    return n;
+    return moetier_sum_caches(model, &moetier_cache::n_read_retries);
 }
 
 void moetier_model_clear_error(struct llama_model * model) {
