@@ -122,3 +122,19 @@ def test_generated_prose_is_the_models_own_and_reproducible(dense: Path) -> None
     extra = "\n\n".join(texts)
     mixed = builtin_calibration_text(20_000, extra=extra)
     assert extra[:200] in mixed and "def " in mixed
+
+
+def test_collect_in_slices_equals_one_call(dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetier.tools import moefy as mf
+
+    toks = Model(dense).tokenize(CALIB)[:1536]
+    whole = mf._collect(dense, toks, 2, 2, None, ("ffn_norm", "l_out"))
+    monkeypatch.setattr(mf, "COLLECT_SLICE", 512)  # three slices, written into the cached .npy files
+    sliced = mf._collect(dense, toks, 2, 2, tmp_path / "acts", ("ffn_norm", "l_out"))
+    for k in ("ffn_norm", "l_out"):
+        for a, b in zip(whole[k], sliced[k], strict=True):
+            assert a.shape == b.shape == (1536, a.shape[1])
+            np.testing.assert_array_equal(a, b)
+    assert not list((tmp_path / "acts").glob("*.tmp.npy"))
+    again = mf._collect(dense, toks, 2, 2, tmp_path / "acts", ("ffn_norm", "l_out"))  # read back, not re-run
+    np.testing.assert_array_equal(again["l_out"][1], whole["l_out"][1])

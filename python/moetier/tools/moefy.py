@@ -353,6 +353,9 @@ def cache_key(*parts: Any) -> str:
     return h.hexdigest()[:16]
 
 
+COLLECT_SLICE = 8192  # tokens per collect call when the activations go to a cache (a multiple of 512)
+
+
 def _collect(
     model_path: Path,
     tokens: list[int],
@@ -373,18 +376,33 @@ def _collect(
 
     if cache is not None and all(path(k, i).exists() for k in kinds for i in range(n_layer)):
         return {k: [np.load(path(k, i), mmap_mode="r") for i in range(n_layer)] for k in kinds}
+    names = [f"{k}-{i}" for k in kinds for i in range(n_layer)]
     m = Model(model_path, n_ctx=512, n_threads=n_threads)
-    rows = _core.trace.collect(m._m, tokens, [f"{k}-{i}" for k in kinds for i in range(n_layer)], 512)
+    if cache is None:
+        rows = _core.trace.collect(m._m, tokens, names, 512)
+        return {k: [np.asarray(rows[f"{k}-{i}"], dtype=np.float32) for i in range(n_layer)] for k in kinds}
+    # in slices of COLLECT_SLICE tokens, each written into every layer's .npy as it comes: 65536 tokens
+    # of the 1.5B are 12 GB of activations, more than one collect call may hold (the graph sees
+    # 512-token windows, so slicing at multiples of 512 changes nothing)
+    cache.mkdir(parents=True, exist_ok=True)
+    outs: dict[str, Any] = {}
+    for s in range(0, len(tokens), COLLECT_SLICE):
+        rows = _core.trace.collect(m._m, tokens[s : s + COLLECT_SLICE], names, 512)
+        for n in names:
+            r = np.asarray(rows[n], dtype=np.float32)
+            if n not in outs:
+                outs[n] = np.lib.format.open_memmap(
+                    cache / f"{n}.tmp.npy", mode="w+", dtype=np.float32, shape=(len(tokens), r.shape[1])
+                )
+            outs[n][s : s + len(r)] = r
+        del rows
     del m
-    out = {k: [np.asarray(rows[f"{k}-{i}"], dtype=np.float32) for i in range(n_layer)] for k in kinds}
-    if cache is not None:
-        cache.mkdir(parents=True, exist_ok=True)
-        for k in kinds:
-            for i, x in enumerate(out[k]):
-                tmp = path(k, i).with_suffix(".tmp.npy")
-                np.save(tmp, x)
-                os.replace(tmp, path(k, i))
-    return out
+    for a in outs.values():
+        a.flush()
+    outs.clear()
+    for n in names:
+        os.replace(cache / f"{n}.tmp.npy", cache / f"{n}.npy")
+    return {k: [np.load(path(k, i), mmap_mode="r") for i in range(n_layer)] for k in kinds}
 
 
 def _save_layer(path: Path, layer: MoeLayer, err: float, **extra: npt.NDArray[Any]) -> None:
