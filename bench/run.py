@@ -73,29 +73,44 @@ def embedding_bytes(path: Path) -> int:
     return 0
 
 
-def disk_bandwidth(path: Path, chunk: int, seconds: float = 3.0) -> float:
-    """O_DIRECT random reads of `chunk` bytes (rounded to 4096) from path: bytes per second."""
+def disk_bandwidth(path: Path, chunk: int, seconds: float = 2.0, depth: int = 1) -> float:
+    """O_DIRECT random reads of `chunk` bytes (rounded to 4096) from path, `depth` of them in flight at
+    once (one thread each: os.preadv lets the GIL go): bytes per second."""
     import mmap
     import random
+    import threading
 
     chunk = max(4096, (chunk + 4095) // 4096 * 4096)
     size = path.stat().st_size
-    buf = mmap.mmap(-1, chunk)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    rng = random.Random(0)
-    done, t0 = 0, time.perf_counter()
-    try:
-        while time.perf_counter() - t0 < seconds:
-            off = rng.randrange(0, max(1, size - chunk)) // 4096 * 4096
-            done += os.preadv(fd, [buf], off)
-    finally:
-        os.close(fd)
-        buf.close()
-    return done / (time.perf_counter() - t0)
+    done = [0] * depth
+    t0 = time.perf_counter()
+
+    def reader(i: int) -> None:
+        buf = mmap.mmap(-1, chunk)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        rng = random.Random(i)
+        try:
+            while time.perf_counter() - t0 < seconds:
+                off = rng.randrange(0, max(1, size - chunk)) // 4096 * 4096
+                done[i] += os.preadv(fd, [buf], off)
+        finally:
+            os.close(fd)
+            buf.close()
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(depth)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - t0)
 
 
-def run_worker(args: list[str], cap: MemoryCap | None, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).with_name("worker.py")), *args]
+DISK_DEPTHS = (1, 2, 4, 8)  # the engine reads with io_uring / io threads at depths up to the top-k
+
+
+def run_worker(args: list[str], cap: MemoryCap | None, timeout: float, script: str = "worker.py") -> dict[str, Any]:
+    """One configuration in a child process (worker.py, or peer_worker.py for the peer), inside cap."""
+    cmd = [sys.executable, str(Path(__file__).with_name(script)), *args]
     try:
         r = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap.preexec if cap else None
@@ -127,6 +142,11 @@ def prefetch_summary(pf: dict[str, Any] | None, tokens: int) -> dict[str, float]
     }
 
 
+def median_or_none(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and spread over repeats of the per-repeat means over prompts."""
     ok = [r for r in results if "error" not in r]
@@ -139,6 +159,16 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     def stat(xs: list[float]) -> dict[str, float]:
         return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
+    def decode_steps(r: dict[str, Any]) -> int:
+        # the first token comes out of the prompt's pass: decode is the steps after it
+        return sum(max(0, run["tokens"] - 1) for run in r["runs"])
+
+    def decode_per_token(r: dict[str, Any], *keys: str) -> float | None:
+        n = decode_steps(r)
+        if not n or not any(k in run for run in r["runs"] for k in keys):
+            return None  # not split at the first token (upstream's llama-completion)
+        return sum(run.get(k, 0) for run in r["runs"] for k in keys) / n
+
     tokens = sum(run["tokens"] + run["prompt_tokens"] for run in ok[-1]["runs"])
     lookups = sum(run["n_lookups"] for run in ok[-1]["runs"])
     hits = sum(run["n_hits"] for run in ok[-1]["runs"])
@@ -147,14 +177,24 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "decode_tok_s": stat(per_repeat("decode_tok_s")),
         "prefill_tok_s": stat(per_repeat("prefill_tok_s")),
         "ttft_s": stat(per_repeat("ttft_s")),
-        "hit_rate": hits / lookups if lookups else None,
+        "hit_rate": hits / lookups
+        if lookups
+        else statistics.mean(run["peer_cache_hit_pct"] / 100 for run in ok[-1]["runs"])
+        if "peer_cache_hit_pct" in ok[-1]["runs"][0]
+        else None,
+        # per token of prompt + generation (diluted by the prompt): kept for older result files
         "bytes_read_per_token": sum(run["n_bytes_read"] for run in ok[-1]["runs"]) / tokens,
+        # what one decode step moves: the cache's demand reads plus prefetch reads, and the disk
+        "decode_steps": decode_steps(ok[-1]),
+        "decode_bytes_per_token": decode_per_token(ok[-1], "decode_cache_bytes_read", "decode_prefetch_bytes_read"),
+        "decode_disk_read_per_token": median_or_none([decode_per_token(r, "decode_disk_read_bytes") for r in ok]),
         "disk_read_per_token": statistics.median(r["disk_read_bytes"] / tokens for r in ok),
         "major_faults_per_token": statistics.median(r["major_faults"] / tokens for r in ok),
         "rss_anon_bytes": max(r["rss_anon_bytes"] for r in ok),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
         "cgroup_peak_bytes": max((r.get("cgroup_peak_bytes", 0) for r in ok), default=0),
         "token_ids": [run["token_ids"] for run in ok[-1]["runs"]],
+        "texts": [run.get("text") for run in ok[-1]["runs"]],
         # the counters cover the last generation (each resets them)
         "prefetch": prefetch_summary(
             ok[-1].get("prefetch"), ok[-1]["runs"][-1]["tokens"] + ok[-1]["runs"][-1]["prompt_tokens"]
@@ -181,6 +221,28 @@ def main() -> None:
         help="several moetier configurations in the same run (an ablation): NAME=POLICY:OPTS;NAME=POLICY:OPTS... "
         "e.g. 'lru-high=lru:t1=1,t2=1;precision=lru:t1=0.6,t2=0.9' (default: one, 'moetier', from --policy/--opts)",
     )
+    p.add_argument(
+        "--peer",
+        default=None,
+        help="path of the peer BigMoeOnEdge's bmoe-cli (bench/external/build-bigmoeonedge.sh builds it); "
+        "runs the --peer-variants under the same caps, budgets, prompts and threads",
+    )
+    p.add_argument(
+        "--peer-variants",
+        default="peer=--moe-stream --cache-mb {budget_mib} --force-cache",
+        help="peer configurations NAME=FLAGS;... ({budget_mib}: our budget in whole MiB)",
+    )
+    p.add_argument(
+        "--upstream",
+        default=None,
+        help="path of upstream (unpatched) llama.cpp's llama-completion (bench/external/build-upstream.sh "
+        "builds it): runs the --upstream-variants in RAM and under each cap",
+    )
+    p.add_argument(
+        "--upstream-variants",
+        default="upstream=;upstream-norepack=--no-repack;upstream-dio=--load-mode dio",
+        help="upstream configurations NAME=FLAGS;... (llama-completion flags)",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is abandoned (thrashing)")
     p.add_argument(
         "--headroom-mib",
@@ -192,6 +254,8 @@ def main() -> None:
     a = p.parse_args()
 
     variants = parse_variants(a.variants) if a.variants else [("moetier", a.policy, a.opts)]
+    peers = parse_peer_variants(a.peer_variants, "--peer-variants") if a.peer else []
+    upstreams = parse_peer_variants(a.upstream_variants, "--upstream-variants") if a.upstream else []
     model = Path(a.model).expanduser()
     info = Model(model, cache=CacheConfig(budget="64G", warm=False)).cache_info()
     expert_bytes = int(info["expert_bytes"])
@@ -216,7 +280,8 @@ def main() -> None:
         str(a.ctx),
     ]
 
-    bw = disk_bandwidth(model, expert_bytes // n_experts)
+    by_depth = {d: disk_bandwidth(model, expert_bytes // n_experts, depth=d) for d in DISK_DEPTHS}
+    bw = max(by_depth.values())
     report: dict[str, Any] = {
         "model": str(model),
         "model_bytes": model.stat().st_size,
@@ -228,62 +293,89 @@ def main() -> None:
         # package and a fresh build tree give different numbers
         "moetier": str(Path(moetier.__file__).parent),
         "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg(), "platform": platform.platform()},
+        # the best of the queue depths: what the disk can deliver to a reader that keeps it busy
         "disk_odirect_bytes_per_s": bw,
+        "disk_odirect_by_depth": {str(d): v for d, v in by_depth.items()},
         "config": vars(a),
-        "variants": [v[0] for v in variants],
+        "variants": [v[0] for v in variants] + [v[0] for v in peers] + [v[0] for v in upstreams],
         "runs": {},
     }
     print(f"moetier from {report['moetier']}", file=sys.stderr)
-    print(f"disk O_DIRECT at {expert_bytes // n_experts / 1024:.0f} KiB: {bw / 1e6:.0f} MB/s", file=sys.stderr)
+    probe = ", ".join(f"QD{d} {v / 1e6:.0f}" for d, v in by_depth.items())
+    print(f"disk O_DIRECT at {expert_bytes // n_experts / 1024:.0f} KiB: {probe} MB/s", file=sys.stderr)
 
-    def measure(name: str, extra: list[str], cap_bytes: int | None) -> dict[str, Any]:
-        results = []
-        for i in range(a.repeats):
-            drop_pages(files)
-            cap = MemoryCap(f"moetier-bench-{os.getpid()}", cap_bytes) if cap_bytes else None
-            try:
-                results.append(run_worker(common + extra, cap, a.timeout))
-            finally:
-                if cap:
-                    cap.close()
-            print(f"  {name} #{i + 1}: " + (results[-1].get("error") or "ok"), file=sys.stderr)
-        s = summarize(results)
-        s["cap_bytes"] = cap_bytes
-        report["runs"][name] = s
-        return s
+    def run_one(name: str, extra: list[str], cap_bytes: int | None, script: str = "worker.py") -> dict[str, Any]:
+        # no run reads another run's page cache, and each capped run gets a fresh group
+        drop_pages(files)
+        cap = MemoryCap(f"moetier-bench-{os.getpid()}", cap_bytes) if cap_bytes else None
+        try:
+            r = run_worker(common + extra, cap, a.timeout, script)
+        finally:
+            if cap:
+                cap.close()
+        print(f"  {name}: " + (r.get("error") or "ok"), file=sys.stderr)
+        return r
 
     if not available():
         msg = "cgroup v1 memory is not available: the capped runs need it"
         raise SystemExit(msg)
-    ram = measure("stock-ram", [], None)
-    if "error" in ram:
-        msg = f"stock in-RAM run failed: {ram['error']}"
-        raise SystemExit(msg)
-    # in a cgroup without a real limit: its peak counts everything the process touches (anonymous
-    # memory, the model's pages, and the code pages of the libraries), so peak - model is the rest
-    plain = measure("stock-ram-norepack", ["--no-repack"], 1 << 40)
-    if "error" in plain:
-        msg = f"stock in-RAM run without repacking failed: {plain['error']}"
+    # the headroom of the cap, from one uncounted in-RAM run without repacking in a group without a
+    # real limit: its peak counts everything the process touches (anonymous memory, the model's pages,
+    # the code pages of the libraries), so peak - model is the rest
+    probe_run = run_one("headroom probe (stock in RAM, no repack)", ["--no-repack"], 1 << 40)
+    if "error" in probe_run:
+        msg = f"stock in-RAM run without repacking failed: {probe_run['error']}"
         raise SystemExit(msg)
     headroom = (
         int(a.headroom_mib * MiB)
         if a.headroom_mib is not None
-        else max(plain["rss_anon_bytes"], plain["cgroup_peak_bytes"] - model.stat().st_size) + 64 * MiB
+        else max(probe_run["rss_anon_bytes"], probe_run["cgroup_peak_bytes"] - model.stat().st_size) + 64 * MiB
     )
     report["headroom_bytes"] = headroom
 
+    # (name, worker flags, cap, budget); stock under a cap runs without repacking: repacked weights
+    # are anonymous copies a cap cannot page out
+    configs: list[tuple[str, list[str], int | None, int | None, str]] = [
+        ("stock-ram", [], None, None, "worker.py"),
+        ("stock-ram-norepack", ["--no-repack"], 1 << 40, None, "worker.py"),
+    ]
+    for name, flags in upstreams:
+        up = ["--upstream-bin", a.upstream, "--upstream-args", flags]
+        configs.append((f"{name}-ram", up, 1 << 40, None, "upstream_worker.py"))
     for pct in [int(x) for x in a.budgets.split(",")]:
         budget = max(int(info["min_cache_bytes"]), expert_bytes * pct // 100)
         cap = non_expert + budget + headroom
-        measure(f"stock-capped-{pct}", ["--no-repack"], cap)
+        configs.append((f"stock-capped-{pct}", ["--no-repack"], cap, None, "worker.py"))
         for name, policy, opts in variants:
-            measure(
-                f"{name}-{pct}",
-                ["--cache", str(budget), "--policy", policy, "--opts", opts]
-                + (["--store", a.store] if a.store else []),
-                cap,
+            flags = ["--cache", str(budget), "--policy", policy, "--opts", opts]
+            configs.append(
+                (f"{name}-{pct}", flags + (["--store", a.store] if a.store else []), cap, budget, "worker.py")
             )
-            report["runs"][f"{name}-{pct}"]["budget_bytes"] = budget
+        for name, peer_args in peers:
+            # the peer's cache in whole MiB, as its --cache-mb takes it: never more than ours
+            flags = ["--peer-bin", a.peer, "--peer-args", peer_args.format(budget_mib=budget // MiB)]
+            configs.append((f"{name}-{pct}", flags, cap, budget, "peer_worker.py"))
+        for name, flags in upstreams:
+            up = ["--upstream-bin", a.upstream, "--upstream-args", flags]
+            configs.append((f"{name}-{pct}", up, cap, None, "upstream_worker.py"))
+
+    # interleaved: every repeat runs each configuration once, starting one further along, so drift
+    # in the disk or the machine's load lands on all of them, not on whole blocks
+    results: dict[str, list[dict[str, Any]]] = {c[0]: [] for c in configs}
+    for rep in range(a.repeats):
+        k = rep % len(configs)
+        for name, extra, cap_bytes, _, script in configs[k:] + configs[:k]:
+            results[name].append(run_one(f"{name} #{rep + 1}", extra, cap_bytes, script))
+    for name, extra, cap_bytes, budget, _ in configs:
+        s = summarize(results[name])
+        s["cap_bytes"] = cap_bytes
+        s["args"] = common[common.index("--threads") :] + extra
+        if budget is not None:
+            s["budget_bytes"] = budget
+        report["runs"][name] = s
+    if "error" in report["runs"]["stock-ram"]:
+        msg = f"stock in-RAM run failed: {report['runs']['stock-ram']['error']}"
+        raise SystemExit(msg)
 
     write_outputs(report, Path(a.out))
 
@@ -301,47 +393,69 @@ def parse_variants(text: str) -> list[tuple[str, str, str]]:
     return out
 
 
+def parse_peer_variants(text: str, option: str) -> list[tuple[str, str]]:
+    """'NAME=FLAGS;...' -> [(name, flags)] (FLAGS may be empty)."""
+    out = []
+    for item in (x.strip() for x in text.split(";") if x.strip()):
+        name, eq, flags = item.partition("=")
+        if not name or name.startswith("stock") or not eq:
+            msg = f"{option}: {item!r} is not NAME=FLAGS (NAME must not start with 'stock')"
+            raise SystemExit(msg)
+        out.append((name, flags))
+    return out
+
+
 def write_outputs(report: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = report["runs"]
     ram = runs["stock-ram"]
     rows = [
         "| config | cap MiB | decode tok/s (min-max) | vs capped stock | vs in-RAM | prefill tok/s | TTFT s "
-        "| hit rate | disk MB/token | peak MiB | same tokens as stock in RAM |",
-        "|" + "---|" * 11,
+        "| hit rate | decode disk MB/token | decode disk MB/s | peak MiB | same tokens as stock in RAM |",
+        "|" + "---|" * 12,
     ]
     variants = report.get("variants", ["moetier"])
     pcts = sorted({int(k.rsplit("-", 1)[1]) for k in runs if k.startswith("stock-capped-")})
     bound_bytes = report["disk_odirect_bytes_per_s"]
-    names = ["stock-ram", "stock-ram-norepack"] + [f"{k}-{p}" for p in pcts for k in ("stock-capped", *variants)]
+    in_ram = ["stock-ram", "stock-ram-norepack"] + [n for n in runs if n.endswith("-ram") and n != "stock-ram"]
+    names = in_ram + [f"{k}-{p}" for p in pcts for k in ("stock-capped", *variants)]
     for name in [n for n in names if n in runs]:
         s = runs[name]
         if "error" in s:
-            rows.append(f"| {name} | | failed: {s['error']} | | | | | | | | |")
+            rows.append(f"| {name} | | failed: {s['error']} | | | | | | | | | |")
             continue
         base = runs.get("stock-capped-" + name.rsplit("-", 1)[-1], {}) if not name.startswith("stock") else {}
         d = s["decode_tok_s"]
         vs_cap = f"{d['median'] / base['decode_tok_s']['median']:.2f}x" if base.get("decode_tok_s") else "-"
         # repacked kernels round differently: a run without them is compared with in-RAM stock without them
         plain = runs.get("stock-ram-norepack", {})
-        same = (
-            "yes"
-            if s["token_ids"] == ram["token_ids"]
-            else "yes (= no-repack)"
-            if plain and s["token_ids"] == plain.get("token_ids")
-            else "no"
-        )
+        if s["token_ids"] and any(s["token_ids"]):
+            same = (
+                "yes"
+                if s["token_ids"] == ram["token_ids"]
+                else "yes (= no-repack)"
+                if plain and s["token_ids"] == plain.get("token_ids")
+                else "no"
+            )
+        else:  # the peer reports text, not token ids
+            same = (
+                "same text" if s.get("texts") and s["texts"] in (ram.get("texts"), plain.get("texts")) else "no (text)"
+            )
         hit = "" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
+        dec_disk = s.get("decode_disk_read_per_token") or 0.0
+        dec_mb = f"{dec_disk / 1e6:.2f}" if dec_disk else "-"
+        dec_rate = f"{dec_disk * d['median'] / 1e6:.0f}" if dec_disk else "-"
         rows.append(
             f"| {name} | {(s['cap_bytes'] or 0) / MiB:.0f} "
             f"| {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {vs_cap} "
             f"| {d['median'] / ram['decode_tok_s']['median']:.2f}x | {s['prefill_tok_s']['median']:.1f} "
             f"| {s['ttft_s']['median']:.2f} | {hit} "
-            f"| {s['disk_read_per_token'] / 1e6:.2f} | {max(s['peak_rss_bytes'], s['cgroup_peak_bytes']) / MiB:.0f} "
-            f"| {same} |"
+            f"| {dec_mb} | {dec_rate} "
+            f"| {max(s['peak_rss_bytes'], s['cgroup_peak_bytes']) / MiB:.0f} | {same} |"
         )
-        if s["disk_read_per_token"] > 0:
-            s["io_bound_tok_s"] = bound_bytes / s["disk_read_per_token"]
+        if dec_disk > 0:
+            # decode speed if the disk at its best probed depth were the only limit
+            s["io_bound_tok_s"] = bound_bytes / dec_disk
     pf_rows = [
         f"| {name} | {p['reads_per_token']:.1f} | {p['hits_per_token']:.1f} | {p['cancelled_per_token']:.1f} "
         f"| {p['wasted_per_token']:.1f} | {p['bytes_per_token'] / 1e6:.2f} | {p['bytes_wasted_per_token'] / 1e6:.2f} "
@@ -359,15 +473,18 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
             "|" + "---|" * 9,
             *pf_rows,
         ]
+    by_depth = report.get("disk_odirect_by_depth") or {"1": bound_bytes}
+    depths = ", ".join(f"QD{d} {v / 1e6:.0f}" for d, v in by_depth.items())
     text = (
         f"model `{Path(report['model']).name}`: {report['model_bytes'] / MiB:.0f} MiB, experts "
         f"{report['expert_bytes'] / MiB:.0f} MiB, token embedding {report.get('embedding_bytes', 0) / MiB:.0f} MiB; "
         f"cap = other non-expert {report['non_expert_bytes'] / MiB:.0f} MiB + budget + headroom "
-        f"{report['headroom_bytes'] / MiB:.0f} MiB; disk O_DIRECT {bound_bytes / 1e6:.0f} MB/s; "
+        f"{report['headroom_bytes'] / MiB:.0f} MiB; disk O_DIRECT {depths} MB/s; "
         f"{report['machine']['cores']} cores, load {report['machine']['loadavg'][0]:.2f}\n\n" + "\n".join(rows) + "\n"
     )
     for r in runs.values():
         r.pop("token_ids", None)
+        r.pop("texts", None)
     out.with_name(out.name + ".json").write_text(json.dumps(report, indent=1))
     out.with_name(out.name + ".md").write_text(text)
     print(text)

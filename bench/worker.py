@@ -82,9 +82,23 @@ def main() -> None:
     runs = []
     io0, faults0 = disk_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     for text in prompts:
-        r = m.generate(text, max_tokens=a.n)
+        # counters at the first token: what the decode steps alone read is the rest
+        first: dict[str, int] = {}
+
+        def at_first_token(first: dict[str, int] = first) -> None:
+            first["disk"] = disk_read_bytes()
+            first["cache"] = m.stats().n_bytes_read
+            first["prefetch"] = m.prefetch_stats().bytes_read
+
+        disk0 = disk_read_bytes()
+        r = m.generate(text, max_tokens=a.n, on_first_token=at_first_token)
+        disk1 = disk_read_bytes()
         runs.append(
             {
+                "decode_disk_read_bytes": disk1 - first.get("disk", disk1),
+                "decode_cache_bytes_read": r.stats.n_bytes_read - first.get("cache", r.stats.n_bytes_read),
+                "decode_prefetch_bytes_read": m.prefetch_stats().bytes_read - first.get("prefetch", 0),
+                "disk_read_bytes": disk1 - disk0,
                 "prompt_tokens": r.prompt_tokens,
                 "tokens": len(r.tokens),
                 "ttft_s": r.prefill_seconds,
@@ -96,6 +110,7 @@ def main() -> None:
                 "n_bytes_read": r.stats.n_bytes_read,
                 "read_s": r.stats.read_seconds,
                 "token_ids": r.tokens,
+                "text": r.text,
             }
         )
     out = {

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -132,6 +133,12 @@ def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:
     assert 0 < m25["hit_rate"] < 1 and m25["bytes_read_per_token"] > 0
     # O_DIRECT expert reads reach the disk: the process's own I/O counter sees at least them
     assert m25["disk_read_per_token"] >= m25["bytes_read_per_token"] * 0.99
+    # decode alone: what the cache read after the first token, and the disk saw at least that
+    assert m25["decode_steps"] == 3 * len(run.DEFAULT_PROMPTS) and m25["decode_bytes_per_token"] > 0
+    assert m25["decode_disk_read_per_token"] >= m25["decode_bytes_per_token"] * 0.99
+    # every capped run was inside its group: the group's peak counts it
+    for name in ("stock-capped-25", "moetier-25", "stock-capped-100", "moetier-100"):
+        assert rep["runs"][name]["cgroup_peak_bytes"] > 0, name
     assert rep["runs"]["stock-capped-25"]["hit_rate"] is None
     md = out.with_name(out.name + ".md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| moetier-25 |"))
@@ -145,3 +152,118 @@ def test_variants_parse() -> None:
         run.parse_variants("stock-x=lru:t1=1")
     with pytest.raises(SystemExit):
         run.parse_variants("noequals")
+
+
+class _FakeCap:
+    """cgroup.MemoryCap's interface, recording its limit (bench/run.py's fairness is checked without
+    a cgroup; test_memory_cap_limits_and_joins checks the real one)."""
+
+    made: ClassVar[list[_FakeCap]] = []
+
+    def __init__(self, name: str, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.closed = False
+        _FakeCap.made.append(self)
+
+    def preexec(self) -> None:  # pragma: no cover - never a real child here
+        raise AssertionError
+
+    def max_usage(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_runs_are_fair_interleaved_and_ratios_use_their_baselines(
+    tiny_model: ModelFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/run.py's main with the worker faked: every run starts after the pages were dropped, in a
+    fresh cap; stock and moetier get the same cap at each budget, threads, context and warm-up; stock
+    runs capped without repacking; configurations interleave across repeats; the ratios divide by
+    the capped stock and the in-RAM stock of the same run (the audit's surviving harness mutants)."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=8)
+    events: list[tuple[str, object]] = []
+    speed = {"stock-ram": 40.0, "stock-capped": 5.0, "moetier": 20.0, "peer": 10.0}
+
+    def fake_worker(args: list[str], cap: _FakeCap | None, timeout: float, script: str) -> dict[str, object]:
+        events.append(("run", (list(args), cap)))
+        if script == "peer_worker.py":
+            kind = "peer"
+        elif "--cache" in args:
+            kind = "moetier"
+        else:
+            kind = "stock-ram" if cap is None or cap.limit_bytes >= 1 << 40 else "stock-capped"
+        out = _worker([speed[kind], speed[kind]], 1, 2, 100)
+        out["cgroup_peak_bytes"] = 300 << 20 if cap is not None else 0
+        return out
+
+    _FakeCap.made = []
+    monkeypatch.setattr(run, "run_worker", fake_worker)
+    monkeypatch.setattr(run, "drop_pages", lambda files: events.append(("drop", tuple(files))))
+    monkeypatch.setattr(run, "MemoryCap", _FakeCap)
+    monkeypatch.setattr(run, "available", lambda: True)
+    monkeypatch.setattr(run, "disk_bandwidth", lambda p, chunk, seconds=2.0, depth=1: 1e8 * min(depth, 4))
+    monkeypatch.setattr(run, "bench_plot", lambda *a, **k: None)
+    out = tmp_path / "res"
+    argv = ["run.py", "--model", str(path), "--budgets", "25,50", "--repeats", "2", "--threads", "2", "--out", str(out)]
+    argv += ["--peer", "/peer/bmoe-cli", "--peer-variants", "peer=--moe-stream --cache-mb {budget_mib} --force-cache"]
+    monkeypatch.setattr(sys, "argv", argv)
+    run.main()
+    rep = json.loads(out.with_name(out.name + ".json").read_text())
+
+    runs = [e[1] for e in events if e[0] == "run"]
+    # a drop before every run, and nothing else between
+    kinds = [e[0] for e in events]
+    assert kinds == ["drop", "run"] * len(runs)
+    assert all(c.closed for c in _FakeCap.made)
+    # 1 headroom probe + 2 repeats x (2 in-RAM + 2 budgets x (capped stock + moetier + peer))
+    assert len(runs) == 1 + 2 * 8
+    names = list(rep["runs"])
+    first, second = runs[1:9], runs[9:]
+    assert [a for a, _ in first] != [a for a, _ in second], "the second repeat starts elsewhere"
+    assert sorted(map(str, (a for a, _ in first))) == sorted(map(str, (a for a, _ in second)))
+    # the headroom: the probe's peak minus the model (300 MiB - model) vs its anon (40 MiB), + 64 MiB
+    assert rep["headroom_bytes"] == max(40 << 20, (300 << 20) - path.stat().st_size) + (64 << 20)
+    for pct in (25, 50):
+        stock, moe = rep["runs"][f"stock-capped-{pct}"], rep["runs"][f"moetier-{pct}"]
+        assert (
+            stock["cap_bytes"]
+            == moe["cap_bytes"]
+            == rep["non_expert_bytes"] + moe["budget_bytes"] + rep["headroom_bytes"]
+        )
+        assert "--no-repack" in stock["args"]
+        peer = rep["runs"][f"peer-{pct}"]
+        assert peer["cap_bytes"] == moe["cap_bytes"] and peer["budget_bytes"] == moe["budget_bytes"]
+        mib = moe["budget_bytes"] >> 20
+        assert peer["args"][-2:] == ["--peer-args", f"--moe-stream --cache-mb {mib} --force-cache"]
+    for name in names:
+        args = rep["runs"][name]["args"]
+        assert args[:4] == ["--threads", "2", "--ctx", "1024"] and "--no-warmup" not in args
+    capped = [cap.limit_bytes for _, cap in runs if cap is not None and cap.limit_bytes < 1 << 40]
+    assert len(capped) == 2 * 6 and all(
+        c == rep["runs"]["moetier-25"]["cap_bytes"] or c == rep["runs"]["moetier-50"]["cap_bytes"] for c in capped
+    )
+    # ratios: moetier 20 / capped stock 5 = 4.00x; / in-RAM 40 = 0.50x
+    md = out.with_name(out.name + ".md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| moetier-25 |"))
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[4:6] == ["4.00x", "0.50x"]
+    assert "QD1 100, QD2 200, QD4 400, QD8 400 MB/s" in md
+    assert rep["disk_odirect_bytes_per_s"] == 4e8
+
+
+@pytest.mark.skipif(not cgroup.available(), reason="needs a writable cgroup v1 memory controller")
+def test_memory_cap_limits_and_joins() -> None:
+    cap = cgroup.MemoryCap(f"moetier-test-{id(object())}", 256 << 20)
+    try:
+        assert int((cap.path / "memory.limit_in_bytes").read_text()) == 256 << 20
+        p = subprocess.Popen(["sleep", "5"], preexec_fn=cap.preexec)
+        try:
+            assert str(p.pid) in (cap.path / "cgroup.procs").read_text().split()
+        finally:
+            p.kill()
+            p.wait()
+    finally:
+        cap.close()
+    assert not cap.path.exists()

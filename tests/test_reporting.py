@@ -68,3 +68,26 @@ def test_rates_by_hand() -> None:
     assert r.prefill_tokens_per_second == 24.0
     assert r.tokens_per_second == 2.5
     assert CacheStats().hit_rate == 0.0
+
+
+def test_on_first_token_splits_counters_outside_both_timings(tiny_model: ModelFactory) -> None:
+    """The callback the benchmark uses to split bytes into prefill and decode: called once, after the
+    prompt's pass (the counters then hold the prefill's reads only), and its own time is in neither
+    timing."""
+    import time
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    lo = int(Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    m = Model(path, cache=CacheConfig.exact(budget=lo))
+    seen: list[int] = []
+
+    def first() -> None:
+        seen.append(m.stats().n_lookups)
+        time.sleep(0.5)
+
+    r = m.generate(LONG_PROMPT, max_tokens=8, on_first_token=first)
+    assert len(seen) == 1 and 0 < seen[0] < r.stats.n_lookups  # decode looked up more after it
+    assert r.seconds >= 0.5 and r.prefill_seconds + r.decode_seconds < r.seconds - 0.45
+    with pytest.raises(ZeroDivisionError):  # an exception in the callback reaches the caller
+        m.generate(LONG_PROMPT, max_tokens=4, on_first_token=lambda: 1 // 0)
+    assert m.generate(LONG_PROMPT, max_tokens=8).tokens == r.tokens  # and the model still works

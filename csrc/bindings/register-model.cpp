@@ -115,12 +115,14 @@ py::array_t<float> logits(py_model & pm, const std::vector<llama_token> & tokens
 }
 
 // generated tokens after prompt (temperature 0 = greedy), with the prompt-processing time (up to
-// the first sampled token) and the decode time of the rest
+// the first sampled token) and the decode time of the rest; on_first_token (if not None) is called
+// once between the two, outside both times, so a caller can split its own counters there
 py::dict generate(py_model &                       pm,
                   const std::vector<llama_token> & prompt,
                   int32_t                          max_tokens,
                   float                            temperature,
-                  uint32_t                         seed) {
+                  uint32_t                         seed,
+                  const py::object &               on_first_token) {
     if (prompt.empty()) {
         throw std::invalid_argument("generate: empty prompt");
     }
@@ -136,7 +138,7 @@ py::dict generate(py_model &                       pm,
     };
 
     std::vector<llama_token> out;
-    int64_t                  t0 = 0, t1 = 0, t2 = 0;
+    int64_t                  t0 = 0, t1 = 0, t2 = 0, t_cb = 0;
     int32_t                  rc = 0;
     bool                     ok = true;
     {
@@ -159,6 +161,11 @@ py::dict generate(py_model &                       pm,
             const llama_token t = llama_sampler_sample(smpl.get(), pm.ctx(), -1);
             if (i == 0) {
                 t1 = ggml_time_us();  // time to first token includes its sampling
+                if (!on_first_token.is_none()) {
+                    py::gil_scoped_acquire gil;
+                    on_first_token();  // a Python exception propagates (the sampler is freed by RAII)
+                    t_cb = ggml_time_us() - t1;
+                }
             }
             if (llama_vocab_is_eog(pm.vocab(), t)) {
                 break;
@@ -176,7 +183,7 @@ py::dict generate(py_model &                       pm,
     py::dict d;
     d["tokens"]    = out;
     d["prefill_s"] = (t1 - t0) / 1e6;
-    d["decode_s"]  = (t2 - t1) / 1e6;
+    d["decode_s"]  = (t2 - t1 - t_cb) / 1e6;
     return d;
 }
 
@@ -321,7 +328,7 @@ void register_model(py::module_ & m) {
         .def("detokenize", &detokenize, py::arg("tokens"))
         .def("logits", &logits, py::arg("tokens"))
         .def("generate", &generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature") = 0.0f,
-             py::arg("seed") = 0)
+             py::arg("seed") = 0, py::arg("on_first_token") = py::none())
         .def(
             "layer_stats", [](const py_model & pm) { return layer_stats(pm.model()); },
             "the counters of each served layer (empty without a cache)")

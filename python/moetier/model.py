@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,14 +189,21 @@ class Model:
             raise ModelError(str(e)) from None
 
     def generate(
-        self, prompt: str | list[int], max_tokens: int = 64, temperature: float = 0.0, seed: int = 0
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        seed: int = 0,
+        on_first_token: Callable[[], object] | None = None,
     ) -> GenerateResult:
         """Generates up to max_tokens after prompt (greedy when temperature is 0), fewer where the
-        context fills up (as llama.cpp's tools stop); a prompt longer than the context is a ConfigError."""
+        context fills up (as llama.cpp's tools stop); a prompt longer than the context is a ConfigError.
+        on_first_token is called once the first token is sampled, before decode starts and outside
+        both timings (so a benchmark can split its counters into prefill and decode there)."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.reset_stats()
         t0 = time.perf_counter()
-        res = self._m.generate(tokens, max_tokens, temperature, seed)
+        res = self._m.generate(tokens, max_tokens, temperature, seed, on_first_token)
         dt = time.perf_counter() - t0
         out = [int(t) for t in res["tokens"]]
         return GenerateResult(

@@ -1,0 +1,107 @@
+"""Upstream llama.cpp (unpatched, the pinned commit; bench/external/build-upstream.sh) as one benchmark
+configuration, with worker.py's interface and output: its llama-completion, greedy, on each prompt in
+turn (one process per prompt, all inside the same cap, so the page cache one left is what the next
+finds, as in one process), after a 4-token warm-up on the first prompt. Timings are llama.cpp's own
+(`llama_perf_context_print`: prompt eval = time to first token's pass; eval = the decode steps);
+disk bytes and faults from the children's rusage and /proc/self/io. No token ids: run.py compares
+texts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT_RE = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+EVAL_RE = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
+
+
+def children_io() -> tuple[int, int, int]:
+    """read bytes (storage), major faults and peak RSS bytes of the waited-for children so far."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # ru_inblock counts 512-byte blocks read from storage by the children
+    return ru.ru_inblock * 512, ru.ru_majflt, ru.ru_maxrss * 1024
+
+
+def complete(binary: str, model: str, prompt: str, n: int, a: argparse.Namespace) -> dict[str, Any]:
+    cmd = [binary, "-m", model, "-p", prompt, "-n", str(n), "--temp", "0", "-t", str(a.threads), "-c", str(a.ctx)]
+    cmd += ["-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup", *shlex.split(a.args)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+        msg = f"llama-completion exited with {r.returncode}: {tail}"
+        raise SystemExit(msg)
+    pm, em = PROMPT_RE.search(r.stderr), EVAL_RE.search(r.stderr)
+    if not pm or not em:
+        msg = "llama-completion printed no timings"
+        raise SystemExit(msg)
+    return {
+        "text": r.stdout,
+        "prompt_ms": float(pm.group(1)),
+        "prompt_tokens": int(pm.group(2)),
+        "eval_ms": float(em.group(1)),
+        "eval_runs": int(em.group(2)),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--upstream-bin", required=True, help="path of upstream llama.cpp's llama-completion")
+    p.add_argument("--upstream-args", dest="args", default="", help="more llama-completion flags (e.g. --no-repack)")
+    p.add_argument("--model", required=True, help="GGUF model")
+    p.add_argument("--prompts", required=True, help="JSON file: list of prompt strings")
+    p.add_argument("-n", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("--threads", type=int, default=2, help="threads")
+    p.add_argument("--ctx", type=int, default=2048, help="context length")
+    p.add_argument("--no-warmup", action="store_true", help="no warm-up generation")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before one prompt is abandoned")
+    a = p.parse_args()
+
+    prompts = json.loads(Path(a.prompts).read_text())
+    t0 = time.perf_counter()
+    if not a.no_warmup:
+        complete(a.upstream_bin, a.model, prompts[0], 4, a)
+    load_s = time.perf_counter() - t0
+    io0, f0, _ = children_io()
+    runs = []
+    for text in prompts:
+        d = complete(a.upstream_bin, a.model, text, a.n, a)
+        n = d["eval_runs"] + 1  # the first token comes out of the prompt's pass
+        runs.append(
+            {
+                "prompt_tokens": d["prompt_tokens"],
+                "tokens": n,
+                "ttft_s": d["prompt_ms"] / 1e3,
+                "prefill_tok_s": d["prompt_tokens"] / (d["prompt_ms"] / 1e3) if d["prompt_ms"] > 0 else 0.0,
+                "decode_tok_s": d["eval_runs"] / (d["eval_ms"] / 1e3) if d["eval_ms"] > 0 else 0.0,
+                "decode_s": d["eval_ms"] / 1e3,
+                "n_lookups": 0,
+                "n_hits": 0,
+                "n_bytes_read": 0,
+                "read_s": 0.0,
+                "token_ids": [],
+                "text": d["text"],
+            }
+        )
+    io1, f1, peak = children_io()
+    out = {
+        "load_s": load_s,
+        "disk_read_bytes": io1 - io0,
+        "major_faults": f1 - f0,
+        "rss_anon_bytes": 0,
+        "peak_rss_bytes": peak,
+        "upstream": {"bin": a.upstream_bin, "args": a.args},
+        "runs": runs,
+    }
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
