@@ -17,6 +17,7 @@ import json
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -47,8 +48,10 @@ class Session:
     """bmoe-cli --session as a child process: requests on stdin, BMOE_* lines on stdout."""
 
     def __init__(self, cmd: list[str], timeout: float) -> None:
+        # its log goes to a file: a pipe nobody reads fills up and stops the peer
+        self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1
         )
         self.timeout = timeout
         ready = self._until("BMOE_READY", "BMOE_ERROR")
@@ -63,7 +66,8 @@ class Session:
 
     def fail(self, msg: str) -> None:
         self.proc.kill()
-        err = self.proc.stderr.read() if self.proc.stderr else ""
+        self.log.seek(0)
+        err = self.log.read()
         tail = " | ".join(err.strip().splitlines()[-3:])
         text = f"{msg}; stderr: {tail}"
         raise SystemExit(text)

@@ -4,6 +4,9 @@ suite let through (../shared/notes/bench-audit.md, section 2; issue 15)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from conftest import LONG_PROMPT, ModelFactory
@@ -91,3 +94,36 @@ def test_on_first_token_splits_counters_outside_both_timings(tiny_model: ModelFa
     with pytest.raises(ZeroDivisionError):  # an exception in the callback reaches the caller
         m.generate(LONG_PROMPT, max_tokens=4, on_first_token=lambda: 1 // 0)
     assert m.generate(LONG_PROMPT, max_tokens=8).tokens == r.tokens  # and the model still works
+
+
+def test_opts_writes_sizes_and_switches_as_integers() -> None:
+    """The --expert-opt string the shipped binaries parse: a size is a byte count, a switch 0/1."""
+    opts = dict(kv.split("=") for kv in CacheConfig(budget="1M", reserve="4K", io_uring=False).opts().split(","))
+    assert (opts["reserve"], opts["io_uring"], opts["prefetch"], opts["t1"]) == ("4096", "0", "0", "1.0")
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("{not json", "cannot read the cache config"),
+        ("[1, 2]", "the cache config must be a JSON object of CacheConfig fields"),
+        ('{"budget": 1048576, "zeta": 1, "alpha": 2}', r"unknown cache config field\(s\) alpha, zeta; known: "),
+    ],
+)
+def test_cache_config_file_errors_name_the_file(tmp_path: Path, text: str, says: str) -> None:
+    f = tmp_path / "cache.json"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: {says}"):
+        CacheConfig.from_file(f)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path / 'missing.json'))}: cannot read"):
+        CacheConfig.from_file(tmp_path / "missing.json")
+
+
+def test_generate_defaults_sampling_and_wall_time(tiny_model: ModelFactory) -> None:
+    m = Model(tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3))
+    r = m.generate(LONG_PROMPT)
+    assert len(r.tokens) == 64, "64 tokens by default (this model emits no end-of-generation)"
+    assert r.prefill_seconds + r.decode_seconds <= r.seconds < 60
+    # temperature reaches the sampler: the same seed repeats, another seed samples other tokens
+    a, b, c = (m.generate(LONG_PROMPT, max_tokens=24, temperature=1.5, seed=s).tokens for s in (1, 1, 2))
+    assert a == b != c and a != r.tokens[:24]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the peer BigMoeOnEdge (github.com/Helldez/BigMoeOnEdge, Apache-2.0) for bench/run.py's
 # --peer: its source outside this repository (in DEST), against the llama.cpp this project pins
-# (the llama-cpp-python sdist's vendor/llama.cpp), with two local edits, none of its code in ours:
+# (the llama-cpp-python sdist's vendor/llama.cpp), with local edits, none of its code in ours:
 #   1. its MTP (speculative drafting) path does not compile against the pinned llama.cpp
 #      (`common_speculative_process` takes a `common_batch` there; the draft params have no n_past):
 #      those three calls are disabled, so --mtp fails with the peer's own clear error. MTP needs a
@@ -10,6 +10,7 @@
 #      which cannot be fetched here: it is written from the contract in its docs/seam.md §3
 #      (ggml_cpu_set_expert_ready_hook(hook, user_data); mul_mat_id calls hook(src0, expert,
 #      user_data) for every routed expert before it reads its weights). Without it --overlap fails.
+#   3. its architecture registry gets one row for ernie4_5-moe, the bench models' architecture.
 #
 # A `git clone --recursive` of the peer brings its own llama.cpp fork (which has the hook and the MTP
 # API it expects): the script then builds it unchanged. The two edits apply only to the pinned copy
@@ -20,6 +21,8 @@
 #   DEST: build root (default: $MOETIER_CACHE or ~/.cache/moetier, then /peer)
 # Prints the path of the built bmoe-cli.
 set -euo pipefail
+# ccache, with AMX compiled out as in this project's own build (see cc-noamx.sh)
+LAUNCH=$(cd "$(dirname "$0")" && pwd)/cc-noamx.sh
 CACHE=${MOETIER_CACHE:-$HOME/.cache/moetier}
 DEST=${2:-$CACHE/peer}
 SRC=${1:-}
@@ -95,8 +98,16 @@ PY
 fi
 fi
 
+# 3. one registry row for ernie4_5-moe (the bench models' architecture; its expert tensors are named
+#    as qwen2moe's, and it routes through llama.cpp's common MoE graph): the peer's docs/adding-a-model.md
+R=$P/core/src/moe/arch_registry.cpp
+if ! grep -q '"ernie4_5-moe"' "$R"; then
+    sed -i 's/^\(\s*\){"qwen2moe", {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}},/&\n\1{"ernie4_5-moe", {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}}, \/\/ bench: added/' "$R"
+    grep -q '"ernie4_5-moe"' "$R"
+fi
+
 cmake -S "$P" -B "$P/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBMOE_BUILD_TESTS=OFF -DGGML_NATIVE=ON \
-    -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache >"$DEST/cmake.log"
+    -DCMAKE_C_COMPILER_LAUNCHER="$LAUNCH" -DCMAKE_CXX_COMPILER_LAUNCHER="$LAUNCH" >"$DEST/cmake.log"
 cmake --build "$P/build" -j"${JOBS:-2}" --target bmoe-cli >"$DEST/build.log"
 BIN=$(find "$P/build" -name bmoe-cli -type f -perm -u+x | head -1)
 echo "peer: $(git -C "$P" rev-parse --short HEAD) built at $BIN" >&2

@@ -7,6 +7,8 @@
 # Usage: bench/external/build-upstream.sh [DEST]   (default: $MOETIER_CACHE or ~/.cache/moetier, /upstream)
 # Prints the path of the built llama-completion.
 set -euo pipefail
+# ccache, with AMX compiled out as in this project's own build (see cc-noamx.sh)
+LAUNCH=$(cd "$(dirname "$0")" && pwd)/cc-noamx.sh
 CACHE=${MOETIER_CACHE:-$HOME/.cache/moetier}
 DEST=${1:-$CACHE/upstream}
 LL=$DEST/llama.cpp
@@ -21,7 +23,7 @@ if [ ! -f "$LL/CMakeLists.txt" ]; then
 fi
 cmake -S "$LL" -B "$LL/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-    -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache >"$DEST/cmake.log"
+    -DCMAKE_C_COMPILER_LAUNCHER="$LAUNCH" -DCMAKE_CXX_COMPILER_LAUNCHER="$LAUNCH" >"$DEST/cmake.log"
 cmake --build "$LL/build" -j"${JOBS:-2}" --target llama-completion >"$DEST/build.log"
 BIN=$LL/build/bin/llama-completion
 test -x "$BIN"
