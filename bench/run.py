@@ -405,6 +405,12 @@ def parse_peer_variants(text: str, option: str) -> list[tuple[str, str]]:
     return out
 
 
+def norm_texts(texts: list[str | None] | None) -> list[str] | None:
+    """Texts compared across systems: llama-completion ends its output with a blank line, so
+    trailing whitespace is left out."""
+    return [(t or "").rstrip() for t in texts] if texts else None
+
+
 def write_outputs(report: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = report["runs"]
@@ -437,10 +443,10 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
                 if plain and s["token_ids"] == plain.get("token_ids")
                 else "no"
             )
-        else:  # the peer reports text, not token ids
-            same = (
-                "same text" if s.get("texts") and s["texts"] in (ram.get("texts"), plain.get("texts")) else "no (text)"
-            )
+        else:  # the peer and upstream report text, not token ids
+            texts = norm_texts(s.get("texts"))
+            refs = (norm_texts(ram.get("texts")), norm_texts(plain.get("texts")))
+            same = "same text" if texts and texts in refs else "no (text)"
         hit = "" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
         dec_disk = s.get("decode_disk_read_per_token") or 0.0
         dec_mb = f"{dec_disk / 1e6:.2f}" if dec_disk else "-"
