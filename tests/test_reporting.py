@@ -127,3 +127,18 @@ def test_generate_defaults_sampling_and_wall_time(tiny_model: ModelFactory) -> N
     # temperature reaches the sampler: the same seed repeats, another seed samples other tokens
     a, b, c = (m.generate(LONG_PROMPT, max_tokens=24, temperature=1.5, seed=s).tokens for s in (1, 1, 2))
     assert a == b != c and a != r.tokens[:24]
+
+
+@pytest.mark.parametrize("value", [2, -1, 0.5, 1.0])
+def test_switches_take_only_bools_or_0_1(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^cache\.io_uring: .* must be a bool \(or 0/1\)$"):
+        CacheConfig(budget="1M", io_uring=value)  # type: ignore[arg-type]
+    assert CacheConfig(budget="1M", io_uring=0).io_uring in (0, False)
+
+
+def test_budget_auto_and_sizes_normalised() -> None:
+    assert CacheConfig(budget="auto").budget_text == "auto"
+    c = CacheConfig(budget="2M", reserve="4K")
+    assert (c.budget_bytes, c.reserve, c.budget_text) == (2 << 20, 4096, str(2 << 20))
+    with pytest.raises(ConfigError, match=r"^cache\.budget: 0 turns the cache off; pass cache=None instead$"):
+        CacheConfig(budget=0)
