@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import moetier
@@ -56,6 +57,66 @@ def test_oracle_same_greedy_tokens_as_model_and_stock(model_path: Path) -> None:
     assert out == ours.tokens == stock.tokens
     s = llm.cache_stats()
     assert s.n_lookups > 0 and s.n_misses > 0 and s.n_hits + s.n_misses == s.n_lookups
+
+
+def _batched_logits(llm: llama_cpp.Llama, prompts: list[str], steps: int) -> np.ndarray:
+    """Greedy decoding of several sequences in shared batches on a second context of llm's model
+    (what llama-server's slots do): sequence s joins at step 2 * s, so its prompt is prefilled in the
+    same ubatch as the others' decode tokens. Returns every step's logits, (steps, n_seq, n_vocab)."""
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 1024, 512, 512, len(prompts)
+    cp.n_threads = cp.n_threads_batch = 2
+    ctx = llama_cpp.llama_init_from_model(llm._model.model, cp)
+    batch = llama_cpp.llama_batch_init(512, 0, len(prompts))
+    n_vocab = llm.n_vocab()
+    toks = [llm.tokenize(p.encode()) for p in prompts]
+    last = [0] * len(prompts)
+    pos = [0] * len(prompts)
+    active: list[int] = []
+    out = np.zeros((steps, len(prompts), n_vocab), dtype=np.float32)
+    try:
+        for step in range(steps):
+            batch.n_tokens = 0
+            rows: list[int] = []
+
+            def add(t: int, s: int, want: bool) -> None:
+                k = batch.n_tokens
+                batch.token[k], batch.pos[k], batch.n_seq_id[k], batch.logits[k] = t, pos[s], 1, want
+                batch.seq_id[k][0] = s
+                batch.n_tokens += 1
+                pos[s] += 1
+
+            for s in active:
+                add(last[s], s, True)
+                rows.append(s)
+            if step % 2 == 0 and step // 2 < len(prompts):
+                s = step // 2
+                for i, t in enumerate(toks[s]):
+                    add(t, s, i == len(toks[s]) - 1)
+                active.append(s)
+                rows.append(s)
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(len(rows), n_vocab))
+            for k, s in enumerate(rows):
+                out[step, s] = logits[k]
+                last[s] = int(logits[k].argmax())
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+    return out
+
+
+def test_multi_sequence_batches_bit_equal_stock(model_path: Path) -> None:
+    """Sequences sharing ubatches, prompts prefilled beside other sequences' decode tokens: at the
+    minimum budget every logit equals stock's bit for bit. (A server's answers still depend on which
+    requests share a batch, in stock llama.cpp as in ours: the batches must be the same to compare.)"""
+    prompts = [LONG_PROMPT, "Hello there, how are", "def add(a, b):\n    return", "One two three four"]
+    stock = _batched_logits(_llama(model_path), prompts, 12)
+    llm = _llama(model_path, CacheConfig.exact(budget=_min_budget(model_path), warm=False))
+    ours = _batched_logits(llm, prompts, 12)
+    assert np.isfinite(stock).all() and np.abs(stock).max() > 0
+    assert np.array_equal(ours, stock)
+    assert llm.cache_stats().n_misses > 0
 
 
 def test_completion_chat_stream_and_grammar(model_path: Path) -> None:

@@ -52,6 +52,12 @@ def test_classify_counts_each_kind() -> None:
     assert (self_check["exact"], self_check["checked"]) == (2, 2)
 
 
+def test_reference_adds_each_prompts_answer_alone() -> None:
+    ref = soak.with_alone({0: ["a", "b"]}, ["c", "d"])
+    assert ref == {0: ["a", "b", "c"], 1: ["d"]}
+    assert soak.classify([_r(1, "d"), _r(0, "c")], ref)["exact"] == 2
+
+
 def test_summary_percentiles_and_rate() -> None:
     replies = [_r(0, "x", latency=float(i), ttft=i / 10, chunks=4) for i in range(1, 101)]
     replies.append(_r(0, "", finish=None, error="boom", latency=1000.0, chunks=9))
