@@ -80,14 +80,22 @@ def prompts_from(texts: Sequence[str], n: int, chars: int = 300) -> list[str]:
     return [p for p in out if p][:n]
 
 
-def _stream_one(base_url: str, client: int, prompt_id: int, prompt: str, n_predict: int, timeout: float) -> Reply:
+def _stream_one(
+    base_url: str, client: int, prompt_id: int, prompt: str, n_predict: int, timeout: float, cache_prompt: bool = True
+) -> Reply:
     from openai import OpenAI
 
     r = Reply(client, prompt_id, t_start=time.monotonic())
     try:
         with OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=timeout) as oc:
             stream = oc.completions.create(
-                model="m", prompt=prompt, max_tokens=n_predict, temperature=0, seed=42, stream=True
+                model="m",
+                prompt=prompt,
+                max_tokens=n_predict,
+                temperature=0,
+                seed=42,
+                stream=True,
+                extra_body=None if cache_prompt else {"cache_prompt": False},
             )
             parts: list[str] = []
             for ch in stream:
@@ -369,6 +377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="server threads")
     p.add_argument("--headroom-mib", type=float, default=384.0, help="cap = other non-expert + budget + this")
     p.add_argument("--cache-args", default="", help="more `moetier serve` cache flags for the moetier phase")
+    p.add_argument(
+        "--control-duration",
+        type=float,
+        default=180.0,
+        help="seconds of a control phase: stock under the same load slowed by --control-hogs busy processes (0: off)",
+    )
+    p.add_argument("--control-hogs", type=int, default=2, help="busy processes competing with the control phase")
     p.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.md")
     a = p.parse_args(argv)
 
@@ -389,11 +404,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = ["-m", str(model), "--parallel", str(a.parallel), "-c", str(a.ctx), "-t", str(a.threads), "--metrics"]
 
     def alone(srv: ServerRun) -> dict[str, Any]:
-        return {"alone": [_stream_one(srv.url, 0, i, p, a.n_predict, 600.0).text for i, p in enumerate(prompts)]}
+        # without the slot's previous KV (cache_prompt), so the prompt is prefilled in one batch of its own
+        return {"alone": [_stream_one(srv.url, 0, i, p, a.n_predict, 600.0, False).text for i, p in enumerate(prompts)]}
 
     ref_replies, ref = phase("stock", common, prompts, a, log_dir, None, a.ref_duration or a.duration, alone)
     under_load = by_prompt(ref_replies)
     reference = with_alone(under_load, ref["alone"])
+
+    control: dict[str, Any] | None = None
+    if a.control_duration > 0:
+        # stock again under the same load, slowed by busy processes: the divergence a slower server
+        # gets from the batch compositions its speed makes, with no cache involved
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.control_hogs)]
+        try:
+            c_replies, control = phase("stock-slowed", common, prompts, a, log_dir, None, a.control_duration)
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        control["check"] = classify(c_replies, reference)
 
     cache_args = ["--cache", str(budget), *([] if not a.store else ["--store", a.store]), *a.cache_args.split()]
     cap = MemoryCap(f"moetier-soak-{os.getpid()}", cap_bytes)
@@ -417,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cap_bytes": cap_bytes,
         "prompts": prompts,
         "stock": {**ref, "check_self": classify(ref_replies, reference, leave_one_out=True)},
+        "stock_slowed": control,
         "moetier": {
             **run,
             "check": classify(replies, reference),
@@ -468,16 +498,26 @@ def render(r: dict[str, Any]) -> str:
         f"| moetier vs stock under load only | {cl['exact']} | {cl['diverged']} | {cl['mixed']} | {cl['lost']} |",
         f"| stock vs its other answers (batch drift alone) | {cs['exact']} | {cs['diverged']} | {cs['mixed']} "
         f"| {cs['lost']} |",
+        *(
+            [
+                f"| stock slowed by {cfg['control_hogs']} busy processes ({r['stock_slowed']['tok_s']:.1f} tok/s) "
+                f"vs stock under load or alone | {k['exact']} | {k['diverged']} | {k['mixed']} | {k['lost']} |"
+            ]
+            if (k := (r.get("stock_slowed") or {}).get("check"))
+            else []
+        ),
         "",
         f"Diverged answers share a median {f(c['diverged_at_chars_median'], 0)} characters with stock's "
         f"(stock with itself: {f(cs['diverged_at_chars_median'], 0)}). Load average at the moetier phase's "
         f"start {m['loadavg_start'][0]:.2f}, end {m['loadavg_end'][0]:.2f}; cgroup failcnt "
         f"{m.get('cgroup_failcnt', '-')} (reclaim at the limit, not a failure).",
         "",
-        "A request's answer depends on which requests share its ubatches, in stock llama.cpp as in moetier, and "
-        "the batches a load makes depend on the server's speed: a diverged answer met a batch composition the "
-        "stock phase did not. With the same batches moetier's logits equal stock's bit for bit "
-        "(tests/test_llama_cpp.py::test_multi_sequence_batches_bit_equal_stock).",
+        "A request's answer depends on which requests share its ubatches and on what its slot held before "
+        "(prompt cache), in stock llama.cpp as in moetier, and the batches a load makes depend on the server's "
+        "speed: a diverged answer met a batch composition the stock phase did not (the slowed stock row is the "
+        "same effect with no cache involved). With the same batches moetier's logits equal stock's bit for bit "
+        "(tests/test_llama_cpp.py::test_multi_sequence_batches_bit_equal_stock). 'Alone' answers are "
+        "requested one at a time without the prompt cache.",
     ]
     return "\n".join(lines) + "\n"
 

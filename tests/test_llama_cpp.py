@@ -160,3 +160,12 @@ def test_bad_cache_config_is_a_clear_error(model_path: Path) -> None:
     llm.close()
     with pytest.raises(ValueError, match="null pointer"):
         llm.cache_stats()
+
+
+def test_cache_that_never_reached_libllama_is_an_error(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configuration that does not reach the libllama llama_cpp runs on (as when a second copy of
+    libllama is loaded) would run stock silently: it is an error naming what is loaded."""
+    monkeypatch.setattr(moetier._core, "configure_load", lambda path, params: None)
+    with pytest.raises(ModelError, match=r"configured but libllama did not create it \(libllama loaded: /"):
+        _llama(model_path, CacheConfig.exact(budget=_min_budget(model_path), warm=False))
+

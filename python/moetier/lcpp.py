@@ -96,7 +96,23 @@ def _llama_class() -> type:
                 finally:
                     _core.configure_load(path, None)
             self._moetier_model = ctypes.cast(self._model.model, ctypes.c_void_p).value or 0
-            if cache is not None and _core.has_cache_at(self._moetier_model):
+            if cache is not None and not _core.has_cache_at(self._moetier_model):
+                # the configuration never reached this libllama (another copy of it is loaded): running
+                # stock here would ignore the cache silently
+                loaded = sorted(
+                    {
+                        ln.split()[-1]
+                        for ln in Path("/proc/self/maps").read_text().splitlines()
+                        if ln.endswith("/libllama.so")
+                    }
+                )
+                super().close()
+                msg = (
+                    f"{path}: the expert cache was configured but libllama did not create it "
+                    f"(libllama loaded: {', '.join(loaded)})"
+                )
+                raise ModelError(msg)
+            if cache is not None:
                 # a failed expert read stops the graph instead of computing with an empty slot
                 lib = llama_cpp.llama_cpp._lib
                 self._moetier_abort = llama_cpp.ggml_abort_callback(
