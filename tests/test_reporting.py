@@ -127,6 +127,9 @@ def test_generate_defaults_sampling_and_wall_time(tiny_model: ModelFactory) -> N
     # temperature reaches the sampler: the same seed repeats, another seed samples other tokens
     a, b, c = (m.generate(LONG_PROMPT, max_tokens=24, temperature=1.5, seed=s).tokens for s in (1, 1, 2))
     assert a == b != c and a != r.tokens[:24]
+    # greedy ignores the seed; the same seed at another temperature samples other tokens
+    assert m.generate(LONG_PROMPT, max_tokens=24, seed=7).tokens == r.tokens[:24]
+    assert m.generate(LONG_PROMPT, max_tokens=24, temperature=0.3, seed=1).tokens != a
 
 
 @pytest.mark.parametrize("value", [2, -1, 0.5, 1.0])
