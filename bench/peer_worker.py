@@ -126,7 +126,7 @@ class Session:
         return mem
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer-bin", required=True, help="path of the peer's bmoe-cli")
     p.add_argument("--peer-args", default="", help="the peer's flags (e.g. '--moe-stream --cache-mb 26')")
@@ -137,7 +137,11 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=2048, help="context length")
     p.add_argument("--no-warmup", action="store_true", help="no warm-up generation")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the peer is abandoned")
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
 
     cmd = [a.peer_bin, "-m", a.model, "-t", str(a.threads), "-c", str(a.ctx), "--temp", "0", "--session"]
     cmd += shlex.split(a.peer_args)

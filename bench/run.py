@@ -340,7 +340,7 @@ def main() -> None:
         ("stock-ram-norepack", ["--no-repack"], 1 << 40, None, "worker.py"),
     ]
     for name, flags in upstreams:
-        up = ["--upstream-bin", a.upstream, "--upstream-args", flags]
+        up = ["--upstream-bin", a.upstream, f"--upstream-args={flags}"]
         configs.append((f"{name}-ram", up, 1 << 40, None, "upstream_worker.py"))
     for pct in [int(x) for x in a.budgets.split(",")]:
         budget = max(int(info["min_cache_bytes"]), expert_bytes * pct // 100)
@@ -353,10 +353,10 @@ def main() -> None:
             )
         for name, peer_args in peers:
             # the peer's cache in whole MiB, as its --cache-mb takes it: never more than ours
-            flags = ["--peer-bin", a.peer, "--peer-args", peer_args.format(budget_mib=budget // MiB)]
+            flags = ["--peer-bin", a.peer, f"--peer-args={peer_args.format(budget_mib=budget // MiB)}"]
             configs.append((f"{name}-{pct}", flags, cap, budget, "peer_worker.py"))
         for name, flags in upstreams:
-            up = ["--upstream-bin", a.upstream, "--upstream-args", flags]
+            up = ["--upstream-bin", a.upstream, f"--upstream-args={flags}"]
             configs.append((f"{name}-{pct}", up, cap, None, "upstream_worker.py"))
 
     # interleaved: every repeat runs each configuration once, starting one further along, so drift

@@ -51,7 +51,7 @@ def complete(binary: str, model: str, prompt: str, n: int, a: argparse.Namespace
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--upstream-bin", required=True, help="path of upstream llama.cpp's llama-completion")
     p.add_argument("--upstream-args", dest="args", default="", help="more llama-completion flags (e.g. --no-repack)")
@@ -62,7 +62,11 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=2048, help="context length")
     p.add_argument("--no-warmup", action="store_true", help="no warm-up generation")
     p.add_argument("--timeout", type=float, default=900, help="seconds before one prompt is abandoned")
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
 
     prompts = json.loads(Path(a.prompts).read_text())
     t0 = time.perf_counter()

@@ -16,7 +16,9 @@ from conftest import ModelFactory
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import cgroup
+import peer_worker
 import run
+import upstream_worker
 
 
 def _worker(decode: list[float], n_hits: int, n_lookups: int, n_bytes_read: int, disk: int = 0) -> dict[str, object]:
@@ -208,6 +210,7 @@ def test_runs_are_fair_interleaved_and_ratios_use_their_baselines(
     out = tmp_path / "res"
     argv = ["run.py", "--model", str(path), "--budgets", "25,50", "--repeats", "2", "--threads", "2", "--out", str(out)]
     argv += ["--peer", "/peer/bmoe-cli", "--peer-variants", "peer=--moe-stream --cache-mb {budget_mib} --force-cache"]
+    argv += ["--upstream", "/up/llama-completion", "--upstream-variants", "upstream-norepack=--no-repack"]
     monkeypatch.setattr(sys, "argv", argv)
     run.main()
     rep = json.loads(out.with_name(out.name + ".json").read_text())
@@ -217,10 +220,10 @@ def test_runs_are_fair_interleaved_and_ratios_use_their_baselines(
     kinds = [e[0] for e in events]
     assert kinds == ["drop", "run"] * len(runs)
     assert all(c.closed for c in _FakeCap.made)
-    # 1 headroom probe + 2 repeats x (2 in-RAM + 2 budgets x (capped stock + moetier + peer))
-    assert len(runs) == 1 + 2 * 8
+    # 1 headroom probe + 2 repeats x (3 in-RAM + 2 budgets x (capped stock + moetier + peer + upstream))
+    assert len(runs) == 1 + 2 * 11
     names = list(rep["runs"])
-    first, second = runs[1:9], runs[9:]
+    first, second = runs[1:12], runs[12:]
     assert [a for a, _ in first] != [a for a, _ in second], "the second repeat starts elsewhere"
     assert sorted(map(str, (a for a, _ in first))) == sorted(map(str, (a for a, _ in second)))
     # the headroom: the probe's peak minus the model (300 MiB - model) vs its anon (40 MiB), + 64 MiB
@@ -236,12 +239,20 @@ def test_runs_are_fair_interleaved_and_ratios_use_their_baselines(
         peer = rep["runs"][f"peer-{pct}"]
         assert peer["cap_bytes"] == moe["cap_bytes"] and peer["budget_bytes"] == moe["budget_bytes"]
         mib = moe["budget_bytes"] >> 20
-        assert peer["args"][-2:] == ["--peer-args", f"--moe-stream --cache-mb {mib} --force-cache"]
+        assert peer["args"][-1] == f"--peer-args=--moe-stream --cache-mb {mib} --force-cache"
+        up = rep["runs"][f"upstream-norepack-{pct}"]
+        assert up["cap_bytes"] == moe["cap_bytes"]
+        # one flag that starts with '-' is still read as the value of --upstream-args
+        parsed = upstream_worker.parser().parse_args([*up["args"], "--model", "m", "--prompts", "p"])
+        assert parsed.args == "--no-repack"
+        assert peer_worker.parser().parse_args([*peer["args"], "--model", "m", "--prompts", "p"]).peer_args == (
+            f"--moe-stream --cache-mb {mib} --force-cache"
+        )
     for name in names:
         args = rep["runs"][name]["args"]
         assert args[:4] == ["--threads", "2", "--ctx", "1024"] and "--no-warmup" not in args
     capped = [cap.limit_bytes for _, cap in runs if cap is not None and cap.limit_bytes < 1 << 40]
-    assert len(capped) == 2 * 6 and all(
+    assert len(capped) == 2 * 8 and all(
         c == rep["runs"]["moetier-25"]["cap_bytes"] or c == rep["runs"]["moetier-50"]["cap_bytes"] for c in capped
     )
     # ratios: moetier 20 / capped stock 5 = 4.00x; / in-RAM 40 = 0.50x
