@@ -168,4 +168,3 @@ def test_cache_that_never_reached_libllama_is_an_error(model_path: Path, monkeyp
     monkeypatch.setattr(moetier._core, "configure_load", lambda path, params: None)
     with pytest.raises(ModelError, match=r"configured but libllama did not create it \(libllama loaded: /"):
         _llama(model_path, CacheConfig.exact(budget=_min_budget(model_path), warm=False))
-
