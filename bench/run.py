@@ -219,7 +219,8 @@ def main() -> None:
         "--variants",
         default=None,
         help="several moetier configurations in the same run (an ablation): NAME=POLICY:OPTS;NAME=POLICY:OPTS... "
-        "e.g. 'lru-high=lru:t1=1,t2=1;precision=lru:t1=0.6,t2=0.9' (default: one, 'moetier', from --policy/--opts)",
+        "e.g. 'lru-high=lru:t1=1,t2=1;precision=lru:t1=0.6,t2=0.9' (default: one, 'moetier', from --policy/--opts); "
+        "budget=auto in OPTS sizes that variant's cache from the cap instead of the budget",
     )
     p.add_argument(
         "--peer",
@@ -347,7 +348,8 @@ def main() -> None:
         cap = non_expert + budget + headroom
         configs.append((f"stock-capped-{pct}", ["--no-repack"], cap, None, "worker.py"))
         for name, policy, opts in variants:
-            flags = ["--cache", str(budget), "--policy", policy, "--opts", opts]
+            size, opts = cache_flag(opts, budget)
+            flags = ["--cache", size, "--policy", policy, "--opts", opts]
             configs.append(
                 (f"{name}-{pct}", flags + (["--store", a.store] if a.store else []), cap, budget, "worker.py")
             )
@@ -391,6 +393,14 @@ def parse_variants(text: str) -> list[tuple[str, str, str]]:
             raise SystemExit(msg)
         out.append((name, policy, opts))
     return out
+
+
+def cache_flag(opts: str, budget: int) -> tuple[str, str]:
+    """A variant's --cache value and its other options: the budget, or 'auto' where OPTS holds
+    budget=auto (the cache sized at load from the cgroup limit, under the same cap)."""
+    items = [x for x in opts.split(",") if x]
+    auto = "budget=auto" in items
+    return ("auto" if auto else str(budget)), ",".join(x for x in items if x != "budget=auto")
 
 
 def parse_peer_variants(text: str, option: str) -> list[tuple[str, str]]:

@@ -156,6 +156,12 @@ def test_variants_parse() -> None:
         run.parse_variants("noequals")
 
 
+def test_variant_budget_auto_becomes_cache_auto() -> None:
+    assert run.cache_flag("t1=1,t2=1", 1234) == ("1234", "t1=1,t2=1")
+    assert run.cache_flag("t1=1,budget=auto,t2=1", 1234) == ("auto", "t1=1,t2=1")
+    assert run.cache_flag("", 7) == ("7", "")
+
+
 class _FakeCap:
     """cgroup.MemoryCap's interface, recording its limit (bench/run.py's fairness is checked without
     a cgroup; test_memory_cap_limits_and_joins checks the real one)."""
