@@ -15,7 +15,8 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
                              const std::string &            policy,
                              const moetier_policy_weights & weights,
                              std::vector<moetier_proj>      shapes_,
-                             bool                           simulate_) :
+                             bool                           simulate_,
+                             const moetier_future *         future) :
     n_expert_(n_expert),
     rule(rule_),
     simulate(simulate_),
@@ -24,7 +25,7 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
     GGML_ASSERT(n_slots[MOETIER_PRECISION_LOW] == 0 || shapes[0].store != nullptr);
     for (int32_t prec = 0; prec < MOETIER_N_PRECISIONS; ++prec) {
         sets[prec] = std::make_unique<moetier_slots>((moetier_precision) prec, n_slots[prec], n_expert,
-                                                     moetier_policy_create(policy, weights));
+                                                     moetier_policy_create(policy, weights, future));
         if (!simulate) {
             sets[prec]->alloc(shapes);
         }

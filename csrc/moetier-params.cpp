@@ -23,7 +23,9 @@ static const moetier_param_info g_rows[] = {
     MOETIER_ROW(store_dir, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
             "expert store written by `moetier pack`; none = read experts from the GGUF"),
     MOETIER_ROW(policy, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
-            "eviction policy: lru, lfu, lhu (high-precision uses), fld (layer distance), multi (their weighted sum), random"),
+            "eviction policy: lru, lfu, lhu (high-precision uses), fld (layer distance), multi (their weighted sum), "
+            "random, classlru (decayed use classes, as upstream llama.cpp), lfru (uses over recency), least-stale "
+            "(what this forward pass already used goes first)"),
     MOETIER_ROW(t1, MOETIER_PARAM_TYPE_FLOAT, 0, 1, true,
             "precision threshold of a miss (HOBBIT eq. 2): an expert whose score (the normalised gate weight of the "
             "experts ranked above it) is <= t1 is read in high precision; the top-1 always is"),

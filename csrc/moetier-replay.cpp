@@ -22,14 +22,38 @@ moetier_layer_stats moetier_replay(const moetier_replay_params & p,
                    "low bytes",
                    p.n_slots_high, p.n_expert));
     }
-    if (!moetier_policy_create(p.policy, p.weights)) {
-        throw std::invalid_argument("replay: unknown policy '" + p.policy + "'");
-    }
     for (int64_t i = 0; i < n_tokens * p.n_layers * p.n_used; ++i) {
         if (ids[i] < 0 || ids[i] >= p.n_expert) {
             throw std::invalid_argument(
                 format("replay: expert id %d at position %lld is out of range", ids[i], (long long) i));
         }
+    }
+    // the offline policies look ahead: every use of every expert, in the cache's ticks
+    moetier_future future;
+    if (moetier_policy_is_offline(p.policy)) {
+        future.bytes_high = p.bytes_high;
+        future.bytes_low  = p.bytes_low;
+        future.has_low    = p.n_slots_low > 0;
+        future.uses.assign(p.n_layers, std::vector<std::vector<moetier_future::use>>(p.n_expert));
+        std::vector<moetier_need> needs(p.n_used);
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            for (int32_t il = 0; il < p.n_layers; ++il) {
+                const int64_t off = (t * p.n_layers + il) * p.n_used;
+                moetier_precision_needs(p.rule, weights ? weights + off : nullptr, p.n_used, needs.data());
+                const uint64_t tick = (uint64_t) (t * p.n_layers + il) + 1;  // resolve counts before it runs
+                for (int32_t k = 0; k < p.n_used; ++k) {
+                    auto & v = future.uses[il][ids[off + k]];
+                    if (!v.empty() && v.back().tick == tick) {
+                        v.back().need = std::max(v.back().need, (uint8_t) needs[k]);
+                    } else {
+                        v.push_back({ tick, (uint8_t) needs[k] });
+                    }
+                }
+            }
+        }
+    }
+    if (!moetier_policy_create(p.policy, p.weights, &future)) {
+        throw std::invalid_argument("replay: unknown policy '" + p.policy + "'");
     }
 
     // one projection standing for a whole expert: the bookkeeping only needs its byte sizes
@@ -43,7 +67,7 @@ moetier_layer_stats moetier_replay(const moetier_replay_params & p,
 
     const int32_t n_slots[2] = { std::min(p.n_slots_high, p.n_expert * p.n_layers),
                                  std::min(p.n_slots_low, p.n_expert * p.n_layers) };
-    moetier_cache cache(p.n_expert, n_slots, p.rule, p.policy, p.weights, { proj }, /*simulate =*/true);
+    moetier_cache cache(p.n_expert, n_slots, p.rule, p.policy, p.weights, { proj }, /*simulate =*/true, &future);
     cache.set_n_model_layers(p.n_layers);
     std::vector<std::unique_ptr<moetier_layer>> layers;
     for (int32_t il = 0; il < p.n_layers; ++il) {

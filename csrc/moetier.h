@@ -40,7 +40,7 @@ struct moetier_params {
                                // MOETIER_CACHE_AUTO = chosen at load from the memory available
     uint64_t     reserve;      // auto budget: memory left free beside the estimated needs (other processes)
     const char * store_dir;    // packed expert store (moetier pack); NULL = read experts from the GGUF
-    const char * policy;       // eviction policy: lru, lfu, lhu, fld, multi, random; NULL = default
+    const char * policy;       // eviction policy (moetier_policy_names); NULL = default
 
     // Precision on a miss (HOBBIT eq. 2): a token's selected experts are ranked by gate weight
     // (normalised over the selected ones); an expert's score is the weight ranked above it. Score

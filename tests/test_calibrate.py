@@ -32,7 +32,7 @@ def test_trace_is_the_models_routing(moe: Path) -> None:
     assert np.all(np.diff(tr.weights, axis=2) <= 1e-6) and np.all((tr.weights > 0) & (tr.weights < 1))
 
 
-@pytest.mark.parametrize("policy", ["lru", "multi", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "multi", "lfu", "classlru", "lfru", "least-stale"])
 def test_replay_matches_the_live_engine(moe: Path, policy: str) -> None:
     """One sequence decoded token by token by the engine, and the same routing replayed: the same
     hits, misses and bytes, because it is the same code."""

@@ -107,6 +107,17 @@ void register_policy(py::module_ & m) {
         py::arg("weights"), "HOBBIT eq. 2 scores of each token's selected experts (0 for the top-1)");
 
     m.def(
+        "offline_policy_names",
+        []() {
+            std::vector<std::string> out;
+            for (const char * const * n = moetier_policy_offline_names(); *n; ++n) {
+                out.push_back(*n);
+            }
+            return out;
+        },
+        "policies that look into the future (Belady): trace replay only");
+
+    m.def(
         "replay",
         [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids, py::object weights, int32_t n_expert,
            uint64_t bytes_high, uint64_t bytes_low, int32_t n_slots_high, int32_t n_slots_low,

@@ -2,12 +2,51 @@
 
 #include "moetier.h"
 
-moetier_policy_ptr moetier_policy_create(const std::string & name, const moetier_policy_weights & weights) {
+#include <algorithm>
+
+const moetier_future::use * moetier_future::next(const moetier_key & k, uint64_t tick) const {
+    if ((size_t) k.layer >= uses.size() || (size_t) k.expert >= uses[k.layer].size()) {
+        return nullptr;
+    }
+    const auto & v  = uses[k.layer][k.expert];
+    const auto   it = std::upper_bound(v.begin(), v.end(), tick, [](uint64_t t, const use & u) { return t < u.tick; });
+    return it == v.end() ? nullptr : &*it;
+}
+
+const char * const * moetier_policy_offline_names() {
+    static const char * const names[] = { "belady", "belady-cost", nullptr };
+    return names;
+}
+
+bool moetier_policy_is_offline(const std::string & name) {
+    for (const char * const * n = moetier_policy_offline_names(); *n; ++n) {
+        if (name == *n) {
+            return true;
+        }
+    }
+    return false;
+}
+
+moetier_policy_ptr moetier_policy_create(const std::string &            name,
+                                         const moetier_policy_weights & weights,
+                                         const moetier_future *         future) {
     if (name == "lru") {
         return moetier_policy_lru_create();
     }
     if (name == "random") {
         return moetier_policy_random_create();
+    }
+    if (name == "classlru") {
+        return moetier_policy_classlru_create();
+    }
+    if (name == "lfru") {
+        return moetier_policy_lfru_create();
+    }
+    if (name == "least-stale") {
+        return moetier_policy_least_stale_create();
+    }
+    if (moetier_policy_is_offline(name)) {
+        return future ? moetier_policy_belady_create(future, name == "belady-cost") : nullptr;
     }
     moetier_policy_weights w = { 0.0f, 0.0f, 0.0f, 0.0f };
     if (name == "lfu") {
@@ -24,7 +63,9 @@ moetier_policy_ptr moetier_policy_create(const std::string & name, const moetier
     return moetier_policy_weighted_create(w);
 }
 
+// the online policies (a model can run them); replay also takes the offline ones
 const char * const * moetier_policy_names(void) {
-    static const char * const names[] = { "lru", "lfu", "lhu", "fld", "multi", "random", nullptr };
+    static const char * const names[] = { "lru",    "lfu",      "lhu",  "fld",         "multi",
+                                          "random", "classlru", "lfru", "least-stale", nullptr };
     return names;
 }

@@ -59,8 +59,32 @@ struct moetier_policy_i {
 
 using moetier_policy_ptr = std::unique_ptr<moetier_policy_i>;
 
-// nullptr if name is unknown; weights are used by "multi" only
-moetier_policy_ptr moetier_policy_create(const std::string & name, const moetier_policy_weights & weights);
+// What a recorded trace will ask for, known only to a replay: the offline policies (Belady) look
+// ahead in it. Ticks count resolves as the cache does (the first is 1).
+struct moetier_future {
+    struct use {
+        uint64_t tick;
+        uint8_t  need;  // moetier_need of that resolve
+    };
+
+    std::vector<std::vector<std::vector<use>>> uses;  // [layer][expert] ascending ticks
+    uint64_t                                   bytes_high = 0;
+    uint64_t                                   bytes_low  = 0;
+    bool                                       has_low    = false;  // a low pool serves low needs
+
+    // the first use of (layer, expert) after tick, nullptr if none
+    const use * next(const moetier_key & k, uint64_t tick) const;
+};
+
+// nullptr if name is unknown, or if it is an offline policy and future is nullptr; weights are used
+// by "multi" only
+moetier_policy_ptr moetier_policy_create(const std::string &            name,
+                                         const moetier_policy_weights & weights,
+                                         const moetier_future *         future = nullptr);
+
+// the offline policies (they need the future: replay only), nullptr-terminated
+const char * const * moetier_policy_offline_names();
+bool                 moetier_policy_is_offline(const std::string & name);
 
 // one factory per policy file
 moetier_policy_ptr moetier_policy_lru_create();
@@ -68,3 +92,9 @@ moetier_policy_ptr moetier_policy_random_create();
 // lfu, lhu, fld and multi: a weighted sum of the four HOBBIT priorities (one-hot weights for the
 // single ones)
 moetier_policy_ptr moetier_policy_weighted_create(const moetier_policy_weights & weights);
+// the field's policies, for the replay report card (one file each)
+moetier_policy_ptr moetier_policy_classlru_create();
+moetier_policy_ptr moetier_policy_lfru_create();
+moetier_policy_ptr moetier_policy_least_stale_create();
+// Belady's MIN (cost_aware false) and its byte-weighted variant; future must outlive the policy
+moetier_policy_ptr moetier_policy_belady_create(const moetier_future * future, bool cost_aware);

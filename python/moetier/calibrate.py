@@ -59,13 +59,25 @@ class CalibrateConfig:
 
 @dataclass(frozen=True)
 class Trace:
-    """Routing of a model on some text: ids and weights are [n_tokens, n_layers, n_used]."""
+    """Routing of a model on some text, as `moetier trace` and `moetier calibrate` write it: a NumPy
+    .npz archive holding
+
+    - ids: int32 [n_tokens, n_layers, n_used], the experts each token selected at each MoE layer,
+      in the router's order (top-1 first);
+    - weights: float32 of the same shape, their gate weights (after the model's normalisation);
+    - layers: int32 [n_layers], the model layer index of each MoE layer;
+    - n_expert: int32, experts per layer;
+    - seq_starts: int64, the tokens where a sequence starts (an empty KV cache);
+    - ubatch_starts: int64, the tokens where a ubatch starts (the tokens one forward pass
+      computed together; a trace written before this field reads as one ubatch per sequence).
+    """
 
     ids: npt.NDArray[np.int32]
     weights: npt.NDArray[np.float32]
     layers: tuple[int, ...]
     n_expert: int
     seq_starts: tuple[int, ...]
+    ubatch_starts: tuple[int, ...] = ()
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         p = Path(path)
@@ -76,6 +88,7 @@ class Trace:
             layers=np.asarray(self.layers, dtype=np.int32),
             n_expert=np.int32(self.n_expert),
             seq_starts=np.asarray(self.seq_starts, dtype=np.int64),
+            ubatch_starts=np.asarray(self.ubatch_starts or self.seq_starts, dtype=np.int64),
         )
         return p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
 
@@ -83,16 +96,32 @@ class Trace:
     def load(cls, path: str | os.PathLike[str]) -> Trace:
         try:
             with np.load(path) as z:
-                return cls(
+                seq = tuple(int(x) for x in z["seq_starts"])
+                tr = cls(
                     ids=z["ids"].astype(np.int32),
                     weights=z["weights"].astype(np.float32),
                     layers=tuple(int(x) for x in z["layers"]),
                     n_expert=int(z["n_expert"]),
-                    seq_starts=tuple(int(x) for x in z["seq_starts"]),
+                    seq_starts=seq,
+                    ubatch_starts=tuple(int(x) for x in z["ubatch_starts"]) if "ubatch_starts" in z else seq,
                 )
         except (OSError, KeyError, ValueError) as e:
             msg = f"{path}: not a moetier routing trace ({e})"
             raise ConfigError(msg) from None
+        n, n_layers = tr.ids.shape[0], len(tr.layers)
+        if tr.ids.ndim != 3 or tr.weights.shape != tr.ids.shape or tr.ids.shape[1] != n_layers:
+            msg = (
+                f"{path}: ids {tr.ids.shape} and weights {tr.weights.shape} must both be [n_tokens, {n_layers}, n_used]"
+            )
+            raise ConfigError(msg)
+        if tr.ids.size and (tr.ids.min() < 0 or tr.ids.max() >= tr.n_expert):
+            msg = f"{path}: expert ids must lie in [0, {tr.n_expert})"
+            raise ConfigError(msg)
+        for name, starts in (("seq_starts", tr.seq_starts), ("ubatch_starts", tr.ubatch_starts)):
+            if list(starts) != sorted(set(starts)) or (starts and (starts[0] != 0 or starts[-1] >= n)):
+                msg = f"{path}: {name} must rise strictly from 0 and stay below {n} tokens"
+                raise ConfigError(msg)
+        return tr
 
 
 def moe_layers(model_path: str | os.PathLike[str]) -> tuple[list[int], int]:
@@ -128,7 +157,10 @@ def record_trace(
     n = len(tokens)
     ids = np.stack([rows[f"ffn_moe_topk-{il}"].reshape(n, -1) for il in layers], axis=1).astype(np.int32)
     weights = np.stack([rows[f"ffn_moe_weights-{il}"].reshape(n, -1) for il in layers], axis=1).astype(np.float32)
-    return Trace(ids, weights, tuple(layers), n_expert, tuple(range(0, n, cfg.seq_len)))
+    n_ubatch = ctx.n_ubatch
+    seqs = tuple(range(0, n, cfg.seq_len))
+    ubatches = tuple(u for s in seqs for u in range(s, min(s + cfg.seq_len, n), n_ubatch))
+    return Trace(ids, weights, tuple(layers), n_expert, seqs, ubatches)
 
 
 def scores_of(trace: Trace) -> npt.NDArray[np.float32]:

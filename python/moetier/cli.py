@@ -346,6 +346,18 @@ def cmd_routing(ns: argparse.Namespace, extra: list[str]) -> int:
     return routing.main(extra)
 
 
+def cmd_trace(ns: argparse.Namespace, extra: list[str]) -> int:
+    from .tools import replay
+
+    return replay.trace_main(extra)
+
+
+def cmd_replay(ns: argparse.Namespace, extra: list[str]) -> int:
+    from .tools import replay
+
+    return replay.replay_main(extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moetier",
@@ -453,6 +465,21 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     r.set_defaults(func=cmd_routing, passthrough=True)
+
+    tr = sub.add_parser(
+        "trace",
+        help="record a MoE's routing on text: experts and gate weights per token, layer and ubatch (trace --help)",
+        add_help=False,
+    )
+    tr.set_defaults(func=cmd_trace, passthrough=True)
+
+    rp = sub.add_parser(
+        "replay",
+        help="replay a routing trace through the cache code for every policy and budget, beside Belady's optimum "
+        "(replay --help)",
+        add_help=False,
+    )
+    rp.set_defaults(func=cmd_replay, passthrough=True)
 
     d = sub.add_parser(
         "demo",

@@ -104,6 +104,9 @@ class CacheConfig:
                     raise ConfigError(msg)
                 object.__setattr__(self, f.name, n)
         names = _core.policy_names()
+        if self.policy in _core.offline_policy_names():
+            msg = f"cache.policy: {self.policy!r} looks into the future; it runs in trace replay only (moetier replay)"
+            raise ConfigError(msg)
         if self.policy not in names:
             msg = f"cache.policy: unknown policy {self.policy!r}; available: {', '.join(names)}"
             raise ConfigError(msg)
