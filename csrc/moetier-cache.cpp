@@ -16,7 +16,7 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
                              const moetier_policy_weights & weights,
                              std::vector<moetier_proj>      shapes_,
                              bool                           simulate_,
-                             const moetier_future *         future) :
+                             const moetier_policy_env &     env) :
     n_expert_(n_expert),
     rule(rule_),
     simulate(simulate_),
@@ -25,7 +25,7 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
     GGML_ASSERT(n_slots[MOETIER_PRECISION_LOW] == 0 || shapes[0].store != nullptr);
     for (int32_t prec = 0; prec < MOETIER_N_PRECISIONS; ++prec) {
         sets[prec] = std::make_unique<moetier_slots>((moetier_precision) prec, n_slots[prec], n_expert,
-                                                     moetier_policy_create(policy, weights, future));
+                                                     moetier_policy_create(policy, weights, env));
         if (!simulate) {
             sets[prec]->alloc(shapes);
         }

@@ -67,8 +67,8 @@ class moetier_cache {
   public:
     // n_slots per precision (low may be 0); shapes: the type and shape of each projection (the
     // group's first layer). simulate: no memory, for trace replay (resolve does all the
-    // bookkeeping; nothing is read). future: what a replayed trace will ask for (offline policies).
-    // throws std::runtime_error
+    // bookkeeping; nothing is read). env: what replay gives the policies (the trace's future, a log
+    // of decisions). throws std::runtime_error
     moetier_cache(int32_t                        n_expert,
                   const int32_t                  n_slots[MOETIER_N_PRECISIONS],
                   const moetier_precision_rule & rule,
@@ -76,7 +76,7 @@ class moetier_cache {
                   const moetier_policy_weights & weights,
                   std::vector<moetier_proj>      shapes,
                   bool                           simulate = false,
-                  const moetier_future *         future   = nullptr);
+                  const moetier_policy_env &     env      = {});
     ~moetier_cache();
 
     moetier_cache(const moetier_cache &)             = delete;

@@ -44,19 +44,9 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     io_threads     = params.io_threads;
     use_uring      = params.io_uring;
     policy_weights = { params.w_lru, params.w_lfu, params.w_lhu, params.w_fld };
-    if (moetier_policy_is_offline(policy_name)) {
-        throw moetier_exception(MOETIER_ERROR_CONFIG,
-                                format("expert cache policy '%s' looks into the future: it exists in trace replay "
-                                       "(moetier replay) only",
-                                       policy_name.c_str()));
-    }
-    if (!moetier_policy_create(policy_name, policy_weights)) {
-        std::string names;
-        for (const char * const * n = moetier_policy_names(); *n; ++n) {
-            names += names.empty() ? *n : std::string(", ") + *n;
-        }
-        throw moetier_exception(MOETIER_ERROR_CONFIG, format("unknown expert cache policy '%s'; available: %s",
-                                                             policy_name.c_str(), names.c_str()));
+    std::string policy_err;
+    if (!moetier_policy_create(policy_name, policy_weights, {}, &policy_err)) {
+        throw moetier_exception(MOETIER_ERROR_CONFIG, "expert cache: " + policy_err);
     }
     const moetier_params defaults = moetier_default_params();
     if (policy_name != "multi" && (params.w_lru != defaults.w_lru || params.w_lfu != defaults.w_lfu ||

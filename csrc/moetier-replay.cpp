@@ -7,11 +7,12 @@
 #include <memory>
 #include <stdexcept>
 
-moetier_layer_stats moetier_replay(const moetier_replay_params & p,
-                                   const int32_t *               ids,
-                                   const float *                 weights,
-                                   int64_t                       n_tokens,
-                                   const std::vector<int64_t> &  seq_starts) {
+moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
+                                   const int32_t *                     ids,
+                                   const float *                       weights,
+                                   int64_t                             n_tokens,
+                                   const std::vector<int64_t> &        seq_starts,
+                                   std::vector<moetier_decision_row> * decisions) {
     if (p.n_layers < 1 || p.n_expert < 1 || p.n_used < 1 || p.n_used > p.n_expert || p.bytes_high == 0) {
         throw std::invalid_argument(
             "replay: n_layers, n_expert, n_used and bytes_high must be positive, n_used <= n_expert");
@@ -30,7 +31,7 @@ moetier_layer_stats moetier_replay(const moetier_replay_params & p,
     }
     // the offline policies look ahead: every use of every expert, in the cache's ticks
     moetier_future future;
-    if (moetier_policy_is_offline(p.policy)) {
+    if (moetier_policy_is_offline(p.policy) || decisions) {
         future.bytes_high = p.bytes_high;
         future.bytes_low  = p.bytes_low;
         future.has_low    = p.n_slots_low > 0;
@@ -52,8 +53,12 @@ moetier_layer_stats moetier_replay(const moetier_replay_params & p,
             }
         }
     }
-    if (!moetier_policy_create(p.policy, p.weights, &future)) {
-        throw std::invalid_argument("replay: unknown policy '" + p.policy + "'");
+    moetier_policy_env env;
+    env.future = &future;
+    env.record = decisions;
+    std::string err;
+    if (!moetier_policy_create(p.policy, p.weights, env, &err)) {
+        throw std::invalid_argument("replay: " + err);
     }
 
     // one projection standing for a whole expert: the bookkeeping only needs its byte sizes
@@ -67,7 +72,7 @@ moetier_layer_stats moetier_replay(const moetier_replay_params & p,
 
     const int32_t n_slots[2] = { std::min(p.n_slots_high, p.n_expert * p.n_layers),
                                  std::min(p.n_slots_low, p.n_expert * p.n_layers) };
-    moetier_cache cache(p.n_expert, n_slots, p.rule, p.policy, p.weights, { proj }, /*simulate =*/true, &future);
+    moetier_cache cache(p.n_expert, n_slots, p.rule, p.policy, p.weights, { proj }, /*simulate =*/true, env);
     cache.set_n_model_layers(p.n_layers);
     std::vector<std::unique_ptr<moetier_layer>> layers;
     for (int32_t il = 0; il < p.n_layers; ++il) {

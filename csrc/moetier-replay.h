@@ -26,10 +26,12 @@ struct moetier_replay_params {
 };
 
 // ids: [n_tokens][n_layers][n_used]; weights: same shape or nullptr (all high). seq_starts: token
-// indices where a new sequence starts (the policy's sequence records reset). Returns the counters
-// summed over layers (layer = -1). throws std::invalid_argument on bad parameters.
-moetier_layer_stats moetier_replay(const moetier_replay_params & p,
-                                   const int32_t *               ids,
-                                   const float *                 weights,
-                                   int64_t                       n_tokens,
-                                   const std::vector<int64_t> &  seq_starts);
+// indices where a new sequence starts (the policy's sequence records reset). decisions: if set,
+// every eviction decision is logged there (policies/flashmoe.h). Returns the counters summed over
+// layers (layer = -1). throws std::invalid_argument on bad parameters.
+moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
+                                   const int32_t *                     ids,
+                                   const float *                       weights,
+                                   int64_t                             n_tokens,
+                                   const std::vector<int64_t> &        seq_starts,
+                                   std::vector<moetier_decision_row> * decisions = nullptr);

@@ -4,11 +4,13 @@
 #include "bindings.h"
 #include "moetier-precision.h"
 #include "moetier-replay.h"
+#include "policies/flashmoe.h"
 #include "policies/policies.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -24,9 +26,10 @@ class py_policy {
         if (w.size() != 4) {
             throw std::invalid_argument("weights: expected [w_lru, w_lfu, w_lhu, w_fld]");
         }
-        policy_ = moetier_policy_create(name, { w[0], w[1], w[2], w[3] });
+        std::string err;
+        policy_ = moetier_policy_create(name, { w[0], w[1], w[2], w[3] }, {}, &err);
         if (!policy_) {
-            throw std::invalid_argument("unknown policy '" + name + "'");
+            throw std::invalid_argument(err);
         }
         if (n_slots < 1) {
             throw std::invalid_argument("n_slots must be positive");
@@ -72,6 +75,51 @@ class py_policy {
     int32_t            n_slots_ = 0;
 };
 
+using py_ids = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+moetier_layer_stats run_replay(const py_ids &                      ids,
+                               const py::object &                  weights,
+                               int32_t                             n_expert,
+                               uint64_t                            bytes_high,
+                               uint64_t                            bytes_low,
+                               int32_t                             n_slots_high,
+                               int32_t                             n_slots_low,
+                               const std::string &                 policy,
+                               const std::vector<float> &          w,
+                               float                               t1,
+                               float                               t2,
+                               const std::vector<int64_t> &        seq_starts,
+                               std::vector<moetier_decision_row> * rows) {
+    if (ids.ndim() != 3) {
+        throw std::invalid_argument("replay: ids [n_tokens, n_layers, n_used]");
+    }
+    if (w.size() != 4) {
+        throw std::invalid_argument("replay: weights of the policy: [w_lru, w_lfu, w_lhu, w_fld]");
+    }
+    py::array_t<float, py::array::c_style | py::array::forcecast> gw;
+    if (!weights.is_none()) {
+        gw = weights.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
+        if (gw.ndim() != 3 || gw.shape(0) != ids.shape(0) || gw.shape(1) != ids.shape(1) ||
+            gw.shape(2) != ids.shape(2)) {
+            throw std::invalid_argument("replay: gate weights must have the shape of ids");
+        }
+    }
+    moetier_replay_params p;
+    p.n_layers     = (int32_t) ids.shape(1);
+    p.n_used       = (int32_t) ids.shape(2);
+    p.n_expert     = n_expert;
+    p.bytes_high   = bytes_high;
+    p.bytes_low    = bytes_low;
+    p.n_slots_high = n_slots_high;
+    p.n_slots_low  = n_slots_low;
+    p.policy       = policy;
+    p.weights      = { w[0], w[1], w[2], w[3] };
+    p.rule.t1      = t1;
+    p.rule.t2      = t2;
+    py::gil_scoped_release release;
+    return moetier_replay(p, ids.data(), weights.is_none() ? nullptr : gw.data(), ids.shape(0), seq_starts, rows);
+}
+
 }  // namespace
 
 void register_policy(py::module_ & m) {
@@ -107,6 +155,17 @@ void register_policy(py::module_ & m) {
         py::arg("weights"), "HOBBIT eq. 2 scores of each token's selected experts (0 for the top-1)");
 
     m.def(
+        "policy_error",
+        [](const std::string & name) -> py::object {
+            std::string err;
+            if (moetier_policy_create(name, moetier_policy_weights{}, {}, &err)) {
+                return py::none();
+            }
+            return py::str(err);
+        },
+        py::arg("name"), "why a model cannot run policy name (None: it can), e.g. 'flashmoe:FILE' with a bad file");
+
+    m.def(
         "offline_policy_names",
         []() {
             std::vector<std::string> out;
@@ -119,47 +178,52 @@ void register_policy(py::module_ & m) {
 
     m.def(
         "replay",
-        [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids, py::object weights, int32_t n_expert,
-           uint64_t bytes_high, uint64_t bytes_low, int32_t n_slots_high, int32_t n_slots_low,
-           const std::string & policy, const std::vector<float> & w, float t1, float t2,
-           const std::vector<int64_t> & seq_starts) {
-            if (ids.ndim() != 3) {
-                throw std::invalid_argument("replay: ids [n_tokens, n_layers, n_used]");
-            }
-            if (w.size() != 4) {
-                throw std::invalid_argument("replay: weights of the policy: [w_lru, w_lfu, w_lhu, w_fld]");
-            }
-            py::array_t<float, py::array::c_style | py::array::forcecast> gw;
-            if (!weights.is_none()) {
-                gw = weights.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
-                if (gw.ndim() != 3 || gw.shape(0) != ids.shape(0) || gw.shape(1) != ids.shape(1) ||
-                    gw.shape(2) != ids.shape(2)) {
-                    throw std::invalid_argument("replay: gate weights must have the shape of ids");
-                }
-            }
-            moetier_replay_params p;
-            p.n_layers     = (int32_t) ids.shape(1);
-            p.n_used       = (int32_t) ids.shape(2);
-            p.n_expert     = n_expert;
-            p.bytes_high   = bytes_high;
-            p.bytes_low    = bytes_low;
-            p.n_slots_high = n_slots_high;
-            p.n_slots_low  = n_slots_low;
-            p.policy       = policy;
-            p.weights      = { w[0], w[1], w[2], w[3] };
-            p.rule.t1      = t1;
-            p.rule.t2      = t2;
-            moetier_layer_stats c;
-            {
-                py::gil_scoped_release release;
-                c = moetier_replay(p, ids.data(), weights.is_none() ? nullptr : gw.data(), ids.shape(0), seq_starts);
-            }
-            return c;
+        [](const py_ids & ids, py::object weights, int32_t n_expert, uint64_t bytes_high, uint64_t bytes_low,
+           int32_t n_slots_high, int32_t n_slots_low, const std::string & policy, const std::vector<float> & w,
+           float t1, float t2, const std::vector<int64_t> & seq_starts) {
+            return run_replay(ids, weights, n_expert, bytes_high, bytes_low, n_slots_high, n_slots_low, policy, w, t1,
+                              t2, seq_starts, nullptr);
         },
         py::arg("ids"), py::arg("weights"), py::arg("n_expert"), py::arg("bytes_high"), py::arg("bytes_low"),
         py::arg("n_slots_high"), py::arg("n_slots_low"), py::arg("policy"), py::arg("policy_weights"), py::arg("t1"),
         py::arg("t2"), py::arg("seq_starts") = std::vector<int64_t>{ 0 },
         "run a routing trace through the cache's bookkeeping (no reads): the counters it would produce");
+
+    m.def(
+        "replay_decisions",
+        [](const py_ids & ids, py::object weights, int32_t n_expert, uint64_t bytes_high, uint64_t bytes_low,
+           int32_t n_slots_high, int32_t n_slots_low, const std::string & policy, const std::vector<float> & w,
+           float t1, float t2, const std::vector<int64_t> & seq_starts) {
+            std::vector<moetier_decision_row> rows;
+            const moetier_layer_stats c = run_replay(ids, weights, n_expert, bytes_high, bytes_low, n_slots_high,
+                                                     n_slots_low, policy, w, t1, t2, seq_starts, &rows);
+            const py::ssize_t         n = (py::ssize_t) rows.size();
+            py::array_t<int64_t>      decision(n);
+            py::array_t<float>        x({ n, (py::ssize_t) MOETIER_FLASHMOE_N_IN });
+            py::array_t<double>       next_use(n);
+            py::array_t<bool>         chosen(n);
+            for (py::ssize_t i = 0; i < n; ++i) {
+                decision.mutable_at(i) = rows[i].decision;
+                for (int32_t j = 0; j < MOETIER_FLASHMOE_N_IN; ++j) {
+                    x.mutable_at(i, j) = rows[i].x[j];
+                }
+                next_use.mutable_at(i) = rows[i].next_use == UINT64_MAX ? std::numeric_limits<double>::infinity() :
+                                                                          (double) rows[i].next_use;
+                chosen.mutable_at(i)   = rows[i].chosen;
+            }
+            py::dict d;
+            d["decision"] = decision;
+            d["x"]        = x;
+            d["next_use"] = next_use;
+            d["chosen"]   = chosen;
+            return py::make_tuple(c, d);
+        },
+        py::arg("ids"), py::arg("weights"), py::arg("n_expert"), py::arg("bytes_high"), py::arg("bytes_low"),
+        py::arg("n_slots_high"), py::arg("n_slots_low"), py::arg("policy"), py::arg("policy_weights"), py::arg("t1"),
+        py::arg("t2"), py::arg("seq_starts") = std::vector<int64_t>{ 0 },
+        "replay, logging every eviction decision: per candidate slot, FlashMoE's inputs [1/recency, "
+        "frequency/max], the ticks to its expert's next use (inf: never) and whether the policy chose it; (counters, "
+        "{decision, x, next_use, chosen})");
 
     py::class_<py_policy>(m, "Policy")
         .def(py::init<const std::string &, int32_t, const std::vector<float> &>(), py::arg("name"), py::arg("n_slots"),

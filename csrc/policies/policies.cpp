@@ -27,9 +27,10 @@ bool moetier_policy_is_offline(const std::string & name) {
     return false;
 }
 
-moetier_policy_ptr moetier_policy_create(const std::string &            name,
-                                         const moetier_policy_weights & weights,
-                                         const moetier_future *         future) {
+static moetier_policy_ptr moetier_policy_named(const std::string &            name,
+                                               const moetier_policy_weights & weights,
+                                               const moetier_future *         future,
+                                               std::string &                  err) {
     if (name == "lru") {
         return moetier_policy_lru_create();
     }
@@ -45,8 +46,16 @@ moetier_policy_ptr moetier_policy_create(const std::string &            name,
     if (name == "least-stale") {
         return moetier_policy_least_stale_create();
     }
+    static const std::string flashmoe = "flashmoe:";
+    if (name.compare(0, flashmoe.size(), flashmoe) == 0) {
+        return moetier_policy_flashmoe_create(name.substr(flashmoe.size()), err);
+    }
     if (moetier_policy_is_offline(name)) {
-        return future ? moetier_policy_belady_create(future, name == "belady-cost") : nullptr;
+        if (!future) {
+            err = "policy '" + name + "' looks into the future: it runs in trace replay only (moetier replay)";
+            return nullptr;
+        }
+        return moetier_policy_belady_create(future, name == "belady-cost");
     }
     moetier_policy_weights w = { 0.0f, 0.0f, 0.0f, 0.0f };
     if (name == "lfu") {
@@ -58,9 +67,34 @@ moetier_policy_ptr moetier_policy_create(const std::string &            name,
     } else if (name == "multi") {
         w = weights;
     } else {
+        std::string names;
+        for (const char * const * n = moetier_policy_names(); *n; ++n) {
+            names += names.empty() ? *n : std::string(", ") + *n;
+        }
+        err = "unknown policy '" + name + "'; available: " + names + ", flashmoe:NETWORK_FILE";
         return nullptr;
     }
     return moetier_policy_weighted_create(w);
+}
+
+moetier_policy_ptr moetier_policy_create(const std::string &            name,
+                                         const moetier_policy_weights & weights,
+                                         const moetier_policy_env &     env,
+                                         std::string *                  err) {
+    std::string        why;
+    moetier_policy_ptr p = moetier_policy_named(name, weights, env.future, why);
+    if (p && env.record) {
+        if (!env.future) {
+            why = "recording eviction decisions needs the trace's future";
+            p.reset();
+        } else {
+            p = moetier_policy_recorder_create(std::move(p), env.future, env.record);
+        }
+    }
+    if (!p && err) {
+        *err = why;
+    }
+    return p;
 }
 
 // the online policies (a model can run them); replay also takes the offline ones

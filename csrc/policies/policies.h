@@ -76,11 +76,21 @@ struct moetier_future {
     const use * next(const moetier_key & k, uint64_t tick) const;
 };
 
-// nullptr if name is unknown, or if it is an offline policy and future is nullptr; weights are used
-// by "multi" only
+struct moetier_decision_row;
+
+// what some policies need beyond their name: replay's look-ahead, and a log of decisions to train on
+struct moetier_policy_env {
+    const moetier_future *              future = nullptr;  // offline policies need it
+    std::vector<moetier_decision_row> * record = nullptr;  // set: log every eviction decision (needs future)
+};
+
+// The policy called name: one of moetier_policy_names(), an offline one (with env.future), or
+// "flashmoe:PATH" (FlashMoE's learned policy, its network read from PATH). nullptr if there is no
+// such policy, with the reason in *err when err is given. weights are used by "multi" only.
 moetier_policy_ptr moetier_policy_create(const std::string &            name,
                                          const moetier_policy_weights & weights,
-                                         const moetier_future *         future = nullptr);
+                                         const moetier_policy_env &     env = {},
+                                         std::string *                  err = nullptr);
 
 // the offline policies (they need the future: replay only), nullptr-terminated
 const char * const * moetier_policy_offline_names();
@@ -98,3 +108,9 @@ moetier_policy_ptr moetier_policy_lfru_create();
 moetier_policy_ptr moetier_policy_least_stale_create();
 // Belady's MIN (cost_aware false) and its byte-weighted variant; future must outlive the policy
 moetier_policy_ptr moetier_policy_belady_create(const moetier_future * future, bool cost_aware);
+// FlashMoE's learned policy (flashmoe.h); nullptr with err set if the network file is bad
+moetier_policy_ptr moetier_policy_flashmoe_create(const std::string & path, std::string & err);
+// inner, logging each eviction decision with the future's view of it into log
+moetier_policy_ptr moetier_policy_recorder_create(moetier_policy_ptr                  inner,
+                                                  const moetier_future *              future,
+                                                  std::vector<moetier_decision_row> * log);

@@ -124,6 +124,25 @@ class Trace:
         return tr
 
 
+def concat_traces(traces: list[Trace], names: list[str]) -> Trace:
+    """One trace of several recorded on the same model, one after the other (each keeps its own
+    sequence and ubatch starts)."""
+    first = traces[0]
+    for t, name in zip(traces, names, strict=True):
+        if t.layers != first.layers or t.n_expert != first.n_expert or t.ids.shape[2] != first.ids.shape[2]:
+            msg = f"{name}: recorded on another model than {names[0]} (MoE layers, experts or top-k differ)"
+            raise ConfigError(msg)
+    offs = np.cumsum([0] + [t.ids.shape[0] for t in traces])
+    return Trace(
+        np.concatenate([t.ids for t in traces]),
+        np.concatenate([t.weights for t in traces]),
+        first.layers,
+        first.n_expert,
+        tuple(int(o) + s for t, o in zip(traces, offs, strict=False) for s in t.seq_starts),
+        tuple(int(o) + s for t, o in zip(traces, offs, strict=False) for s in t.ubatch_starts),
+    )
+
+
 def moe_layers(model_path: str | os.PathLike[str]) -> tuple[list[int], int]:
     """Indices of the MoE layers of a GGUF (those with a router) and the expert count."""
     from gguf import GGUFReader

@@ -358,6 +358,12 @@ def cmd_replay(ns: argparse.Namespace, extra: list[str]) -> int:
     return replay.replay_main(extra)
 
 
+def cmd_train_policy(ns: argparse.Namespace, extra: list[str]) -> int:
+    from .tools import train_policy
+
+    return train_policy.main(extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moetier",
@@ -480,6 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     rp.set_defaults(func=cmd_replay, passthrough=True)
+
+    tp = sub.add_parser(
+        "train-policy",
+        help="train FlashMoE's learned eviction policy on routing traces to imitate Belady (train-policy --help)",
+        add_help=False,
+    )
+    tp.set_defaults(func=cmd_train_policy, passthrough=True)
 
     d = sub.add_parser(
         "demo",

@@ -103,12 +103,9 @@ class CacheConfig:
                     msg = f"cache.{f.name}: {v} must lie in [{row['min']:g}, {row['max']:g}]"
                     raise ConfigError(msg)
                 object.__setattr__(self, f.name, n)
-        names = _core.policy_names()
-        if self.policy in _core.offline_policy_names():
-            msg = f"cache.policy: {self.policy!r} looks into the future; it runs in trace replay only (moetier replay)"
-            raise ConfigError(msg)
-        if self.policy not in names:
-            msg = f"cache.policy: unknown policy {self.policy!r}; available: {', '.join(names)}"
+        why = _core.policy_error(self.policy)
+        if why is not None:
+            msg = f"cache.policy: {why}"
             raise ConfigError(msg)
         err = self.params().check()
         if err is not None:

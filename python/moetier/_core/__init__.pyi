@@ -161,6 +161,21 @@ def quantize(rows: npt.ArrayLike, type: str, imatrix: npt.ArrayLike | None = Non
 def precision_levels(weights: list[float], t1: float, t2: float) -> list[int]: ...
 def precision_scores(weights: npt.ArrayLike) -> npt.NDArray[np.float32]: ...
 def offline_policy_names() -> list[str]: ...
+def policy_error(name: str) -> str | None: ...
+def replay_decisions(
+    ids: npt.ArrayLike,
+    weights: npt.ArrayLike | None,
+    n_expert: int,
+    bytes_high: int,
+    bytes_low: int,
+    n_slots_high: int,
+    n_slots_low: int,
+    policy: str,
+    policy_weights: list[float],
+    t1: float,
+    t2: float,
+    seq_starts: list[int] = ...,
+) -> tuple[LayerStats, dict[str, npt.NDArray[Any]]]: ...
 def replay(
     ids: npt.ArrayLike,
     weights: npt.ArrayLike | None,

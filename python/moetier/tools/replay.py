@@ -32,7 +32,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .. import _core
-from ..calibrate import CalibrateConfig, Trace, record_trace
+from ..calibrate import CalibrateConfig, Trace, concat_traces, record_trace
 from ..config import CacheConfig
 from ..errors import ConfigError, ModelError
 from ..model import Model
@@ -121,7 +121,7 @@ def check_trace(trace: Trace, geo: dict[str, int], path: str | Path) -> None:
 
 
 def replay(
-    trace_path: str | Path,
+    trace_path: str | Path | Sequence[str | Path],
     model: str | Path,
     budgets: Sequence[float],
     policies: Sequence[str],
@@ -140,7 +140,9 @@ def replay(
     if bad:
         msg = f"replay: unknown policy {', '.join(bad)}; available: {', '.join(known)}"
         raise ConfigError(msg)
-    trace = Trace.load(trace_path)
+    paths = [trace_path] if isinstance(trace_path, (str, Path)) else list(trace_path)
+    trace = concat_traces([Trace.load(p) for p in paths], [str(p) for p in paths])
+    trace_path = ", ".join(str(p) for p in paths)
     if tokens > 0:
         n = min(tokens, trace.ids.shape[0])
         trace = Trace(
@@ -281,7 +283,9 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         "Belady's MIN (the offline optimum): hits, misses and bytes read per token; a table, a JSON report and "
         "a plot.",
     )
-    p.add_argument("trace", help="routing trace (.npz from moetier trace or moetier calibrate)")
+    p.add_argument(
+        "trace", nargs="+", help="routing trace(s) (.npz of moetier trace or calibrate), replayed one after another"
+    )
     p.add_argument("-m", "--model", required=True, help="the MoE GGUF the trace was recorded on (gives the geometry)")
     p.add_argument("--store", default=None, help="expert store (gives the low-precision sizes; default: none)")
     p.add_argument(

@@ -1,0 +1,275 @@
+"""`moetier train-policy`: FlashMoE's learned eviction policy (paper 003, sec. 3) for one model.
+
+1. Decisions. Training traces (from `moetier trace` on text apart from the evaluation text) are
+   replayed through the engine's cache code at each budget; every eviction decision is logged with,
+   per candidate slot, the policy's inputs ([1/recency, frequency / max frequency], as the paper
+   normalises them; the C++ code computes them for the recorder and the policy alike) and the
+   distance to its expert's next use. The label of a candidate is 1 where Belady would evict it
+   (its next use is the farthest of the decision's candidates), else 0.
+2. Training. A feed-forward network (3 layers, SiLU, hidden 128, MSE, AdamW at 1e-3 with weight
+   decay 1e-2: the paper's Table 1) in numpy. Round 1 logs the decisions of LRU's cache states;
+   each further round replays with the network just trained and adds its own states (the states a
+   learned policy meets are not LRU's).
+3. The network is written as the little-endian file policies/flashmoe.h describes; a model runs it
+   as policy `flashmoe:PATH`, replay too.
+4. Evaluation. Held-out traces replayed with the network, LRU, multi and Belady: bytes per token,
+   hit rate, the share of the LRU-to-Belady gap closed, and the time per eviction decision.
+
+    moetier train-policy -m MODEL.gguf --train calib.npz --eval held-out.npz -o MODEL.flashmoe.bin
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import _core
+from ..calibrate import Trace, concat_traces
+from ..errors import ConfigError
+from .mlp import F32, MLP, FitConfig, fit
+from .replay import geometry, probe, replay_one
+
+MAGIC = b"MOETFMN1"
+N_IN = 2
+
+
+@dataclass(frozen=True)
+class TrainPolicyConfig:
+    """Knobs of `moetier train-policy` (defaults: FlashMoE's Table 1 where it gives one)."""
+
+    hidden: int = field(default=128, metadata={"help": "hidden units of each of the two hidden layers"})
+    epochs: int = field(default=8, metadata={"help": "passes over the decisions per round"})
+    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=1e-2, metadata={"help": "AdamW decoupled weight decay"})
+    batch: int = field(default=512, metadata={"help": "candidates per gradient step"})
+    rounds: int = field(default=2, metadata={"help": "1: LRU's decisions only; more: add the trained policy's own"})
+    max_rows: int = field(
+        default=400_000, metadata={"help": "candidates kept per round (a random subset of decisions)"}
+    )
+    seed: int = field(default=0, metadata={"help": "initialisation and sampling seed"})
+
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.epochs, self.batch, self.rounds, self.max_rows) < 1 or self.hidden > 1024:
+            msg = "train-policy: hidden (1-1024), epochs, batch, rounds and max_rows must be positive"
+            raise ConfigError(msg)
+        if self.lr <= 0 or self.weight_decay < 0:
+            msg = "train-policy: lr must be positive and weight_decay not negative"
+            raise ConfigError(msg)
+
+
+def new_net(hidden: int, rng: np.random.Generator) -> MLP:
+    """FlashMoE's scorer: [1/r, f/max f] -> hidden -> hidden -> eviction score."""
+    return MLP.init([N_IN, hidden, hidden, 1], rng)
+
+
+def save_net(net: MLP, path: str | Path) -> None:
+    """The file policies/flashmoe.h reads."""
+    w1, w2, w3 = net.weights
+    b1, b2, b3 = net.biases
+    with open(path, "wb") as f:
+        f.write(MAGIC + struct.pack("<II", N_IN, w1.shape[0]))
+        for a in (w1, b1, w2, b2, w3.reshape(-1), b3):
+            f.write(np.ascontiguousarray(a, dtype="<f4").tobytes())
+
+
+def scores(net: MLP, x: F32) -> F32:
+    return net(x)[:, 0]
+
+
+def labels(decision: npt.NDArray[np.int64], next_use: npt.NDArray[np.float64]) -> F32:
+    """1 for the candidates whose next use is the farthest of their decision (Belady's choice; all of
+    them where several never come back), else 0."""
+    far = np.full(int(decision.max()) + 1 if len(decision) else 0, -1.0)
+    np.maximum.at(far, decision, next_use)
+    return np.asarray(next_use == far[decision], dtype=np.float32)
+
+
+def agreement(net: MLP, x: F32, y: F32, decision: npt.NDArray[np.int64]) -> float:
+    """Share of decisions where the network's top score is one of Belady's choices."""
+    if len(decision) == 0:
+        return 0.0
+    score = scores(net, x)
+    order = np.lexsort((-score, decision))  # by decision, highest score first
+    first = order[np.r_[True, decision[order][1:] != decision[order][:-1]]]
+    return float(y[first].mean())
+
+
+def collect(
+    traces: Sequence[Trace], geos: Sequence[dict[str, int]], policy: str
+) -> tuple[F32, npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Every eviction decision of policy replayed over each trace at each geometry (decision ids made
+    unique across runs)."""
+    xs, ds, ns = [], [], []
+    base = 0
+    for tr in traces:
+        for g in geos:
+            _, rows = _core.replay_decisions(
+                tr.ids, tr.weights, tr.n_expert, g["bytes_high"], 0, g["n_slots"], 0, policy,
+                [0.25] * 4, 1.0, 1.0, list(tr.seq_starts),
+            )  # fmt: skip
+            if len(rows["decision"]):
+                xs.append(rows["x"])
+                ds.append(rows["decision"] + base)
+                ns.append(rows["next_use"])
+                base += int(rows["decision"].max()) + 1
+    if not xs:
+        return np.zeros((0, N_IN), np.float32), np.zeros(0, np.int64), np.zeros(0)
+    return np.concatenate(xs), np.concatenate(ds), np.concatenate(ns)
+
+
+def subsample(
+    x: F32, d: npt.NDArray[np.int64], n: npt.NDArray[np.float64], max_rows: int, rng: np.random.Generator
+) -> tuple[F32, npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Whole decisions, chosen at random, up to about max_rows candidates."""
+    if len(d) <= max_rows:
+        return x, d, n
+    ids = np.unique(d)
+    keep = rng.choice(ids, size=max(1, int(len(ids) * max_rows / len(d))), replace=False)
+    m = np.isin(d, keep)
+    return x[m], d[m], n[m]
+
+
+def decision_cost_us(trace: Trace, geo: dict[str, int], policy: str, repeats: int = 3) -> float:
+    """Microseconds one eviction decision of policy adds over LRU's: replay wall times (best of
+    repeats) over the number of decisions."""
+
+    def best(p: str) -> float:
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            replay_one(trace, geo, p, 1.0, 1.0, (0.25, 0.25, 0.25, 0.25))
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    _, rows = _core.replay_decisions(
+        trace.ids, trace.weights, trace.n_expert, geo["bytes_high"], 0, geo["n_slots"], 0, policy,
+        [0.25] * 4, 1.0, 1.0, list(trace.seq_starts),
+    )  # fmt: skip
+    n = len(np.unique(rows["decision"]))
+    return 1e6 * max(0.0, best(policy) - best("lru")) / max(1, n)
+
+
+def train_policy(
+    model: str | Path,
+    train: Sequence[str | Path],
+    evals: Sequence[str | Path],
+    out: str | Path,
+    budgets: Sequence[float] = (10, 25, 50),
+    cfg: TrainPolicyConfig | None = None,
+) -> dict[str, Any]:
+    cfg = cfg or TrainPolicyConfig()
+    rng = np.random.default_rng(cfg.seed)
+    facts = probe(model, None)
+    geos = [geometry(model, None, facts, b, 1.0, 1.0, 0.25) for b in budgets]
+    tr_traces = [Trace.load(p) for p in train]
+    ev_traces = [concat_traces([Trace.load(p) for p in evals], [str(p) for p in evals])] if evals else []
+    evals = [", ".join(str(p) for p in evals)] if evals else []
+    for p, t in zip([*train, *evals], [*tr_traces, *ev_traces], strict=True):
+        if t.ids.shape[1] != geos[0]["n_layers"] or t.n_expert != geos[0]["n_expert"]:
+            msg = f"{p}: a trace of another model ({t.ids.shape[1]} MoE layers of {t.n_expert} experts)"
+            raise ConfigError(msg)
+    net = new_net(cfg.hidden, rng)
+    fit_cfg = FitConfig(epochs=cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay, batch=cfg.batch)
+    xs: list[F32] = []
+    ys: list[F32] = []
+    rounds = []
+    out = Path(out)
+    for r in range(cfg.rounds):
+        driver = "lru" if r == 0 else f"flashmoe:{out}"
+        x, d, n = subsample(*collect(tr_traces, geos, driver), cfg.max_rows, rng)
+        y = labels(d, n)
+        before = agreement(net, x, y, d) if r else None
+        xs.append(x)
+        ys.append(y)
+        losses = fit(net, np.concatenate(xs), np.concatenate(ys)[:, None], "mse", fit_cfg, rng, f"round {r + 1}")
+        save_net(net, out)
+        rounds.append(
+            {
+                "driver": driver.split(":")[0],
+                "decisions": len(np.unique(d)),
+                "candidates": len(d),
+                "positive_share": float(y.mean()),
+                "loss": losses,
+                "agreement_before": before,
+                "agreement": agreement(net, x, y, d),
+            }
+        )
+    # held-out: the network, LRU, multi and Belady at every budget
+    rows = []
+    for path, t in zip(evals, ev_traces, strict=True):
+        for g in geos:
+            at = {p: replay_one(t, g, p, 1.0, 1.0, (0.25,) * 4) for p in ("lru", "multi", f"flashmoe:{out}", "belady")}
+            gap = at["lru"]["n_bytes_read"] - at["belady"]["n_bytes_read"]
+            for p, row in at.items():
+                row["policy"] = p.split(":")[0]
+                row["gap_closed"] = (at["lru"]["n_bytes_read"] - row["n_bytes_read"]) / gap if gap > 0 else None
+                rows.append({"trace": str(path), **row})
+    x, d, n = collect(ev_traces, geos, f"flashmoe:{out}")
+    report = {
+        "model": str(model),
+        "network": str(out),
+        "config": asdict(cfg),
+        "budgets": list(budgets),
+        "train": [str(p) for p in train],
+        "eval": [str(p) for p in evals],
+        "rounds": rounds,
+        "eval_agreement": agreement(net, x, labels(d, n), d),
+        "decision_us": decision_cost_us(ev_traces[0], geos[len(geos) // 2], f"flashmoe:{out}") if ev_traces else None,
+        "rows": rows,
+    }
+    return report
+
+
+def table(rep: dict[str, Any]) -> str:
+    out = [
+        f"FlashMoE policy {rep['network']}: decisions where it picks Belady's victim: train "
+        f"{100 * rep['rounds'][-1]['agreement']:.1f}%, held-out {100 * rep['eval_agreement']:.1f}%; "
+        f"{rep['decision_us']:.1f} us per decision over LRU's"
+        if rep["decision_us"] is not None
+        else "",
+        "",
+        "| trace | budget | policy | hit rate | MB/token | gap closed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rep["rows"]:
+        g = r.get("gap_closed")
+        out.append(
+            f"| {Path(r['trace']).name} | {r['pct']:g}% | {r['policy']} | {100 * r['hit_rate']:.1f}% "
+            f"| {r['mb_per_token']:.3f} | {'' if g is None else f'{100 * g:.0f}%'} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="moetier train-policy",
+        description="Train FlashMoE's learned eviction policy on routing traces to imitate Belady's evictions, and "
+        "evaluate it on held-out traces; run it with policy flashmoe:OUT.",
+    )
+    p.add_argument("-m", "--model", required=True, help="the MoE GGUF the traces were recorded on")
+    p.add_argument("--train", nargs="+", required=True, help="training traces (moetier trace), not the held-out text")
+    p.add_argument("--eval", nargs="*", default=[], help="held-out traces to evaluate on")
+    p.add_argument("--budgets", default="10,25,50", help="budgets in %% of the experts' bytes (default: 10,25,50)")
+    p.add_argument("-o", "--output", required=True, help="network file to write; OUT.json and OUT.md beside it")
+    for f in TrainPolicyConfig.__dataclass_fields__.values():
+        flag = f"--{f.name.replace('_', '-')}"
+        p.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"])
+    a = p.parse_args(argv)
+    cfg = TrainPolicyConfig(**{k: getattr(a, k) for k in TrainPolicyConfig.__dataclass_fields__})
+    budgets = [float(b) for b in a.budgets.split(",") if b.strip()]
+    rep = train_policy(a.model, a.train, a.eval, a.output, budgets, cfg)
+    md = table(rep)
+    sys.stdout.write(md)
+    Path(a.output + ".json").write_text(json.dumps(rep, indent=1) + "\n")
+    Path(a.output + ".md").write_text(md)
+    return 0
