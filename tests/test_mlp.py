@@ -44,3 +44,10 @@ def test_fit_learns_a_ranking() -> None:
     pred = net(t)[:, 0]
     truth = np.linalg.norm(t, axis=1)
     assert np.corrcoef(pred, truth)[0, 1] > 0.97
+
+
+def test_output_in_chunks_is_the_whole_forward() -> None:
+    rng = np.random.default_rng(2)
+    net = MLP.init([2, 8, 3], rng)
+    x = rng.standard_normal((1000, 2)).astype(np.float32)
+    assert np.array_equal(net(x, chunk=64), net.forward(x)[0])

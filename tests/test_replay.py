@@ -219,26 +219,31 @@ def test_trace_and_replay_commands(moe: Path, tmp_path: Path, tiny_model: ModelF
         Trace.load(bad)
 
 
-def _net(tmp_path: Path, hidden: int = 8, seed: int = 3) -> Path:
+def _net(tmp_path: Path, hidden: int = 8, seed: int = 3, n_in: int = 2) -> Path:
     from moetier.tools.train_policy import new_net, save_net
 
-    path = tmp_path / f"net-{hidden}-{seed}.bin"
-    save_net(new_net(hidden, np.random.default_rng(seed)), path)
+    path = tmp_path / f"net-{hidden}-{seed}-{n_in}.bin"
+    save_net(new_net(hidden, np.random.default_rng(seed), n_in), path)
     return path
 
 
-def test_flashmoe_network_is_the_one_python_wrote(tmp_path: Path) -> None:
+@pytest.mark.parametrize("n_in", [2, 3])
+def test_flashmoe_network_is_the_one_python_wrote(tmp_path: Path, n_in: int) -> None:
     """The C++ policy evicts the candidate the numpy network scores highest, on its own inputs as the
-    recorder logs them: the file format and the forward pass agree."""
+    recorder logs them: the file format and the forward pass agree. Three inputs (+ layer distance)
+    choose among every layer's slots, two among the partition's donor layer."""
     from moetier.tools.train_policy import new_net, scores
 
-    net_path = _net(tmp_path)
-    net = new_net(8, np.random.default_rng(3))
+    net_path = _net(tmp_path, n_in=n_in)
+    net = new_net(8, np.random.default_rng(3), n_in)
     ids = synthetic(5)
     _, rows = _core.replay_decisions(ids, None, 16, 1000, 0, 24, 0, f"flashmoe:{net_path}", W, 1.0, 1.0)
     d, x, chosen = rows["decision"], rows["x"], rows["chosen"]
-    assert len(np.unique(d)) > 50 and np.all((x >= 0) & (x <= 1))
-    score = scores(net, x)
+    assert len(np.unique(d)) > 50 and np.all((x >= 0) & (x < 1.0001))
+    layers_per_decision = [len(np.unique(x[d == k, 2])) for k in np.unique(d)[:200]]
+    assert (max(layers_per_decision) > 1) == (n_in == 3)
+    assert _core.Policy(f"flashmoe:{net_path}", 4, W).across_layers == (n_in == 3)
+    score = scores(net, x[:, :n_in])
     checked = 0
     for k in np.unique(d):
         m = d == k
@@ -274,6 +279,7 @@ def test_bad_network_files_are_named(tmp_path: Path) -> None:
         "short.bin": good[:-4],
         "magic.bin": b"NOTANET!" + good[8:],
         "hidden.bin": good[:12] + (5000).to_bytes(4, "little") + good[16:],
+        "inputs.bin": good[:8] + (4).to_bytes(4, "little") + good[12:],
         "nan.bin": good[:16] + np.float32(np.nan).tobytes() + good[20:],
     }
     why = {
@@ -281,6 +287,7 @@ def test_bad_network_files_are_named(tmp_path: Path) -> None:
         "short.bin": "size is not that of a 8-hidden network",
         "magic.bin": "not a flashmoe policy network",
         "hidden.bin": "5000 hidden units",
+        "inputs.bin": "4 inputs",
         "nan.bin": "not finite",
     }
     for name, data in cases.items():
@@ -310,6 +317,10 @@ def test_train_policy_end_to_end(moe: Path, tmp_path: Path) -> None:
         at = {r["policy"]: r for r in rep["rows"] if r["pct"] == pct}
         assert all(at["belady"]["n_bytes_read"] <= r["n_bytes_read"] for r in at.values())
     assert rep["decision_us"] >= 0
+    # the layer-distance variant starts from a policy that offers every layer's slots
+    assert tp.main([*args, "--hidden", "8", "--epochs", "1", "--rounds", "1", "--layer-distance"]) == 0
+    rep = json.loads(Path(str(out) + ".json").read_text())
+    assert rep["rounds"][0]["driver"] == "multi" and rep["config"]["layer_distance"]
     # the model runs it, exactly
     budget = int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"]) * 2
     stock = Model(moe).generate("def fibonacci(n):", max_tokens=16).tokens

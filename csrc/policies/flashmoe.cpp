@@ -43,7 +43,9 @@ void moetier_flashmoe_features::use(const moetier_key & k, const moetier_policy_
 void moetier_flashmoe_features::of(const moetier_key &        k,
                                    const moetier_policy_ctx & ctx,
                                    float                      out[MOETIER_FLASHMOE_N_IN]) const {
-    const record & r = rec(k);
+    const record & r  = rec(k);
+    const int32_t  ln = ctx.n_layers > 0 ? ctx.n_layers : 1;
+    out[2]            = (float) (((k.layer - ctx.layer) % ln + ln) % ln) / (float) ln;
     if (r.uses == 0) {
         out[0] = 0.0f;
         out[1] = 0.0f;
@@ -65,8 +67,8 @@ float moetier_flashmoe_net::score(const float * x) const {
     float         h2[1024];
     for (int32_t i = 0; i < n; ++i) {
         float s = b1[i];
-        for (int32_t j = 0; j < MOETIER_FLASHMOE_N_IN; ++j) {
-            s += w1[(size_t) i * MOETIER_FLASHMOE_N_IN + j] * x[j];
+        for (int32_t j = 0; j < n_in; ++j) {
+            s += w1[(size_t) i * n_in + j] * x[j];
         }
         h1[i] = moetier_silu(s);
     }
@@ -97,21 +99,22 @@ bool moetier_flashmoe_load(const std::string & path, moetier_flashmoe_net & net,
         err = path + ": not a flashmoe policy network (no MOETFMN1 header)";
         return false;
     }
-    if (dims[0] != (uint32_t) MOETIER_FLASHMOE_N_IN || dims[1] < 1 || dims[1] > 1024) {
+    if (dims[0] < 2 || dims[0] > (uint32_t) MOETIER_FLASHMOE_N_IN || dims[1] < 1 || dims[1] > 1024) {
         err = path + ": a network of " + std::to_string(dims[0]) + " inputs and " + std::to_string(dims[1]) +
-              " hidden units; expected " + std::to_string(MOETIER_FLASHMOE_N_IN) + " inputs and 1-1024 hidden";
+              " hidden units; expected 2 or 3 inputs and 1-1024 hidden";
         return false;
     }
     const size_t n       = dims[1];
-    const size_t n_float = n * MOETIER_FLASHMOE_N_IN + n + n * n + n + n + 1;
+    const size_t n_float = n * dims[0] + n + n * n + n + n + 1;
     if (fseek(f.get(), 0, SEEK_END) != 0 || ftell(f.get()) != (long) (16 + 4 * n_float) ||
         fseek(f.get(), 16, SEEK_SET) != 0) {
         err = path + ": size is not that of a " + std::to_string(n) + "-hidden network (" +
               std::to_string(16 + 4 * n_float) + " bytes)";
         return false;
     }
+    net.n_in     = (int32_t) dims[0];
     net.n_hidden = (int32_t) n;
-    net.w1.resize(n * MOETIER_FLASHMOE_N_IN);
+    net.w1.resize(n * dims[0]);
     net.b1.resize(n);
     net.w2.resize(n * n);
     net.b2.resize(n);
@@ -142,18 +145,35 @@ struct moetier_policy_flashmoe : moetier_policy_i {
     std::shared_ptr<const moetier_flashmoe_net> net;
     moetier_flashmoe_features                   feat;
     std::vector<moetier_key>                    key;  // [n_slots]
-    // The inputs come from small integers (passes since the last use, use counts), so the same ones
-    // recur: a network evaluation is ~2 * hidden^2 multiply-adds on the decode path, a lookup is not.
-    std::unordered_map<uint64_t, float>         memo;
 
-    float score(const float x[MOETIER_FLASHMOE_N_IN]) {
-        static_assert(MOETIER_FLASHMOE_N_IN == 2, "the memo key packs the two inputs");
-        uint32_t a;
-        uint32_t b;
-        memcpy(&a, &x[0], 4);
-        memcpy(&b, &x[1], 4);
-        const uint64_t k  = (uint64_t) a << 32 | b;
-        const auto     it = memo.find(k);
+    // The inputs come from small integers (passes since the last use, use counts, layers), so the
+    // same ones recur: a network evaluation is ~2 * hidden^2 multiply-adds on the decode path, a
+    // lookup is not. Key: the inputs' bits.
+    struct memo_key {
+        uint32_t v[MOETIER_FLASHMOE_N_IN];
+
+        bool operator==(const memo_key & o) const { return memcmp(v, o.v, sizeof(v)) == 0; }
+    };
+
+    struct memo_hash {
+        size_t operator()(const memo_key & k) const {
+            uint64_t h = 0xcbf29ce484222325ull;
+            for (uint32_t x : k.v) {
+                h = (h ^ x) * 0x100000001b3ull;
+            }
+            return (size_t) h;
+        }
+    };
+
+    std::unordered_map<memo_key, float, memo_hash> memo;
+
+    float score(float x[MOETIER_FLASHMOE_N_IN]) {
+        for (int32_t j = net->n_in; j < MOETIER_FLASHMOE_N_IN; ++j) {
+            x[j] = 0.0f;  // inputs the network does not take: out of the key
+        }
+        memo_key k;
+        memcpy(k.v, x, sizeof(k.v));
+        const auto it = memo.find(k);
         if (it != memo.end()) {
             return it->second;
         }
@@ -196,6 +216,8 @@ struct moetier_policy_flashmoe : moetier_policy_i {
 
     // frequencies count over the whole run, as the paper's do
     void reset_sequence(const moetier_policy_ctx & /*ctx*/) override {}
+
+    bool across_layers() const override { return net->n_in > 2; }
 };
 
 // Wraps the policy a replay runs and logs each of its eviction decisions: every candidate's inputs

@@ -5,6 +5,10 @@
 // network (3 layers, SiLU, hidden 128 in its Table 1) scores it; the highest score is evicted. The
 // network is trained in Python (moetier train-policy) to imitate Belady's evictions and written to
 // a small file that the policy loads.
+//
+// The paper's caches are per layer, as this cache's partition is. A network of three inputs adds
+// the layer distance (d / n_layers, d: layers until the expert's layer runs again, HOBBIT's FLD) and
+// chooses across layers, where the gap to Belady lies: which layer gives up a slot.
 
 #include "policies.h"
 
@@ -12,7 +16,7 @@
 #include <string>
 #include <vector>
 
-static constexpr int32_t MOETIER_FLASHMOE_N_IN = 2;
+static constexpr int32_t MOETIER_FLASHMOE_N_IN = 3;  // inputs recorded; a network uses the first 2 or 3
 
 // The inputs of the network, per expert: r = forward passes since its last use + 1 (1: used in the
 // current pass), f = passes that used it since the cache started, over the largest f of its layer.
@@ -21,7 +25,7 @@ class moetier_flashmoe_features {
     // expert k is used in the forward pass of ctx (counted once per pass)
     void use(const moetier_key & k, const moetier_policy_ctx & ctx);
 
-    // [1/r, f / max f] of expert k
+    // [1/r, f / max f, d / n_layers] of expert k
     void of(const moetier_key & k, const moetier_policy_ctx & ctx, float out[MOETIER_FLASHMOE_N_IN]) const;
 
     uint64_t last_use(const moetier_key & k) const { return rec(k).last_tick; }
@@ -42,9 +46,10 @@ class moetier_flashmoe_features {
 
 // The scoring network: n_in -> hidden -> hidden -> 1, SiLU after the two hidden layers.
 //
-// File (little-endian): "MOETFMN1", uint32 n_in (2), uint32 n_hidden, then float32 w1[n_hidden][n_in],
+// File (little-endian): "MOETFMN1", uint32 n_in (2 or 3), uint32 n_hidden, then float32 w1[n_hidden][n_in],
 // b1[n_hidden], w2[n_hidden][n_hidden], b2[n_hidden], w3[n_hidden], b3.
 struct moetier_flashmoe_net {
+    int32_t            n_in     = 2;  // 2: the paper's inputs (per-layer partition); 3: + layer distance
     int32_t            n_hidden = 0;
     std::vector<float> w1, b1, w2, b2, w3;
     float              b3 = 0.0f;

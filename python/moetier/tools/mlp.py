@@ -57,8 +57,11 @@ class MLP:
             h = silu(z) if i < len(self.weights) - 1 else z
         return h, ins, pre
 
-    def __call__(self, x: F32) -> F32:
-        return self.forward(x)[0]
+    def __call__(self, x: F32, chunk: int = 16384) -> F32:
+        """The output alone, in chunks of rows (a forward pass keeps every layer's activations)."""
+        if len(x) <= chunk:
+            return self.forward(x)[0]
+        return np.concatenate([self.forward(x[i : i + chunk])[0] for i in range(0, len(x), chunk)])
 
     def grads(self, x: F32, y: F32, loss: Literal["mse", "bce"]) -> tuple[float, list[F32]]:
         out, ins, pre = self.forward(x)

@@ -40,7 +40,7 @@ from .mlp import F32, MLP, FitConfig, fit
 from .replay import geometry, probe, replay_one
 
 MAGIC = b"MOETFMN1"
-N_IN = 2
+N_RECORDED = 3  # inputs the recorder logs (policies/flashmoe.h); a network takes the first 2 or 3
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,13 @@ class TrainPolicyConfig:
         default=400_000, metadata={"help": "candidates kept per round (a random subset of decisions)"}
     )
     seed: int = field(default=0, metadata={"help": "initialisation and sampling seed"})
+    layer_distance: bool = field(
+        default=False,
+        metadata={
+            "help": "add the layer distance as a third input and evict across layers (the paper's caches are per "
+            "layer; so is this cache's partition without it)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.epochs, self.batch, self.rounds, self.max_rows) < 1 or self.hidden > 1024:
@@ -67,9 +74,9 @@ class TrainPolicyConfig:
             raise ConfigError(msg)
 
 
-def new_net(hidden: int, rng: np.random.Generator) -> MLP:
-    """FlashMoE's scorer: [1/r, f/max f] -> hidden -> hidden -> eviction score."""
-    return MLP.init([N_IN, hidden, hidden, 1], rng)
+def new_net(hidden: int, rng: np.random.Generator, n_in: int = 2) -> MLP:
+    """FlashMoE's scorer: [1/r, f/max f] (+ layer distance) -> hidden -> hidden -> eviction score."""
+    return MLP.init([n_in, hidden, hidden, 1], rng)
 
 
 def save_net(net: MLP, path: str | Path) -> None:
@@ -77,7 +84,7 @@ def save_net(net: MLP, path: str | Path) -> None:
     w1, w2, w3 = net.weights
     b1, b2, b3 = net.biases
     with open(path, "wb") as f:
-        f.write(MAGIC + struct.pack("<II", N_IN, w1.shape[0]))
+        f.write(MAGIC + struct.pack("<II", w1.shape[1], w1.shape[0]))
         for a in (w1, b1, w2, b2, w3.reshape(-1), b3):
             f.write(np.ascontiguousarray(a, dtype="<f4").tobytes())
 
@@ -105,10 +112,11 @@ def agreement(net: MLP, x: F32, y: F32, decision: npt.NDArray[np.int64]) -> floa
 
 
 def collect(
-    traces: Sequence[Trace], geos: Sequence[dict[str, int]], policy: str
+    traces: Sequence[Trace], geos: Sequence[dict[str, int]], policy: str, max_rows: int, rng: np.random.Generator
 ) -> tuple[F32, npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-    """Every eviction decision of policy replayed over each trace at each geometry (decision ids made
-    unique across runs)."""
+    """The eviction decisions of policy replayed over each trace at each geometry, whole decisions
+    sampled to about max_rows candidates in all (decision ids made unique across runs)."""
+    per_run = max(1, max_rows // max(1, len(traces) * len(geos)))
     xs, ds, ns = [], [], []
     base = 0
     for tr in traces:
@@ -118,12 +126,13 @@ def collect(
                 [0.25] * 4, 1.0, 1.0, list(tr.seq_starts),
             )  # fmt: skip
             if len(rows["decision"]):
-                xs.append(rows["x"])
-                ds.append(rows["decision"] + base)
-                ns.append(rows["next_use"])
+                x, d, n = subsample(rows["x"], rows["decision"], rows["next_use"], per_run, rng)
+                xs.append(x)
+                ds.append(d + base)
+                ns.append(n)
                 base += int(rows["decision"].max()) + 1
     if not xs:
-        return np.zeros((0, N_IN), np.float32), np.zeros(0, np.int64), np.zeros(0)
+        return np.zeros((0, N_RECORDED), np.float32), np.zeros(0, np.int64), np.zeros(0)
     return np.concatenate(xs), np.concatenate(ds), np.concatenate(ns)
 
 
@@ -178,15 +187,18 @@ def train_policy(
         if t.ids.shape[1] != geos[0]["n_layers"] or t.n_expert != geos[0]["n_expert"]:
             msg = f"{p}: a trace of another model ({t.ids.shape[1]} MoE layers of {t.n_expert} experts)"
             raise ConfigError(msg)
-    net = new_net(cfg.hidden, rng)
+    n_in = 3 if cfg.layer_distance else 2
+    net = new_net(cfg.hidden, rng, n_in)
     fit_cfg = FitConfig(epochs=cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay, batch=cfg.batch)
     xs: list[F32] = []
     ys: list[F32] = []
     rounds = []
     out = Path(out)
     for r in range(cfg.rounds):
-        driver = "lru" if r == 0 else f"flashmoe:{out}"
-        x, d, n = subsample(*collect(tr_traces, geos, driver), cfg.max_rows, rng)
+        # round 1: a policy that offers the candidates this one will choose among (one layer's, or all)
+        driver = ("multi" if cfg.layer_distance else "lru") if r == 0 else f"flashmoe:{out}"
+        x, d, n = collect(tr_traces, geos, driver, cfg.max_rows, rng)
+        x = x[:, :n_in]
         y = labels(d, n)
         before = agreement(net, x, y, d) if r else None
         xs.append(x)
@@ -206,15 +218,16 @@ def train_policy(
         )
     # held-out: the network, LRU, multi and Belady at every budget
     rows = []
-    for path, t in zip(evals, ev_traces, strict=True):
+    for path, t in zip([str(p) for p in evals], ev_traces, strict=True):
         for g in geos:
             at = {p: replay_one(t, g, p, 1.0, 1.0, (0.25,) * 4) for p in ("lru", "multi", f"flashmoe:{out}", "belady")}
             gap = at["lru"]["n_bytes_read"] - at["belady"]["n_bytes_read"]
             for p, row in at.items():
                 row["policy"] = p.split(":")[0]
                 row["gap_closed"] = (at["lru"]["n_bytes_read"] - row["n_bytes_read"]) / gap if gap > 0 else None
-                rows.append({"trace": str(path), **row})
-    x, d, n = collect(ev_traces, geos, f"flashmoe:{out}")
+                rows.append({"trace": str(path), "trace_label": f"held-out ({len(path.split(', '))} traces)", **row})
+    x, d, n = collect(ev_traces, geos, f"flashmoe:{out}", cfg.max_rows, rng)
+    x = x[:, :n_in]
     report = {
         "model": str(model),
         "network": str(out),
@@ -244,7 +257,7 @@ def table(rep: dict[str, Any]) -> str:
     for r in rep["rows"]:
         g = r.get("gap_closed")
         out.append(
-            f"| {Path(r['trace']).name} | {r['pct']:g}% | {r['policy']} | {100 * r['hit_rate']:.1f}% "
+            f"| {r['trace_label']} | {r['pct']:g}% | {r['policy']} | {100 * r['hit_rate']:.1f}% "
             f"| {r['mb_per_token']:.3f} | {'' if g is None else f'{100 * g:.0f}%'} |"
         )
     return "\n".join(out) + "\n"
@@ -263,7 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, help="network file to write; OUT.json and OUT.md beside it")
     for f in TrainPolicyConfig.__dataclass_fields__.values():
         flag = f"--{f.name.replace('_', '-')}"
-        p.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"])
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            p.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"])
     a = p.parse_args(argv)
     cfg = TrainPolicyConfig(**{k: getattr(a, k) for k in TrainPolicyConfig.__dataclass_fields__})
     budgets = [float(b) for b in a.budgets.split(",") if b.strip()]
