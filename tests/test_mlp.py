@@ -50,4 +50,4 @@ def test_output_in_chunks_is_the_whole_forward() -> None:
     rng = np.random.default_rng(2)
     net = MLP.init([2, 8, 3], rng)
     x = rng.standard_normal((1000, 2)).astype(np.float32)
-    assert np.array_equal(net(x, chunk=64), net.forward(x)[0])
+    np.testing.assert_allclose(net(x, chunk=64), net.forward(x)[0], rtol=1e-6, atol=1e-6)

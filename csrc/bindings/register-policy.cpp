@@ -43,12 +43,12 @@ class py_policy {
     }
 
     void on_hit(int32_t slot, int32_t layer, int32_t expert, bool high) {
-        check(slot);
+        check(slot, layer, expert);
         policy_->on_hit(slot, { layer, expert }, high, ctx_);
     }
 
     void on_load(int32_t slot, int32_t layer, int32_t expert, bool high) {
-        check(slot);
+        check(slot, layer, expert);
         policy_->on_load(slot, { layer, expert }, high, ctx_);
     }
 
@@ -64,9 +64,12 @@ class py_policy {
     bool across_layers() const { return policy_->across_layers(); }
 
   private:
-    void check(int32_t slot) const {
+    void check(int32_t slot, int32_t layer, int32_t expert) const {
         if (slot < 0 || slot >= n_slots_) {
             throw std::out_of_range("slot out of range");
+        }
+        if (layer < 0 || expert < 0) {
+            throw std::out_of_range("layer and expert must not be negative");
         }
     }
 
@@ -222,7 +225,8 @@ void register_policy(py::module_ & m) {
         py::arg("n_slots_high"), py::arg("n_slots_low"), py::arg("policy"), py::arg("policy_weights"), py::arg("t1"),
         py::arg("t2"), py::arg("seq_starts") = std::vector<int64_t>{ 0 },
         "replay, logging every eviction decision: per candidate slot, FlashMoE's inputs [1/recency, "
-        "frequency/max], the ticks to its expert's next use (inf: never) and whether the policy chose it; (counters, "
+        "frequency/max, layer distance], the ticks to its expert's next use (inf: never) and whether the policy chose "
+        "it; (counters, "
         "{decision, x, next_use, chosen})");
 
     py::class_<py_policy>(m, "Policy")

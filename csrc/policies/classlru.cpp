@@ -65,6 +65,9 @@ struct moetier_policy_classlru : moetier_policy_i {
             if (excluded[s]) {
                 continue;
             }
+            if (key[s].layer < 0) {
+                return s;  // never filled (the cache hands those out before asking): nothing to keep
+            }
             const record & r = rec(key[s]);
             const double   c = decayed(r, ctx.pass);
             const int32_t  cls =

@@ -4,6 +4,7 @@
 #include "flashmoe.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -128,13 +129,15 @@ bool moetier_flashmoe_load(const std::string & path, moetier_flashmoe_net & net,
         err = path + ": short read";
         return false;
     }
+    bool finite = std::isfinite(net.b3);
     for (const std::vector<float> * v : { &net.w1, &net.b1, &net.w2, &net.b2, &net.w3 }) {
         for (float x : *v) {
-            if (!std::isfinite(x)) {
-                err = path + ": a weight is not finite";
-                return false;
-            }
+            finite = finite && std::isfinite(x);
         }
+    }
+    if (!finite) {
+        err = path + ": a weight is not finite";
+        return false;
     }
     return true;
 }
@@ -196,11 +199,39 @@ struct moetier_policy_flashmoe : moetier_policy_i {
         on_hit(s, k, high, ctx);
     }
 
+    std::vector<int32_t> oldest;  // [layer] scratch of victim: the layer's least recently used candidate
+    std::vector<uint8_t> mask;    // [slot] scratch of victim: 1 = not scored
+
     int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
+        const std::vector<uint8_t> * cand = &excluded;
+        if (net->n_in > 2) {
+            // Across layers, one candidate per layer is scored: its least recently used slot. Scoring
+            // every slot of the cache at every eviction made a replay of the 1.5B take hours.
+            oldest.assign(std::max(ctx.n_layers, 1), -1);
+            for (int32_t s = 0; s < (int32_t) key.size(); ++s) {
+                const int32_t l = key[s].layer;
+                if (excluded[s] || l < 0) {
+                    continue;
+                }
+                if ((size_t) l >= oldest.size()) {
+                    oldest.resize(l + 1, -1);
+                }
+                if (oldest[l] < 0 || feat.last_use(key[s]) < feat.last_use(key[oldest[l]])) {
+                    oldest[l] = s;
+                }
+            }
+            mask.assign(key.size(), 1);
+            for (int32_t s : oldest) {
+                if (s >= 0) {
+                    mask[s] = 0;
+                }
+            }
+            cand = &mask;
+        }
         int32_t best   = -1;
         float   best_v = 0.0f;
         for (int32_t s = 0; s < (int32_t) key.size(); ++s) {
-            if (excluded[s]) {
+            if ((*cand)[s]) {
                 continue;
             }
             float x[MOETIER_FLASHMOE_N_IN];
@@ -264,7 +295,7 @@ struct moetier_policy_recorder : moetier_policy_i {
             row.decision = d;
             feat.of(key[s], ctx, row.x);
             const moetier_future::use * u = future->next(key[s], ctx.tick - 1);
-            row.next_use                  = u ? u->tick - (ctx.tick - 1) : UINT64_MAX;
+            row.next_use                  = u ? u->tick - ctx.tick : UINT64_MAX;
             row.chosen                    = false;
             log->push_back(row);
             slots.push_back(s);

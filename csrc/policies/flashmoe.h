@@ -66,6 +66,6 @@ bool moetier_flashmoe_load(const std::string & path, moetier_flashmoe_net & net,
 struct moetier_decision_row {
     int64_t  decision;  // index of the victim call
     float    x[MOETIER_FLASHMOE_N_IN];
-    uint64_t next_use;  // ticks from now to the next use
+    uint64_t next_use;  // ticks from this resolve to the next use (0: this resolve uses it)
     bool     chosen;    // the policy evicted this one
 };

@@ -55,6 +55,9 @@ struct moetier_policy_lfru : moetier_policy_i {
             if (excluded[s]) {
                 continue;
             }
+            if (key[s].layer < 0) {
+                return s;  // never filled (the cache hands those out before asking): nothing to keep
+            }
             const record & r = rec(key[s]);
             const double   p = (double) r.uses / (1.0 + (double) (ctx.pass - r.last_pass));
             if (best < 0 || p < best_p || (p == best_p && r.last_use < best_t)) {

@@ -108,12 +108,13 @@ class Trace:
         except (OSError, KeyError, ValueError) as e:
             msg = f"{path}: not a moetier routing trace ({e})"
             raise ConfigError(msg) from None
-        n, n_layers = tr.ids.shape[0], len(tr.layers)
+        n_layers = len(tr.layers)
         if tr.ids.ndim != 3 or tr.weights.shape != tr.ids.shape or tr.ids.shape[1] != n_layers:
             msg = (
                 f"{path}: ids {tr.ids.shape} and weights {tr.weights.shape} must both be [n_tokens, {n_layers}, n_used]"
             )
             raise ConfigError(msg)
+        n = tr.ids.shape[0]
         if tr.ids.size and (tr.ids.min() < 0 or tr.ids.max() >= tr.n_expert):
             msg = f"{path}: expert ids must lie in [0, {tr.n_expert})"
             raise ConfigError(msg)
@@ -133,12 +134,14 @@ def concat_traces(traces: list[Trace], names: list[str]) -> Trace:
             msg = f"{name}: recorded on another model than {names[0]} (MoE layers, experts or top-k differ)"
             raise ConfigError(msg)
     offs = np.cumsum([0] + [t.ids.shape[0] for t in traces])
+    # each trace starts a sequence of its own
+    seqs = {int(o) + s for t, o in zip(traces, offs, strict=False) for s in t.seq_starts} | {*map(int, offs[:-1])}
     return Trace(
         np.concatenate([t.ids for t in traces]),
         np.concatenate([t.weights for t in traces]),
         first.layers,
         first.n_expert,
-        tuple(int(o) + s for t, o in zip(traces, offs, strict=False) for s in t.seq_starts),
+        tuple(sorted(seqs)),
         tuple(int(o) + s for t, o in zip(traces, offs, strict=False) for s in t.ubatch_starts),
     )
 

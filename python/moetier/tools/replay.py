@@ -135,11 +135,12 @@ def replay(
 ) -> dict[str, Any]:
     """Every policy at every budget; the report with, per budget, the share of the gap between LRU
     and Belady in bytes each policy closes."""
-    known = policies_all()
-    bad = [p for p in policies if p not in known]
-    if bad:
-        msg = f"replay: unknown policy {', '.join(bad)}; available: {', '.join(known)}"
-        raise ConfigError(msg)
+    offline = set(_core.offline_policy_names())
+    for p in policies:
+        why = None if p in offline else _core.policy_error(p)
+        if why is not None:
+            msg = f"replay: {why}"
+            raise ConfigError(msg)
     paths = [trace_path] if isinstance(trace_path, (str, Path)) else list(trace_path)
     trace = concat_traces([Trace.load(p) for p in paths], [str(p) for p in paths])
     trace_path = ", ".join(str(p) for p in paths)
