@@ -14,20 +14,12 @@ struct moetier_policy_lfru : moetier_policy_i {
         uint64_t last_use  = 0;  // tick
     };
 
-    std::vector<moetier_key>         key;      // [n_slots]
-    std::vector<std::vector<record>> records;  // [layer][expert]
+    std::vector<moetier_key>       key;  // [n_slots]
+    moetier_expert_records<record> records;
 
     void init(int32_t n_slots) override { key.assign(n_slots, moetier_key{}); }
 
-    record & rec(const moetier_key & k) {
-        if ((size_t) k.layer >= records.size()) {
-            records.resize(k.layer + 1);
-        }
-        if ((size_t) k.expert >= records[k.layer].size()) {
-            records[k.layer].resize(k.expert + 1);
-        }
-        return records[k.layer][k.expert];
-    }
+    record & rec(const moetier_key & k) { return records[k]; }
 
     void use(int32_t s, const moetier_key & k, const moetier_policy_ctx & ctx) {
         key[s]     = k;

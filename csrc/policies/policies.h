@@ -59,6 +59,23 @@ struct moetier_policy_i {
 
 using moetier_policy_ptr = std::unique_ptr<moetier_policy_i>;
 
+// Per-expert records of a policy, grown on first use: an expert evicted and read again keeps them.
+template <typename R> class moetier_expert_records {
+  public:
+    R & operator[](const moetier_key & k) {
+        if ((size_t) k.layer >= rows.size()) {
+            rows.resize(k.layer + 1);
+        }
+        if ((size_t) k.expert >= rows[k.layer].size()) {
+            rows[k.layer].resize(k.expert + 1);
+        }
+        return rows[k.layer][k.expert];
+    }
+
+  private:
+    std::vector<std::vector<R>> rows;  // [layer][expert]
+};
+
 // What a recorded trace will ask for, known only to a replay: the offline policies (Belady) look
 // ahead in it. Ticks count resolves as the cache does (the first is 1).
 struct moetier_future {
