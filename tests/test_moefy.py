@@ -138,3 +138,47 @@ def test_collect_in_slices_equals_one_call(dense: Path, tmp_path: Path, monkeypa
     assert not list((tmp_path / "acts").glob("*.tmp.npy"))
     again = mf._collect(dense, toks, 2, 2, tmp_path / "acts", ("ffn_norm", "l_out"))  # read back, not re-run
     np.testing.assert_array_equal(again["l_out"][1], whole["l_out"][1])
+
+
+def test_refit_down_recovers_the_down_projections_of_a_layer() -> None:
+    from moetier.tools.distill import MoeLayer, forward
+    from moetier.tools.moefy import refit_down
+
+    rng = np.random.default_rng(5)
+    d, n_sh, E, ff_e, n = 16, 8, 4, 8, 4096
+
+    def r(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    true = MoeLayer(r(E, d), r(n_sh, d), r(n_sh, d), r(d, n_sh), r(E, ff_e, d), r(E, ff_e, d), r(E, d, ff_e))
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    y = forward(true, x, 2, True)
+    start = true.copy()
+    start.down_sh, start.down = r(d, n_sh), r(E, d, ff_e)
+    fit = refit_down(start, x, y, 2, True, 1.0, 1e-9)
+    assert np.abs(fit.down - true.down).max() < 1e-3 and np.abs(fit.down_sh - true.down_sh).max() < 1e-3
+    assert np.array_equal(fit.gate, true.gate) and np.array_equal(fit.router, true.router)
+    # a strong ridge keeps the weights it started from
+    kept = refit_down(start, x, y, 2, True, 1.0, 1e9)
+    assert np.abs(kept.down - start.down).max() < 1e-4
+
+
+def test_correction_round_brings_the_logits_toward_dense(dense: Path, tmp_path: Path) -> None:
+    base = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, down_type="f16")
+    plain, corrected = tmp_path / "plain.gguf", tmp_path / "corr.gguf"
+    moefy(dense, plain, CALIB, base, progress=False, work_dir=tmp_path / "w")
+    cfg = MoefyConfig(**{**base.__dict__, "correct_rounds": 1, "correct_share": 1.0})
+    res = moefy(dense, corrected, CALIB, cfg, progress=False, work_dir=tmp_path / "w")
+    assert "correction round 1" in res.seconds and res.errors != res.errors_plan
+    d = Model(dense)
+    toks = d.tokenize(CALIB)[:512]
+    ld = d.logits(toks)
+    err = [float(np.abs(Model(p).logits(toks) - ld).mean()) for p in (plain, corrected)]
+    assert err[1] < err[0], f"mean |logit - dense| plain {err[0]:.4f}, corrected {err[1]:.4f}"
+    # resumed from the work dir: the same weights again, with no collection
+    again = tmp_path / "again.gguf"
+    res2 = moefy(dense, again, CALIB, cfg, progress=False, work_dir=tmp_path / "w")
+    assert res2.errors == res.errors
+    assert again.read_bytes() == corrected.read_bytes()
+    with pytest.raises(ConfigError, match="correct_share"):
+        MoefyConfig(correct_share=1.5)

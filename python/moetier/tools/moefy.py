@@ -42,7 +42,7 @@ import numpy.typing as npt
 from tqdm import tqdm
 
 from ..errors import ConfigError, ModelError
-from .distill import DistillConfig, DistillResult, MoeLayer, distill_layer, rel_error
+from .distill import DistillConfig, DistillResult, MoeLayer, distill_layer, rel_error, route
 
 F32 = npt.NDArray[np.float32]
 # target architectures: whether llama.cpp renormalises the top-k weights, and the shared expert's gate
@@ -93,6 +93,20 @@ class MoefyConfig:
     )
     refit: bool = field(default=True, metadata={"help": "refit the down projections for the sparse routing"})
     refit_ridge: float = field(default=1.0, metadata={"help": "ridge strength of the down-projection refit"})
+    correct_rounds: int = field(
+        default=0,
+        metadata={
+            "help": "rounds of error correction: run the converted model, and refit each layer's down "
+            "projections on the FFN inputs it produces, toward the dense model's residual stream"
+        },
+    )
+    correct_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "correction rounds: share of each layer's target that brings the residual stream back to the "
+            "dense model's (the rest: the dense FFN on the layer's own inputs)"
+        },
+    )
     down_type: str = field(default="q8_0", metadata={"help": "type of the re-split down projections: q8_0 or f16"})
     seed: int = field(default=0, metadata={"help": "seed of the clustering"})
     arch: str = field(
@@ -115,6 +129,12 @@ class MoefyConfig:
             raise ConfigError(msg)
         if self.arch not in ARCHS:
             msg = f"moefy.arch: {self.arch!r} must be one of {', '.join(ARCHS)}"
+            raise ConfigError(msg)
+        if self.correct_rounds < 0 or not 0.0 <= self.correct_share <= 1.0:
+            msg = (
+                f"moefy: correct_rounds {self.correct_rounds} must be >= 0 and correct_share "
+                f"{self.correct_share} in [0, 1]"
+            )
             raise ConfigError(msg)
         if self.down_type not in ("q8_0", "f16"):
             msg = f"moefy.down_type: {self.down_type!r} must be q8_0 or f16"
@@ -345,6 +365,51 @@ class MoefyResult:
         )
 
 
+def _plan_fields(cfg: MoefyConfig) -> dict[str, Any]:
+    """The fields the training-free plan depends on (its cache key): not the correction rounds."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("correct_rounds", "correct_share")}
+
+
+def refit_down(layer: MoeLayer, x: F32, y: F32, k: int, renorm: bool, sh_gate: float, ridge: float) -> MoeLayer:
+    """The layer with its down projections (shared and routed) refitted in closed form so that its
+    output on inputs x [N, d] approaches y [N, d]: ridge toward the current down weights, gate/up and
+    router kept (the routing, hence each token's features, stays as llama.cpp computes it)."""
+    E, ff_e = layer.gate.shape[0], layer.gate.shape[1]
+    n_sh = layer.gate_sh.shape[0]
+    ff = n_sh + E * ff_e
+    g = np.zeros((ff, ff), dtype=np.float64)
+    rhs = np.zeros((ff, y.shape[1]), dtype=np.float64)
+    for i in range(0, len(x), 2048):
+        xb = np.asarray(x[i : i + 2048], dtype=np.float32)
+        top, w, _ = route(layer, xb, k, renorm)
+        wfull = np.zeros((len(xb), E), dtype=np.float32)
+        np.put_along_axis(wfull, top, w, axis=1)
+        parts = [_silu(xb @ layer.gate_sh.T) * (xb @ layer.up_sh.T) * np.float32(sh_gate)]
+        for e in range(E):
+            parts.append(_silu(xb @ layer.gate[e].T) * (xb @ layer.up[e].T) * wfull[:, e : e + 1])
+        f = np.concatenate(parts, axis=1)
+        g += f.T @ f
+        rhs += f.T @ np.asarray(y[i : i + 2048], dtype=np.float32)
+    prior = np.concatenate([layer.down_sh] + [layer.down[e] for e in range(E)], axis=1).T  # [ff, d]
+    scale = float(np.mean(np.diag(g))) or 1.0
+    g[np.diag_indices_from(g)] += ridge * scale
+    down = np.linalg.solve(g, rhs + ridge * scale * prior).T.astype(np.float32)  # [d, ff]
+    out = layer.copy()
+    out.down_sh = np.ascontiguousarray(down[:, :n_sh])
+    out.down = np.stack([down[:, n_sh + e * ff_e : n_sh + (e + 1) * ff_e] for e in range(E)])
+    return out
+
+
+def _correction_target(x: F32, dense: tuple[F32, F32, F32], l_out: F32, ffn_inp: F32, share: float) -> F32:
+    """What a correction round fits a layer to on the converted model's FFN inputs x: the dense FFN
+    on x, and (share) the output that brings the residual stream (ffn_inp, the converted model's
+    before the FFN) to the dense model's after the layer (l_out)."""
+    y = dense_ffn(x, *dense)
+    drift = np.asarray(l_out, dtype=np.float32) - np.asarray(ffn_inp, dtype=np.float32)
+    out: F32 = ((1.0 - share) * y + share * drift).astype(np.float32)
+    return out
+
+
 def cache_key(*parts: Any) -> str:
     """A short hex digest of JSON-able parts (and bytes): names cached conversion work and artifacts."""
     h = hashlib.sha256()
@@ -470,7 +535,7 @@ def moefy(
     held = held[: len(held) // 512 * 512]
     n_fit = len(tokens)
     work: Path | None = None
-    if dcfg is not None or work_dir is not None:
+    if dcfg is not None or work_dir is not None or cfg.correct_rounds > 0:
         base = Path(work_dir) if work_dir is not None else _default_cache() / "moefy-work"
         st = src.stat()
         work = base / cache_key(src.name, st.st_size, st.st_mtime_ns, np.asarray(tokens + held, np.int32).tobytes())
@@ -481,10 +546,14 @@ def moefy(
             asdict(cfg), {k: v for k, v in asdict(dcfg).items() if k not in ("rounds", "residual")} if dcfg else None
         )
     t0 = time.monotonic()
-    residual = dcfg is not None and dcfg.rounds > 1 and dcfg.residual > 0
+    if dcfg is not None and cfg.correct_rounds > 0:
+        msg = "moefy: correction rounds and distillation are alternatives; ask for one"
+        raise ConfigError(msg)
+    residual = (dcfg is not None and dcfg.rounds > 1 and dcfg.residual > 0) or cfg.correct_rounds > 0
     dense_kinds = ("ffn_norm", "l_out") if residual else ("ffn_norm",)
     dense_acts = _collect(src, tokens + held, n_layer, n_threads, work / "dense" if work else None, dense_kinds)
     xs_held = [x[n_fit:] for x in dense_acts["ffn_norm"]]
+    dense_l_out = dense_acts.get("l_out", [])  # with the held-out tail: the correction rounds report on it
     dense_acts = {k: [x[:n_fit] for x in v] for k, v in dense_acts.items()}
     xs = dense_acts["ffn_norm"]
     seconds["collect"] = time.monotonic() - t0
@@ -499,7 +568,7 @@ def moefy(
     splits: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = []
     t0 = time.monotonic()
     for il in tqdm(range(n_layer), desc="moefy layers", disable=not show):
-        plan_path = work / f"plan-{cache_key(asdict(cfg))}" / f"layer-{il}.npz" if work else None
+        plan_path = work / f"plan-{cache_key(_plan_fields(cfg))}" / f"layer-{il}.npz" if work else None
         if plan_path is not None and plan_path.exists():
             layer, err = _load_layer(plan_path)
             with np.load(plan_path) as z:
@@ -523,6 +592,39 @@ def moefy(
         layers.append(layer)
         errors.append(err)
     seconds["plan"] = time.monotonic() - t0
+
+    for rnd in range(1, cfg.correct_rounds + 1):
+        # errors of earlier layers compound: each layer is refitted on the inputs the converted model
+        # gives it, toward its dense FFN and (correct_share) toward the dense model's residual stream
+        assert work is not None
+        t0 = time.monotonic()
+        ckey = cache_key(asdict(cfg))
+        acts_dir = work / f"correct-{ckey}-r{rnd}"
+        kinds: tuple[str, ...] = ("ffn_norm", "ffn_inp")
+        tmp_model = work / f"correct-{ckey}-r{rnd}.gguf"
+        if not all((acts_dir / f"{k}-{il}.npy").exists() for k in kinds for il in range(n_layer)):
+            _write_moe(reader, tensors, tmp_model, cfg, layers, splits, None)
+        acts = _collect(tmp_model, tokens + held, n_layer, n_threads, acts_dir, kinds)
+        tmp_model.unlink(missing_ok=True)
+        bar = tqdm(range(n_layer), desc=f"correction round {rnd}/{cfg.correct_rounds}", disable=not show)
+        for il in bar:
+            path = work / f"correct-{ckey}" / f"round-{rnd}-layer-{il}.npz"
+            x_all = np.asarray(acts["ffn_norm"][il])
+            x, xh = x_all[:n_fit], x_all[n_fit:]
+            w = dense_weights(il)
+            if path.exists():
+                layers[il], errors[il] = _load_layer(path)
+            else:
+                y = _correction_target(x, w, dense_l_out[il][:n_fit], acts["ffn_inp"][il][:n_fit], cfg.correct_share)
+                layers[il] = refit_down(layers[il], x, y, cfg.n_expert_used, renorm, sh_gate, cfg.refit_ridge)
+                errors[il] = rel_error(layers[il], x, y, cfg.n_expert_used, renorm, sh_gate)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _save_layer(path, layers[il], errors[il])
+            if len(xh):
+                yh = _correction_target(xh, w, dense_l_out[il][n_fit:], acts["ffn_inp"][il][n_fit:], cfg.correct_share)
+                errors_held[il] = rel_error(layers[il], xh, yh, cfg.n_expert_used, renorm, sh_gate)
+            bar.set_postfix_str(f"err {errors[il]:.3f}")
+        seconds[f"correction round {rnd}"] = time.monotonic() - t0
 
     if dcfg is not None:
         assert work is not None
