@@ -13,6 +13,9 @@ from typing import Any
 
 from moetier import CacheConfig, ContextConfig, Model
 
+# CacheConfig fields that take whole numbers (the rest are floats)
+INT_OPTS = ("prefetch", "io_threads", "io_uring", "warm", "lock_weights", "direct_io")
+
 
 def disk_read_bytes() -> int:
     """Bytes this process caused to be fetched from storage (/proc/self/io read_bytes)."""
@@ -63,7 +66,9 @@ def main() -> None:
         if k == "repack":  # a model option, not a cache one: repack=0 is --no-repack
             a.no_repack = a.no_repack or v == "0"
             continue
-        opts[k] = int(v) if k in ("prefetch", "io_threads", "io_uring", "warm") else float(v)
+        opts[k] = (
+            int(v) if k in ("prefetch", "io_threads", "io_uring", "warm", "lock_weights", "direct_io") else float(v)
+        )
     # a warm start only where asked for: repeated runs must not warm each other up
     opts.setdefault("warm", 0)
     budget = a.cache if a.cache == "auto" else int(a.cache)

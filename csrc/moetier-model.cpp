@@ -6,8 +6,17 @@
 #include "moetier-prefetch.h"
 #include "moetier-read.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cinttypes>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <map>
 #include <stdexcept>
 
@@ -26,6 +35,7 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     reserve      = params.reserve;
     n_ctx        = params.n_ctx;
     warm_on      = params.warm;
+    lock_weights = params.lock_weights;
     process_anon = moetier_process_anon_bytes("");
     direct_io    = params.direct_io;
     policy_name  = params.policy && params.policy[0] ? params.policy : moetier_default_params().policy;
@@ -492,21 +502,12 @@ void moetier_model::warn(const std::string & msg) {
 // automatic budget
 //
 
-void moetier_model::choose_budget(const llama_model & model) {
-    if (!budget_auto) {
-        budget_note = format("expert cache: %s (given)", moetier_format_bytes(cache_bytes).c_str());
-        return;
-    }
+moetier_budget_needs moetier_model::budget_needs(const llama_model & model) const {
     const llama_hparams & hp = model.hparams;
     moetier_budget_needs  needs;
     // resident non-expert weights: every tensor but the served experts; the token embeddings only
     // if they are also the output matrix (else get_rows touches a few rows of them)
-    const bool            tied = model.output == nullptr || model.tok_embd == nullptr ||
-                      strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) == 0;
-    for (const auto & [name, t] : model.tensors_by_name) {
-        if (layer_of(t) != nullptr || (!tied && t == model.tok_embd)) {
-            continue;
-        }
+    for (const ggml_tensor * t : resident_weights(model)) {
         needs.weights += ggml_nbytes(t);
     }
     needs.n_ctx = n_ctx > 0 ? n_ctx : (int32_t) hp.n_ctx_train;
@@ -529,18 +530,119 @@ void moetier_model::choose_budget(const llama_model & model) {
     }
     needs.compute = 4 * n_ubatch * (8 * (uint64_t) hp.n_embd + 3 * n_ff + 2 * n_ff_moe) +
                     4 * 16 * (uint64_t) model.vocab.n_tokens() + ((uint64_t) 16 << 20);
-    needs.process            = process_anon;
-    needs.reserve            = reserve;
-    const moetier_memory mem = moetier_memory_read("");
+    needs.process = process_anon;
+    needs.reserve = reserve;
+    return needs;
+}
+
+std::vector<const ggml_tensor *> moetier_model::resident_weights(const llama_model & model) {
+    const bool tied = model.output == nullptr || model.tok_embd == nullptr ||
+                      strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) == 0;
+    std::vector<const ggml_tensor *> out;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (layer_of(t) == nullptr && (tied || t != model.tok_embd)) {
+            out.push_back(t);
+        }
+    }
+    return out;
+}
+
+void moetier_model::choose_budget(const llama_model & model) {
+    const moetier_budget_needs needs = budget_needs(model);
+    const moetier_memory       mem   = moetier_memory_read("");
     // the cache never needs more than every expert (padded to the slot alignment)
-    uint64_t             all = 0;
+    uint64_t                   all   = 0;
     for (const auto & l : layers) {
         for (const auto & p : l->projs) {
             all += moetier_align_up(p.bytes) * (uint64_t) n_expert;
         }
     }
-    cache_bytes = moetier_budget_auto(mem, needs, all, budget_note);
-    MOETIER_LOG_INFO("%s: %s\n", paths[0].c_str(), budget_note.c_str());
+    std::string    fit_note;
+    const uint64_t fits = moetier_budget_auto(mem, needs, all, fit_note);
+    if (budget_auto) {
+        cache_bytes = fits;
+        budget_note = fit_note;
+        MOETIER_LOG_INFO("%s: %s\n", paths[0].c_str(), budget_note.c_str());
+        return;
+    }
+    budget_note = format("expert cache: %s (given)", moetier_format_bytes(cache_bytes).c_str());
+    // a given budget is kept; one that leaves the other weights no room under a memory limit gets
+    // a warning, as it makes the kernel page those weights (read from disk again every token)
+    if (mem.cgroup_limit > 0 && cache_bytes > fits && fits < all) {
+        warn(
+            format("expert cache %s is more than the memory limit leaves for it (%s): %s; the non-expert weights "
+                   "may be paged from disk every token. Use cache auto, or a budget of at most %s",
+                   moetier_format_bytes(cache_bytes).c_str(), mem.cgroup_source.c_str(), fit_note.c_str(),
+                   moetier_format_bytes(fits).c_str()));
+    }
+}
+
+void moetier_model::lock_resident_weights(const llama_model & model) {
+    if (!lock_weights) {
+        return;
+    }
+    // the mappings of the model's files: only their pages can be paged out and read back (weights
+    // in anonymous buffers, e.g. repacked ones, stay without a lock as there is no swap to go to)
+    std::vector<std::string> real;
+    for (const auto & p : paths) {
+        char buf[PATH_MAX];
+        if (realpath(p.c_str(), buf) != nullptr) {
+            real.emplace_back(buf);
+        }
+    }
+    std::vector<std::pair<uintptr_t, uintptr_t>> maps;
+    std::ifstream                                f("/proc/self/maps");
+    std::string                                  line;
+    while (std::getline(f, line)) {
+        unsigned long long a = 0, b = 0;
+        char               path[4096] = { 0 };
+        if (sscanf(line.c_str(), "%llx-%llx %*s %*s %*s %*s %4095[^\n]", &a, &b, path) == 3 &&
+            std::find(real.begin(), real.end(), std::string(path)) != real.end()) {
+            maps.emplace_back((uintptr_t) a, (uintptr_t) b);
+        }
+    }
+    const uintptr_t                              page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+    for (const ggml_tensor * t : resident_weights(model)) {
+        const uintptr_t a = (uintptr_t) t->data, b = a + ggml_nbytes(t);
+        for (const auto & m : maps) {
+            if (t->data != nullptr && a >= m.first && b <= m.second) {
+                ranges.emplace_back(a / page * page, std::min(m.second, (b + page - 1) / page * page));
+                break;
+            }
+        }
+    }
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+    for (const auto & r : ranges) {
+        if (!merged.empty() && r.first <= merged.back().second) {
+            merged.back().second = std::max(merged.back().second, r.second);
+        } else {
+            merged.push_back(r);
+        }
+    }
+    uint64_t total = 0;
+    for (const auto & r : merged) {
+        if (mlock((const void *) r.first, r.second - r.first) != 0) {
+            const int e = errno;
+            for (const auto & u : merged) {
+                if (u.first >= r.first) {
+                    break;
+                }
+                munlock((const void *) u.first, u.second - u.first);
+            }
+            warn(
+                format("lock_weights: mlock of the non-expert weights (%s) failed: %s; they stay paged (raise the "
+                       "locked-memory limit, ulimit -l, or set lock_weights=0)",
+                       moetier_format_bytes(total + (r.second - r.first)).c_str(), strerror(e)));
+            return;
+        }
+        total += r.second - r.first;
+    }
+    // the locks go with the mapping: llama_model unmaps it when it is freed
+    locked_bytes = total;
+    MOETIER_LOG_INFO("%s: non-expert weights locked in RAM: %s\n", paths[0].c_str(),
+                     moetier_format_bytes(total).c_str());
 }
 
 //

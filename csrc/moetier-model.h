@@ -5,6 +5,7 @@
 
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "moetier-budget.h"
 #include "moetier-cache.h"
 #include "moetier-io.h"
 #include "moetier-iopool.h"
@@ -41,7 +42,12 @@ struct moetier_model {
 
     // after the weights are loaded: with an automatic budget, chooses cache_bytes from the memory
     // limit and the loaded model's needs; sets budget_note either way
+    // (a given budget that leaves the other weights no room under a cgroup limit: a warning)
     void choose_budget(const llama_model & model);
+
+    // then, with lock_weights: mlocks the pages of the model's file mappings that hold the resident
+    // non-expert weights (a failure: a warning, nothing locked)
+    void lock_resident_weights(const llama_model & model);
 
     // after all tensors exist: forms pool groups and allocates the pools from the budget
     void finish_load();
@@ -57,6 +63,13 @@ struct moetier_model {
     // last: with warm on, reads the sidecar (a missing, stale or corrupt one is ignored with a
     // warning), starts the background reads of its hottest experts and the periodic writer
     void init_warm();
+
+    // what the process needs beside the expert cache, from the loaded model (moetier-budget.h)
+    moetier_budget_needs budget_needs(const llama_model & model) const;
+
+    // the weights every token reads: all tensors but the served experts and, unless they are also
+    // the output matrix, the token embeddings (get_rows reads a few rows of them)
+    static std::vector<const ggml_tensor *> resident_weights(const llama_model & model);
 
     // writes the sidecar; false + err. Safe while decoding runs (the counters are atomics)
     bool save_state(std::string & err) const;
@@ -89,6 +102,8 @@ struct moetier_model {
     int32_t                n_ctx        = 0;
     uint64_t               process_anon = 0;  // RssAnon when the load began (auto budget)
     bool                   warm_on      = false;
+    bool                   lock_weights = true;
+    uint64_t               locked_bytes = 0;  // of the non-expert weights (lock_resident_weights)
     std::string            state_path;        // the warm-start sidecar, "" if warm is off
     uint64_t               state_identity = 0;
     moetier_latency_hist   read_hist;         // every expert read's latency

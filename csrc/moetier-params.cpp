@@ -60,6 +60,10 @@ static const moetier_param_info g_rows[] = {
             "warm start: the cache's hot state is kept in a sidecar next to the store (<store>/cache-state.bin, or "
             "<model>.cache-state); at load its hottest experts are read in the background; written at exit and "
             "every minute of decoding; a missing, stale or corrupt one is ignored with a warning"),
+    MOETIER_ROW(lock_weights, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
+            "lock the memory-mapped non-expert weights in RAM (mlock; the token embeddings stay paged): every token "
+            "reads them, so under memory pressure paging them costs a disk read of each per token. Needs a locked-"
+            "memory limit that covers them (ulimit -l; root has none); refused -> a warning and paged weights"),
 };
 
 #undef MOETIER_ROW
@@ -86,6 +90,7 @@ struct moetier_params moetier_default_params(void) {
         /*.io_uring    =*/true,
         /*.direct_io   =*/true,
         /*.warm        =*/true,
+        /*.lock_weights=*/true,
     };
     return p;
 }

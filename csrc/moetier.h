@@ -61,12 +61,14 @@ struct moetier_params {
                          // training context, as llama.cpp allocates for n_ctx 0)
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
-    bool io_uring;   // read with io_uring (no I/O threads) where the kernel allows it and every
-                     // read is one O_DIRECT range of a store; false: I/O threads
-    bool direct_io;  // O_DIRECT reads; refused by the file system -> buffered reads + a warning
-    bool warm;       // warm start: the cache's hot state is kept in a sidecar next to the store
-                     // (moetier_model_state_path); at load its hottest experts are read in the
-                     // background, at model free (and every minute of decoding) it is written
+    bool io_uring;      // read with io_uring (no I/O threads) where the kernel allows it and every
+                        // read is one O_DIRECT range of a store; false: I/O threads
+    bool direct_io;     // O_DIRECT reads; refused by the file system -> buffered reads + a warning
+    bool warm;          // warm start: the cache's hot state is kept in a sidecar next to the store
+                        // (moetier_model_state_path); at load its hottest experts are read in the
+                        // background, at model free (and every minute of decoding) it is written
+    bool lock_weights;  // mlock the mapped non-expert weights (every token reads them): memory pressure
+                        // then takes the page cache and the expert cache's reads, never them
 };
 
 // cache_bytes of an automatic budget: the memory limit (cgroup v2 memory.max, cgroup v1
@@ -202,6 +204,7 @@ struct moetier_cache_info {
     uint64_t cache_bytes;       // bytes held by the slot pools
     uint64_t expert_bytes;      // bytes of all served experts (what stock llama.cpp loads)
     uint64_t min_cache_bytes;   // smallest budget accepted: one layer's experts per group
+    uint64_t weights_locked;    // bytes of mapped non-expert weights locked in RAM (lock_weights)
     float    t1;                // the precision rule in effect (moetier_params)
     float    t2;
     bool     exact;             // every selected expert is computed in high precision: output equals stock llama.cpp

@@ -3,6 +3,7 @@ other needs, printed with its reasons."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,75 @@ def test_server_auto_budget_metrics_and_sidecar(tiny_model: ModelFactory, tmp_pa
     text = log.read_text()
     assert "expert cache auto:" in text and "(n_ctx 512)" in text
     assert sidecar.is_file(), "llama-server writes the sidecar when it exits"
+
+
+def _vm_locked() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmLck:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_non_expert_weights_are_locked_in_ram(tiny_model: ModelFactory) -> None:
+    import gguf
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    r = gguf.GGUFReader(path)
+    names = {t.name for t in r.tensors}
+    # every tensor but the experts; the embeddings only where they are also the output matrix
+    resident = sum(
+        int(t.n_bytes)
+        for t in r.tensors
+        if "_exps" not in t.name and (t.name != "token_embd.weight" or "output.weight" not in names)
+    )
+    before = _vm_locked()
+    m = Model(path, cache=CacheConfig.exact(budget="64M"))
+    locked = int(m.cache_info()["weights_locked"])
+    # the mapped ones, in whole pages: repacked weights live in anonymous buffers and are not counted
+    assert 0 < locked <= resident + 64 * 4096
+    assert _vm_locked() - before >= locked
+    stock = Model(path)
+    assert m.generate("hello world", max_tokens=8).tokens == stock.generate("hello world", max_tokens=8).tokens
+    del m
+    assert _vm_locked() <= before + 4096, "the locks go with the model's mapping"
+    off = Model(path, cache=CacheConfig.exact(budget="64M", lock_weights=False))
+    assert off.cache_info()["weights_locked"] == 0 and _vm_locked() <= before + 4096
+
+
+def test_given_budget_over_the_memory_limit_warns(tiny_model: ModelFactory) -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    import cgroup
+
+    if not cgroup.available():
+        pytest.skip("needs a writable cgroup v1 memory controller")
+    # 24 experts of 3 MiB (72 MiB); the compute buffers of 512 tokens are estimated at ~50 MiB, the
+    # margin is 64 MiB: a limit 120 MiB above what the process uses leaves a 64 MiB cache too little
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3, n_ff_exp=4096)
+    code = (
+        "import sys; from pathlib import Path; from moetier import CacheConfig, Model\n"
+        "if sys.argv[2] != 'none':\n"
+        "    cg = Path(sys.argv[2])\n"
+        "    used = int((cg / 'memory.usage_in_bytes').read_text())\n"
+        "    (cg / 'memory.limit_in_bytes').write_text(str(used + (120 << 20)))\n"
+        "m = Model(sys.argv[1], cache=CacheConfig.exact(budget='64M'))\n"
+        "print(m.generate('hello world', max_tokens=4).text)\n"
+        "print('\\n'.join(m.warnings))\n"
+    )
+    out = {}
+    for name in ("capped", "free"):
+        cap = cgroup.MemoryCap(f"moetier-test-budget-{name}-{os.getpid()}", 1 << 40)
+        try:
+            r = subprocess.run(
+                [sys.executable, "-c", code, str(path), str(cap.path) if name == "capped" else "none"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                preexec_fn=cap.preexec,
+            )
+        finally:
+            cap.close()
+        assert r.returncode == 0, r.stderr
+        out[name] = r.stdout
+    assert "expert cache 64.00 MiB is more than the memory limit leaves for it (cgroup v1" in out["capped"]
+    assert "Use cache auto, or a budget of at most" in out["capped"]
+    assert "memory limit" not in out["free"]

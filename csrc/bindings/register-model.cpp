@@ -202,6 +202,7 @@ py::dict cache_info(const llama_model * model) {
     d["cache_bytes"]      = info.cache_bytes;
     d["expert_bytes"]     = info.expert_bytes;
     d["min_cache_bytes"]  = info.min_cache_bytes;
+    d["weights_locked"]   = info.weights_locked;
     d["t1"]               = info.t1;
     d["t2"]               = info.t2;
     d["exact"]            = info.exact;
