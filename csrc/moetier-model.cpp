@@ -3,6 +3,7 @@
 #include "llama-model.h"
 #include "moetier-budget.h"
 #include "moetier-impl.h"
+#include "moetier-predictor.h"
 #include "moetier-prefetch.h"
 #include "moetier-read.h"
 
@@ -30,15 +31,16 @@ struct moetier_layer_tag {
 };
 
 moetier_model::moetier_model(const moetier_params & params, const std::vector<std::string> & paths_) : paths(paths_) {
-    cache_bytes  = params.cache_bytes;
-    budget_auto  = params.cache_bytes == MOETIER_CACHE_AUTO;
-    reserve      = params.reserve;
-    n_ctx        = params.n_ctx;
-    warm_on      = params.warm;
-    lock_weights = params.lock_weights;
-    process_anon = moetier_process_anon_bytes("");
-    direct_io    = params.direct_io;
-    policy_name  = params.policy && params.policy[0] ? params.policy : moetier_default_params().policy;
+    cache_bytes     = params.cache_bytes;
+    budget_auto     = params.cache_bytes == MOETIER_CACHE_AUTO;
+    reserve         = params.reserve;
+    n_ctx           = params.n_ctx;
+    warm_on         = params.warm;
+    lock_weights    = params.lock_weights;
+    fitted_prefetch = params.fitted_prefetch;
+    process_anon    = moetier_process_anon_bytes("");
+    direct_io       = params.direct_io;
+    policy_name     = params.policy && params.policy[0] ? params.policy : moetier_default_params().policy;
     if (const char * bad = moetier_params_check(&params)) {
         throw moetier_exception(MOETIER_ERROR_CONFIG, bad);
     }
@@ -454,9 +456,25 @@ void moetier_model::init_prefetch(const llama_model & model) {
     if (prefetch <= 0 || io == nullptr) {
         return;
     }
+    // a fitted predictor replaces the routers where it has a map (a stale or broken one: a warning)
+    std::unique_ptr<moetier_predictor_file> fitted;
+    const std::string                       path = moetier_predictor_path(paths[0], store ? store->dir() : "");
+    if (fitted_prefetch && access(path.c_str(), F_OK) == 0) {
+        try {
+            const ggml_tensor * r = model.layers[layers.front()->il].ffn_gate_inp;
+            if (r == nullptr) {
+                throw std::runtime_error("the model has no router to size it by");
+            }
+            fitted = std::make_unique<moetier_predictor_file>(path, moetier_predictor_model_key(paths[0]), r->ne[0],
+                                                              (int64_t) n_expert);
+        } catch (const std::exception & e) {
+            warn(format("prefetch predictor ignored, the routers predict: %s", e.what()));
+        }
+    }
+    int32_t n_fitted = 0, n_maps = 0;
     // per group: each served layer with the next ones of the same group (at most p, consecutive
     // among the served layers) and their routers
-    bool any = false;
+    bool    any = false;
     for (auto & c : caches) {
         std::vector<moetier_prefetch_layer> pl;
         for (size_t i = 0; i < layers.size(); ++i) {
@@ -469,8 +487,13 @@ void moetier_model::init_prefetch(const llama_model & model) {
                 if (layers[k]->cache != c.get()) {
                     break;
                 }
+                const int32_t       d = layers[k]->il - x.layer->il;
+                const ggml_tensor * w = fitted ? fitted->weight(x.layer->il, d) : nullptr;
                 x.next.push_back(layers[k].get());
-                x.routers.push_back(model.layers[layers[k]->il].ffn_gate_inp);
+                x.routers.push_back(w ? w : model.layers[layers[k]->il].ffn_gate_inp);
+                x.biases.push_back(w ? fitted->bias(x.layer->il, d) : nullptr);
+                n_fitted += w != nullptr;
+                n_maps += 1;
             }
             any = any || !x.next.empty();
             pl.push_back(std::move(x));
@@ -478,7 +501,11 @@ void moetier_model::init_prefetch(const llama_model & model) {
         c->set_prefetch(std::make_unique<moetier_prefetch_stacked>(
             pl, prefetch, n_expert, c->slots(MOETIER_PRECISION_HIGH), c->slots(MOETIER_PRECISION_LOW), *io, precision));
     }
-    if (any) {
+    if (any && fitted) {
+        prefetch_source = format("fitted predictor %s (%d of %d maps)", path.c_str(), n_fitted, n_maps);
+        MOETIER_LOG_INFO("%s: prefetch: %d layers ahead by the %s\n", __func__, prefetch, prefetch_source.c_str());
+    } else if (any) {
+        prefetch_source = "stacked routers";
         MOETIER_LOG_INFO("%s: prefetch: %d layers ahead by stacked routers\n", __func__, prefetch);
     } else {
         warn(format("prefetch=%d has nothing to predict: no served layer has a successor in its pool group", prefetch));
@@ -601,6 +628,17 @@ void moetier_model::lock_resident_weights(const llama_model & model) {
             maps.emplace_back((uintptr_t) a, (uintptr_t) b);
         }
     }
+    // the loader's madvise calls split a mapping into many areas: a tensor may span two of them
+    std::sort(maps.begin(), maps.end());
+    std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+    for (const auto & m : maps) {
+        if (!spans.empty() && m.first == spans.back().second) {
+            spans.back().second = m.second;
+        } else {
+            spans.push_back(m);
+        }
+    }
+    maps.swap(spans);
     const uintptr_t                              page = (uintptr_t) sysconf(_SC_PAGESIZE);
     std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
     for (const ggml_tensor * t : resident_weights(model)) {

@@ -60,6 +60,10 @@ static const moetier_param_info g_rows[] = {
             "warm start: the cache's hot state is kept in a sidecar next to the store (<store>/cache-state.bin, or "
             "<model>.cache-state); at load its hottest experts are read in the background; written at exit and "
             "every minute of decoding; a missing, stale or corrupt one is ignored with a warning"),
+    MOETIER_ROW(fitted_prefetch, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
+            "prefetch: predict with the fitted predictor where there is one (<store>/predictor.gguf or "
+            "<model>.predictor.gguf, written by `moetier fit-predictor`: a linear map per layer and distance, in "
+            "place of the next layers' routers); a stale or unreadable one is ignored with a warning; 0: the routers"),
     MOETIER_ROW(lock_weights, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
             "lock the memory-mapped non-expert weights in RAM (mlock; the token embeddings stay paged): every token "
             "reads them, so under memory pressure paging them costs a disk read of each per token. Needs a locked-"
@@ -90,6 +94,7 @@ struct moetier_params moetier_default_params(void) {
         /*.io_uring    =*/true,
         /*.direct_io   =*/true,
         /*.warm        =*/true,
+        /*.fitted_prefetch=*/true,
         /*.lock_weights=*/true,
     };
     return p;

@@ -36,6 +36,7 @@ moetier_prefetch_stacked::moetier_prefetch_stacked(const std::vector<moetier_pre
     pred_need.assign(n_expert, MOETIER_NEED_NONE);
     pred_w.assign(n_expert, 0.0f);
     pred_rank.reserve(n_expert);
+    pred_row.assign(n_expert, 0.0f);
     if (n_stack == 0) {
         return;
     }
@@ -89,7 +90,11 @@ moetier_prefetch_stacked::moetier_prefetch_stacked(const std::vector<moetier_pre
                            ggml_type_name(g->type)));
             }
             raw.resize(ggml_nbytes(g));
-            ggml_backend_tensor_get(g, raw.data(), 0, raw.size());
+            if (g->buffer != nullptr) {
+                ggml_backend_tensor_get(g, raw.data(), 0, raw.size());
+            } else {
+                memcpy(raw.data(), g->data, raw.size());  // a fitted map: host memory of its GGUF context
+            }
             float * out = dst + j * n_expert * n_embd;
             if (g->type == GGML_TYPE_F32) {
                 memcpy(out, raw.data(), (size_t) n_expert * n_embd * sizeof(float));
@@ -100,6 +105,12 @@ moetier_prefetch_stacked::moetier_prefetch_stacked(const std::vector<moetier_pre
             }
         }
         st.next = l.next;
+        st.bias.assign(l.next.size(), {});
+        for (size_t j = 0; j < l.next.size() && j < l.biases.size(); ++j) {
+            if (l.biases[j] != nullptr) {
+                st.bias[j].assign(l.biases[j], l.biases[j] + n_expert);
+            }
+        }
         for (const moetier_layer * t : l.next) {
             layer_state & ts = states[t->il];
             ts.pred_set.assign(depth, std::vector<uint8_t>(n_expert, 0));
@@ -267,6 +278,12 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
         std::fill(pred_w.begin(), pred_w.end(), 0.0f);
         for (int64_t t = 0; t < n_tokens; ++t) {
             const float * row = (const float *) ((const char *) logits + t * nb1) + j * E;
+            if (!ls.bias[j].empty()) {
+                for (int32_t e = 0; e < E; ++e) {
+                    pred_row[e] = row[e] + ls.bias[j][e];
+                }
+                row = pred_row.data();
+            }
             const int32_t k   = moetier_top_k(row, E, n_used, top);
             // the gate weights of the predicted experts: a softmax over them ranks like the model's
             float         sum = 0.0f;

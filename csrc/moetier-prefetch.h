@@ -72,7 +72,8 @@ using moetier_prefetch_ptr = std::unique_ptr<moetier_prefetch_i>;
 struct moetier_prefetch_layer {
     moetier_layer *                  layer = nullptr;
     std::vector<moetier_layer *>     next;     // the served layers after it in the same group (at most p)
-    std::vector<const ggml_tensor *> routers;  // their routers (ffn_gate_inp), [n_embd, n_expert]
+    std::vector<const ggml_tensor *> routers;  // their routers (ffn_gate_inp), [n_embd, n_expert], or fitted maps
+    std::vector<const float *>       biases;   // per next layer: [n_expert] added to its logits, or nullptr
 };
 
 class moetier_prefetch_stacked : public moetier_prefetch_i {
@@ -106,6 +107,7 @@ class moetier_prefetch_stacked : public moetier_prefetch_i {
         moetier_layer *                                    layer = nullptr;
         std::vector<moetier_layer *>                       next;
         ggml_tensor *                                      router_stack = nullptr;
+        std::vector<std::vector<float>>                    bias;        // per next layer: [n_expert], or empty
         std::vector<std::pair<moetier_precision, int32_t>> prefetched;  // (prec, slot) read or held for it
         std::vector<std::vector<uint8_t>>                  pred_set;    // [distance - 1][n_expert] predicted for it
         std::vector<uint64_t>                              pred_pass;  // [distance - 1] pass the prediction was made in
@@ -131,6 +133,7 @@ class moetier_prefetch_stacked : public moetier_prefetch_i {
     std::vector<moetier_need> pred_need;
     std::vector<float>        pred_w;        // highest predicted weight
     std::vector<int32_t>      pred_rank;     // predicted experts, surest first
+    std::vector<float>        pred_row;      // one token's logits plus the bias
 
     moetier_prefetch_stats pf = {};          // resolve-side counters (thread 0)
     std::atomic<uint64_t>  bytes_read{ 0 };  // added by the read callbacks (io tasks' bytes_done)

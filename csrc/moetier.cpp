@@ -8,6 +8,7 @@
 #include "moetier-configure.h"
 #include "moetier-impl.h"
 #include "moetier-model.h"
+#include "moetier-predictor.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -250,6 +251,35 @@ uint64_t moetier_memory_limit(const char * root, char * source, size_t source_si
 const char * moetier_model_budget_note(const struct llama_model * model) {
     const moetier_model * m = moetier_of(model);
     return m ? m->budget_note.c_str() : "";
+}
+
+const char * moetier_model_prefetch_source(const struct llama_model * model) {
+    const moetier_model * m = moetier_of(model);
+    return m ? m->prefetch_source.c_str() : "";
+}
+
+static int32_t moetier_copy_out(const std::string & s, char * out, size_t out_size) {
+    if (out == nullptr || out_size <= s.size()) {
+        moetier_set_last_error(MOETIER_ERROR_CONFIG, "output buffer too small");
+        return -1;
+    }
+    memcpy(out, s.c_str(), s.size() + 1);
+    return (int32_t) s.size();
+}
+
+int32_t moetier_predictor_path(const char * model_path, const char * store_dir, char * out, size_t out_size) {
+    return moetier_copy_out(
+        moetier_predictor_path(std::string(model_path ? model_path : ""), std::string(store_dir ? store_dir : "")), out,
+        out_size);
+}
+
+int32_t moetier_predictor_model_key(const char * model_path, char * out, size_t out_size) {
+    try {
+        return moetier_copy_out(moetier_predictor_model_key(model_path ? model_path : ""), out, out_size);
+    } catch (const std::exception & e) {
+        moetier_set_last_error(MOETIER_ERROR_MODEL, e.what());
+        return -1;
+    }
 }
 
 int32_t moetier_model_read_hist(const struct llama_model * model, struct moetier_read_hist * out) {

@@ -61,14 +61,16 @@ struct moetier_params {
                          // training context, as llama.cpp allocates for n_ctx 0)
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
-    bool io_uring;      // read with io_uring (no I/O threads) where the kernel allows it and every
-                        // read is one O_DIRECT range of a store; false: I/O threads
-    bool direct_io;     // O_DIRECT reads; refused by the file system -> buffered reads + a warning
-    bool warm;          // warm start: the cache's hot state is kept in a sidecar next to the store
-                        // (moetier_model_state_path); at load its hottest experts are read in the
-                        // background, at model free (and every minute of decoding) it is written
-    bool lock_weights;  // mlock the mapped non-expert weights (every token reads them): memory pressure
-                        // then takes the page cache and the expert cache's reads, never them
+    bool io_uring;         // read with io_uring (no I/O threads) where the kernel allows it and every
+                           // read is one O_DIRECT range of a store; false: I/O threads
+    bool direct_io;        // O_DIRECT reads; refused by the file system -> buffered reads + a warning
+    bool warm;             // warm start: the cache's hot state is kept in a sidecar next to the store
+                           // (moetier_model_state_path); at load its hottest experts are read in the
+                           // background, at model free (and every minute of decoding) it is written
+    bool fitted_prefetch;  // prefetch: predict with the fitted predictor of the store or model where
+                           // there is one (moetier fit-predictor); false: the next layers' routers
+    bool lock_weights;     // mlock the mapped non-expert weights (every token reads them): memory pressure
+                           // then takes the page cache and the expert cache's reads, never them
 };
 
 // cache_bytes of an automatic budget: the memory limit (cgroup v2 memory.max, cgroup v1
@@ -338,6 +340,23 @@ MOETIER_API struct moetier_pack_params moetier_pack_default_params(void);
 // store that looks complete. Returns 0 on success, -1 on error (moetier_last_error and its kind),
 // -2 if cancelled.
 MOETIER_API int32_t moetier_pack(const char * model_path, const char * out_dir, struct moetier_pack_params params);
+
+//
+// fitted prefetch predictors (moetier-predictor.h)
+//
+
+// Where the prefetcher looks for the fitted predictor of model_path (and store_dir, NULL or "" for
+// none), and the model identity such a file must name (key). Each writes a NUL-terminated string
+// into out (out_size bytes) and returns its length, or -1 on error (moetier_last_error).
+MOETIER_API int32_t moetier_predictor_path(const char * model_path,
+                                           const char * store_dir,
+                                           char *       out,
+                                           size_t       out_size);
+MOETIER_API int32_t moetier_predictor_model_key(const char * model_path, char * out, size_t out_size);
+
+// What predicts the prefetches of a loaded model: "stacked routers", "fitted predictor PATH (N of M
+// maps)", or "" (no prefetch, or no expert cache). Valid for the life of the model.
+MOETIER_API const char * moetier_model_prefetch_source(const struct llama_model * model);
 
 #ifdef __cplusplus
 }

@@ -102,3 +102,112 @@ def test_prefetch_reads_per_layer_at_most_in_flight(model_and_store: tuple[Path,
         _settled(m, 1)
         issued[lanes] = m.prefetch_stats().n_issued
     assert issued[1] <= n_walks < issued[4], issued
+
+
+def _pred_counts(m: Model) -> tuple[tuple[int, ...], ...]:
+    p = m.prefetch_stats()
+    return tuple(p.n_pred), tuple(p.n_top1), tuple(p.n_allk), tuple(p.n_any)
+
+
+@pytest.fixture()
+def model_copy(model_and_store: tuple[Path, Path], tmp_path: Path) -> Path:
+    """The tiny model in a directory of its own: its predictor sidecar (<model>.predictor.gguf) is
+    seen by this test only (a copy has the model's identity: the identity is its bytes)."""
+    import shutil
+
+    return Path(shutil.copy(model_and_store[0], tmp_path / "m.gguf"))
+
+
+def test_fitted_predictor_of_the_routers_predicts_as_the_stacked_gate(model_copy: Path) -> None:
+    import gguf
+
+    from moetier import _core
+    from moetier.tools.predictor import moe_layers, write_predictor
+
+    routers = {
+        int(t.name.split(".")[1]): np.asarray(t.data, dtype=np.float32).reshape(int(t.shape[1]), int(t.shape[0]))
+        for t in gguf.GGUFReader(model_copy).tensors
+        if t.name.endswith("ffn_gate_inp.weight")
+    }
+    layers = moe_layers(model_copy)
+    maps = {(il, 1): (routers[il + 1], np.zeros(len(routers[il + 1]), np.float32)) for il in layers[:-1]}
+    path = write_predictor(_core.predictor_path(str(model_copy)), model_copy, maps)
+    assert path == model_copy.with_name("m.gguf.predictor.gguf")
+    stock = Model(model_copy)
+    tokens = stock.tokenize(LONG_PROMPT)
+    runs = {}
+    for fitted in (True, False):
+        m = Model(model_copy, cache=CacheConfig.exact(budget="64M", prefetch=1, fitted_prefetch=fitted))
+        assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
+        runs[fitted] = _pred_counts(m)
+        want = f"fitted predictor {path} ({len(maps)} of {len(maps)} maps)" if fitted else "stacked routers"
+        assert m.prefetch_source == want and not m.warnings
+    assert runs[True] == runs[False] and sum(runs[True][0]) > 0
+
+
+def test_fitted_predictor_is_fitted_and_exact(model_copy: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    text = tmp_path / "calib.txt"
+    text.write_text(LONG_PROMPT * 4)
+    store = tmp_path / "store"
+    pack(model_copy, store, PackConfig(low_type="q4_0"), progress=False)
+    args = ["fit-predictor", str(model_copy), "--text", str(text), "--store", str(store), "--depth", "2"]
+    r = subprocess.run(
+        [sys.executable, "-m", "moetier.cli", *args, "--tokens", "512"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {store / 'predictor.gguf'}" in r.stdout
+    stock = Model(model_copy)
+    tokens = stock.tokenize(LONG_PROMPT)
+    top1 = {}
+    for fitted in (True, False):
+        m = Model(model_copy, store=store, cache=CacheConfig.exact(budget="64M", prefetch=2, fitted_prefetch=fitted))
+        np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)
+        assert m.generate(tokens, max_tokens=32).tokens == stock.generate(tokens, max_tokens=32).tokens
+        n_pred, n_top1, _, _ = _pred_counts(m)
+        top1[fitted] = n_top1[0] / n_pred[0]
+        assert m.prefetch_source.startswith("fitted predictor" if fitted else "stacked routers")
+    # fitted on this very text: its distance-1 guesses of the top-1 are at least the routers' own
+    assert top1[True] >= top1[False], top1
+
+
+def test_stale_or_broken_predictor_is_ignored_with_a_warning(model_copy: Path, tmp_path: Path) -> None:
+    from moetier import _core
+    from moetier.tools.predictor import write_predictor
+
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"not a gguf")
+    path = Path(_core.predictor_path(str(model_copy)))
+    stock = Model(model_copy)
+    for content in ("garbage", "other model"):
+        if content == "garbage":
+            path.write_bytes(b"GGUF" + bytes(60))
+        else:
+            n_embd = 64
+            maps = {(0, 1): (np.zeros((16, n_embd), np.float32), np.zeros(16, np.float32))}
+            write_predictor(path, model_copy, maps)
+            # names another model: rewrite the key
+            import gguf
+
+            r = gguf.GGUFReader(path)
+            w = gguf.GGUFWriter(path.with_name("x.gguf"), "moetier-predictor")
+            w.add_string("moetier-predictor.model", "1:0000000000000000:0000000000000000")
+            for t in r.tensors:
+                w.add_tensor(t.name, np.asarray(t.data))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+            path.with_name("x.gguf").replace(path)
+        m = Model(model_copy, cache=CacheConfig.exact(budget="64M", prefetch=1))
+        assert m.prefetch_source == "stacked routers"
+        assert len(m.warnings) == 1 and m.warnings[0].startswith("prefetch predictor ignored, the routers predict:")
+        assert str(path) in m.warnings[0]
+        if content == "other model":
+            assert "fitted on another model" in m.warnings[0]
+        assert m.generate("hello", max_tokens=8).tokens == stock.generate("hello", max_tokens=8).tokens

@@ -355,6 +355,10 @@ void register_model(py::module_ & m) {
             "budget_note", [](const py_model & pm) { return std::string(moetier_model_budget_note(pm.model())); },
             "how the cache's budget was chosen (for an automatic one: the limit and what was subtracted)")
         .def_property_readonly(
+            "prefetch_source",
+            [](const py_model & pm) { return std::string(moetier_model_prefetch_source(pm.model())); },
+            "what predicts the prefetches: 'stacked routers', 'fitted predictor PATH (N of M maps)', or ''")
+        .def_property_readonly(
             "state_path", [](const py_model & pm) { return std::string(moetier_model_state_path(pm.model())); },
             "the warm-start sidecar ('' if warm is off or there is no cache)")
         .def(

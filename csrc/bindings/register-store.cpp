@@ -69,4 +69,26 @@ void register_store(py::module_ & m) {
             return d;
         },
         "moetier_pack_default_params() (low_type)");
+
+    m.def(
+        "predictor_path",
+        [](const std::string & model_path, const std::string & store_dir) {
+            char buf[4096];
+            if (moetier_predictor_path(model_path.c_str(), store_dir.c_str(), buf, sizeof(buf)) < 0) {
+                throw moetier_py_error{ moetier_last_error_kind(), moetier_last_error() };
+            }
+            return std::string(buf);
+        },
+        py::arg("model_path"), py::arg("store_dir") = "",
+        "where the prefetcher looks for the fitted predictor of a model (and store)");
+    m.def(
+        "predictor_model_key",
+        [](const std::string & model_path) {
+            char buf[256];
+            if (moetier_predictor_model_key(model_path.c_str(), buf, sizeof(buf)) < 0) {
+                throw moetier_py_error{ moetier_last_error_kind(), moetier_last_error() };
+            }
+            return std::string(buf);
+        },
+        py::arg("model_path"), "the model identity a fitted predictor must name");
 }

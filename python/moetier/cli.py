@@ -364,6 +364,12 @@ def cmd_train_policy(ns: argparse.Namespace, extra: list[str]) -> int:
     return train_policy.main(extra)
 
 
+def cmd_fit_predictor(ns: argparse.Namespace, extra: list[str]) -> int:
+    from .tools import predictor
+
+    return predictor.main(extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moetier",
@@ -493,6 +499,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     tp.set_defaults(func=cmd_train_policy, passthrough=True)
+
+    fp = sub.add_parser(
+        "fit-predictor",
+        help="fit the prefetch predictor of a MoE (linear maps from a layer's gate input to later layers' "
+        "routing) where the prefetcher finds it (fit-predictor --help)",
+        add_help=False,
+    )
+    fp.set_defaults(func=cmd_fit_predictor, passthrough=True)
 
     d = sub.add_parser(
         "demo",

@@ -78,6 +78,7 @@ class CacheConfig:
     io_threads: int = field(default=int(_DEFAULTS.io_threads), metadata={"help": _help("io_threads")})
     io_uring: bool = field(default=bool(_DEFAULTS.io_uring), metadata={"help": _help("io_uring")})
     warm: bool = field(default=bool(_DEFAULTS.warm), metadata={"help": _help("warm")})
+    fitted_prefetch: bool = field(default=bool(_DEFAULTS.fitted_prefetch), metadata={"help": _help("fitted_prefetch")})
     lock_weights: bool = field(default=bool(_DEFAULTS.lock_weights), metadata={"help": _help("lock_weights")})
 
     def __post_init__(self) -> None:

@@ -140,6 +140,12 @@ class Model:
         return tuple(self._m.warnings)
 
     @property
+    def prefetch_source(self) -> str:
+        """What predicts the prefetches: 'stacked routers', 'fitted predictor PATH (N of M maps)'
+        (moetier fit-predictor), or '' (no prefetch or no cache)."""
+        return str(self._m.prefetch_source)
+
+    @property
     def budget_note(self) -> str:
         """How the cache's budget was chosen: for budget='auto' the memory limit and what was
         subtracted from it ('' without a cache)."""

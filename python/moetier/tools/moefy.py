@@ -598,17 +598,20 @@ def moefy(
         # gives it, toward its dense FFN and (correct_share) toward the dense model's residual stream
         assert work is not None
         t0 = time.monotonic()
-        ckey = cache_key(asdict(cfg))
-        acts_dir = work / f"correct-{ckey}-r{rnd}"
+        # a run with more rounds resumes from one with fewer
+        layers_dir = work / f"correct-{cache_key({**asdict(cfg), 'correct_rounds': None})}"
+        # round 1 runs the plan's model: its activations do not depend on the share; later rounds do
+        akey = cache_key(_plan_fields(cfg)) if rnd == 1 else cache_key({**asdict(cfg), "correct_rounds": None})
+        acts_dir = work / f"correct-acts-{akey}-r{rnd}"
         kinds: tuple[str, ...] = ("ffn_norm", "ffn_inp")
-        tmp_model = work / f"correct-{ckey}-r{rnd}.gguf"
+        tmp_model = work / f"correct-acts-{akey}-r{rnd}.gguf"
         if not all((acts_dir / f"{k}-{il}.npy").exists() for k in kinds for il in range(n_layer)):
             _write_moe(reader, tensors, tmp_model, cfg, layers, splits, None)
         acts = _collect(tmp_model, tokens + held, n_layer, n_threads, acts_dir, kinds)
         tmp_model.unlink(missing_ok=True)
         bar = tqdm(range(n_layer), desc=f"correction round {rnd}/{cfg.correct_rounds}", disable=not show)
         for il in bar:
-            path = work / f"correct-{ckey}" / f"round-{rnd}-layer-{il}.npz"
+            path = layers_dir / f"round-{rnd}-layer-{il}.npz"
             x_all = np.asarray(acts["ffn_norm"][il])
             x, xh = x_all[:n_fit], x_all[n_fit:]
             w = dense_weights(il)
