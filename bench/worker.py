@@ -66,9 +66,7 @@ def main() -> None:
         if k == "repack":  # a model option, not a cache one: repack=0 is --no-repack
             a.no_repack = a.no_repack or v == "0"
             continue
-        opts[k] = (
-            int(v) if k in ("prefetch", "io_threads", "io_uring", "warm", "lock_weights", "direct_io") else float(v)
-        )
+        opts[k] = int(v) if k in INT_OPTS else float(v)
     # a warm start only where asked for: repeated runs must not warm each other up
     opts.setdefault("warm", 0)
     budget = a.cache if a.cache == "auto" else int(a.cache)
