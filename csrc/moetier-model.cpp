@@ -604,6 +604,20 @@ void moetier_model::choose_budget(const llama_model & model) {
     }
 }
 
+// sorts address ranges [first, second) and joins the ones that overlap or touch
+static void merge_ranges(std::vector<std::pair<uintptr_t, uintptr_t>> & r) {
+    std::sort(r.begin(), r.end());
+    size_t n = 0;
+    for (const auto & x : r) {
+        if (n > 0 && x.first <= r[n - 1].second) {
+            r[n - 1].second = std::max(r[n - 1].second, x.second);
+        } else {
+            r[n++] = x;
+        }
+    }
+    r.resize(n);
+}
+
 void moetier_model::lock_resident_weights(const llama_model & model) {
     if (!lock_weights) {
         return;
@@ -629,16 +643,7 @@ void moetier_model::lock_resident_weights(const llama_model & model) {
         }
     }
     // the loader's madvise calls split a mapping into many areas: a tensor may span two of them
-    std::sort(maps.begin(), maps.end());
-    std::vector<std::pair<uintptr_t, uintptr_t>> spans;
-    for (const auto & m : maps) {
-        if (!spans.empty() && m.first == spans.back().second) {
-            spans.back().second = m.second;
-        } else {
-            spans.push_back(m);
-        }
-    }
-    maps.swap(spans);
+    merge_ranges(maps);
     const uintptr_t                              page = (uintptr_t) sysconf(_SC_PAGESIZE);
     std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
     for (const ggml_tensor * t : resident_weights(model)) {
@@ -650,20 +655,12 @@ void moetier_model::lock_resident_weights(const llama_model & model) {
             }
         }
     }
-    std::sort(ranges.begin(), ranges.end());
-    std::vector<std::pair<uintptr_t, uintptr_t>> merged;
-    for (const auto & r : ranges) {
-        if (!merged.empty() && r.first <= merged.back().second) {
-            merged.back().second = std::max(merged.back().second, r.second);
-        } else {
-            merged.push_back(r);
-        }
-    }
+    merge_ranges(ranges);
     uint64_t total = 0;
-    for (const auto & r : merged) {
+    for (const auto & r : ranges) {
         if (mlock((const void *) r.first, r.second - r.first) != 0) {
             const int e = errno;
-            for (const auto & u : merged) {
+            for (const auto & u : ranges) {
                 if (u.first >= r.first) {
                     break;
                 }

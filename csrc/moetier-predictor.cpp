@@ -3,7 +3,6 @@
 #include "moetier-impl.h"
 #include "moetier-store.h"
 
-#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <stdexcept>
@@ -60,7 +59,6 @@ moetier_predictor_file::moetier_predictor_file(const std::string & path,
                                             ", %" PRId64 "] weights and [%" PRId64 "] biases",
                                             path.c_str(), t->name, t->ne[0], t->ne[1], n_embd, n_expert, n_expert));
         }
-        depth_ = std::max(depth_, d);
     }
 }
 

@@ -32,10 +32,7 @@ class moetier_predictor_file {
     // its bias [n_expert], nullptr if none
     const float * bias(int32_t il, int32_t d) const;
 
-    int32_t depth() const { return depth_; }
-
   private:
     gguf_context_ptr gguf;
     ggml_context_ptr ctx;  // the tensors, with their data
-    int32_t          depth_ = 0;
 };
