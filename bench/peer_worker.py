@@ -126,6 +126,18 @@ class Session:
         return mem
 
 
+def summary_counts(csv_text: str) -> list[dict[str, int]]:
+    """experts_routed / experts_dropped of each request from the '# summary' lines the peer's --csv
+    sink writes (one per request, in order; key=value tokens)."""
+    out = []
+    for line in csv_text.splitlines():
+        if not line.startswith("# summary "):
+            continue
+        kv = dict(tok.split("=", 1) for tok in line[len("# summary ") :].split() if "=" in tok)
+        out.append({k: int(kv.get(k, 0)) for k in ("experts_routed", "experts_dropped")})
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer-bin", required=True, help="path of the peer's bmoe-cli")
@@ -143,8 +155,10 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     a = parser().parse_args()
 
+    # its per-request summary (what --drop-cold-experts dropped) comes from its CSV sink
+    csv_file = tempfile.NamedTemporaryFile("r", suffix=".csv")
     cmd = [a.peer_bin, "-m", a.model, "-t", str(a.threads), "-c", str(a.ctx), "--temp", "0", "--session"]
-    cmd += shlex.split(a.peer_args)
+    cmd += ["--csv", csv_file.name, *shlex.split(a.peer_args)]
     t0 = time.perf_counter()
     s = Session(cmd, a.timeout)
     load_s = time.perf_counter() - t0
@@ -183,6 +197,9 @@ def main() -> None:
             }
         )
     mem = s.close()
+    counts = summary_counts(Path(csv_file.name).read_text())
+    for run, c in zip(runs, counts[len(counts) - len(runs) :], strict=False):  # the warm-up's comes first
+        run.update(c)
     out = {
         "load_s": load_s,
         "disk_read_bytes": disk,

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -147,6 +148,40 @@ def median_or_none(xs: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def lossy_counts(ok: list[dict[str, Any]]) -> dict[str, float] | None:
+    """What a lossy configuration left out, summed over its repeats: moetier's skipped share of
+    lookups and low-precision share of loads, or the peer's dropped share of routed experts
+    (generation only: it drops nothing in the prompt's pass). None for a configuration that reports
+    neither."""
+    runs = [run for r in ok for run in r["runs"]]
+    if any("experts_routed" in run for run in runs):
+        routed = sum(run.get("experts_routed", 0) for run in runs)
+        return {"dropped": sum(run.get("experts_dropped", 0) for run in runs) / max(1, routed)}
+    if any("n_skipped" in run for run in runs):
+        lookups = sum(run["n_lookups"] for run in runs)
+        loads = sum(run.get("n_loads_high", 0) + run.get("n_loads_low", 0) for run in runs)
+        return {
+            "skipped": sum(run["n_skipped"] for run in runs) / max(1, lookups),
+            "loads_low": sum(run.get("n_loads_low", 0) for run in runs) / max(1, loads),
+        }
+    return None
+
+
+def prefix_agreement(texts: list[str | None], refs: list[list[str]]) -> float:
+    """Mean over prompts of the share of the reference's characters a generation reproduces before
+    it first differs, against the closest of the references (greedy outputs of exact stock): 1.0
+    is the same text, a lossy mode lands below."""
+    shares = []
+    for i, t in enumerate(norm_texts(texts) or []):
+        best = 0.0
+        for ref in refs:
+            r = ref[i] if i < len(ref) else ""
+            same = next((k for k, (x, y) in enumerate(zip(t, r, strict=False)) if x != y), min(len(t), len(r)))
+            best = max(best, same / len(r) if r else float(t == r))
+        shares.append(best)
+    return statistics.mean(shares) if shares else 0.0
+
+
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and spread over repeats of the per-repeat means over prompts."""
     ok = [r for r in results if "error" not in r]
@@ -195,6 +230,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "cgroup_peak_bytes": max((r.get("cgroup_peak_bytes", 0) for r in ok), default=0),
         "token_ids": [run["token_ids"] for run in ok[-1]["runs"]],
         "texts": [run.get("text") for run in ok[-1]["runs"]],
+        # lossy configurations differ from run to run (the peer's dropping follows its cache)
+        "texts_by_repeat": [[run.get("text") for run in r["runs"]] for r in ok],
+        "lossy": lossy_counts(ok),
         # the counters cover the last generation (each resets them)
         "prefetch": prefetch_summary(
             ok[-1].get("prefetch"), ok[-1]["runs"][-1]["tokens"] + ok[-1]["runs"][-1]["prompt_tokens"]
@@ -263,7 +301,8 @@ def main() -> None:
     embedding = embedding_bytes(model)
     non_expert = model.stat().st_size - expert_bytes - embedding
     n_experts = int(info["n_layers"]) * int(info["n_expert"])
-    files = [model] + ([Path(a.store)] if a.store else [])
+    # the other model files a variant names (a smaller quantization): their pages are dropped too
+    files = [model] + ([Path(a.store)] if a.store else []) + model_flags([f for _, f in peers + upstreams])
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(json.loads(Path(a.prompts).read_text()) if a.prompts else DEFAULT_PROMPTS, f)
@@ -415,10 +454,23 @@ def parse_peer_variants(text: str, option: str) -> list[tuple[str, str]]:
     return out
 
 
+def model_flags(flag_sets: list[str]) -> list[Path]:
+    """The files that -m / --model name in FLAGS (a variant that runs another model file)."""
+    out = []
+    for flags in flag_sets:
+        words = shlex.split(flags)
+        out += [Path(words[i + 1]) for i, w in enumerate(words[:-1]) if w in ("-m", "--model")]
+    return out
+
+
 def norm_texts(texts: list[str | None] | None) -> list[str] | None:
     """Texts compared across systems: llama-completion ends its output with a blank line, so
     trailing whitespace is left out."""
     return [(t or "").rstrip() for t in texts] if texts else None
+
+
+def agree_fmt(a: dict[str, float]) -> str:
+    return f"{a['median']:.2f} ({a['min']:.2f}-{a['max']:.2f})"
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> None:
@@ -489,6 +541,35 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
             "|" + "---|" * 9,
             *pf_rows,
         ]
+    exact = ("stock-ram", "stock-ram-norepack")
+    exact_refs = [t for t in (norm_texts(runs[k].get("texts")) for k in exact if k in runs) if t]
+    q_rows = []
+    for name in [n for n in names if n in runs and n not in exact]:
+        s = runs[name]
+        if "error" in s or not s.get("texts_by_repeat"):
+            continue
+        agree = [prefix_agreement(texts, exact_refs) for texts in s["texts_by_repeat"]]
+        s["agreement"] = {"median": statistics.median(agree), "min": min(agree), "max": max(agree)}
+        lossy = s.get("lossy") or {}
+        left = (
+            f"{100 * lossy['dropped']:.1f}% dropped"
+            if "dropped" in lossy
+            else f"{100 * lossy['skipped']:.1f}% skipped"
+            if "skipped" in lossy
+            else "-"
+        )
+        low = f"{100 * lossy['loads_low']:.0f}%" if "loads_low" in lossy else "-"
+        q_rows.append(f"| {name} | {s['decode_tok_s']['median']:.2f} | {agree_fmt(s['agreement'])} | {left} | {low} |")
+    if q_rows:
+        rows += [
+            "",
+            "quality: the share of stock's greedy text (in RAM) each configuration reproduces before it first "
+            "differs, mean over prompts, median (min-max) over repeats; what a lossy mode left out:",
+            "",
+            "| config | decode tok/s | agreement with stock | skipped / dropped | loads in low precision |",
+            "|" + "---|" * 5,
+            *q_rows,
+        ]
     by_depth = report.get("disk_odirect_by_depth") or {"1": bound_bytes}
     depths = ", ".join(f"QD{d} {v / 1e6:.0f}" for d, v in by_depth.items())
     text = (
@@ -501,6 +582,7 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     for r in runs.values():
         r.pop("token_ids", None)
         r.pop("texts", None)
+        r.pop("texts_by_repeat", None)
     out.with_name(out.name + ".json").write_text(json.dumps(report, indent=1))
     out.with_name(out.name + ".md").write_text(text)
     print(text)

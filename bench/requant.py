@@ -1,0 +1,68 @@
+"""A copy of a MoE GGUF with its expert tensors (blk.N.ffn_{gate,up,down}_exps) re-quantized to a
+smaller type, everything else byte for byte: the "stock llama.cpp on a smaller quantization" a lossy
+mode is set against (issue 13). The experts are dequantized from the file's own types and quantized
+with ggml's reference quantizer (no importance matrix, as a plain llama-quantize run), the way
+`moetier pack` makes a store's low copies.
+
+    python bench/requant.py M.gguf M-q2k.gguf --type q2_K
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from tqdm import tqdm
+
+from moetier import _core
+from moetier.tools.moefy import _kv_copy, _tensor_f32
+
+EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight$")
+
+
+def requant(src: Path, dst: Path, type_name: str) -> int:
+    """Writes dst; returns the bytes of expert tensors written."""
+    qt = next((t for t in gguf.GGMLQuantizationType if t.name.lower() == type_name.lower()), None)
+    if qt is None:
+        msg = f"--type {type_name}: not a ggml type"
+        raise SystemExit(msg)
+    r = gguf.GGUFReader(src)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    tmp = dst.with_name(dst.name + ".tmp")
+    w = gguf.GGUFWriter(tmp, arch)
+    _kv_copy(r, w, arch, arch)
+    expert_bytes = 0
+    for t in tqdm(r.tensors, desc=f"requant {src.name} -> {type_name}", unit="tensor"):
+        data: Any = np.asarray(t.data)
+        raw_dtype = t.tensor_type
+        if EXPERT.search(t.name):
+            a = _tensor_f32(t)
+            rows = np.ascontiguousarray(a.reshape(-1, a.shape[-1]), dtype=np.float32)
+            data = _core.quantize(rows, type_name, None).reshape(*a.shape[:-1], -1)
+            raw_dtype = qt
+            expert_bytes += data.nbytes
+        w.add_tensor(t.name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(dst)
+    return expert_bytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="MoE GGUF")
+    p.add_argument("dst", help="output GGUF")
+    p.add_argument("--type", required=True, help="ggml type of the experts (q2_K, q3_K, q4_K, q4_0, ...)")
+    a = p.parse_args()
+    n = requant(Path(a.src), Path(a.dst), a.type)
+    print(f"{a.dst}: experts {n / 2**20:.0f} MiB in {a.type}, {Path(a.dst).stat().st_size / 2**20:.0f} MiB in all")
+
+
+if __name__ == "__main__":
+    main()
