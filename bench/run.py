@@ -157,11 +157,11 @@ def lossy_counts(ok: list[dict[str, Any]]) -> dict[str, float] | None:
     if any("experts_routed" in run for run in runs):
         routed = sum(run.get("experts_routed", 0) for run in runs)
         return {"dropped": sum(run.get("experts_dropped", 0) for run in runs) / max(1, routed)}
-    if any("n_skipped" in run for run in runs):
+    if any(run.get("n_lookups") for run in runs):  # stock (no cache) looks nothing up
         lookups = sum(run["n_lookups"] for run in runs)
         loads = sum(run.get("n_loads_high", 0) + run.get("n_loads_low", 0) for run in runs)
         return {
-            "skipped": sum(run["n_skipped"] for run in runs) / max(1, lookups),
+            "skipped": sum(run.get("n_skipped", 0) for run in runs) / max(1, lookups),
             "loads_low": sum(run.get("n_loads_low", 0) for run in runs) / max(1, loads),
         }
     return None

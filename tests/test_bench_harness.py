@@ -16,6 +16,7 @@ from conftest import ModelFactory
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import cgroup
+import frontier
 import peer_worker
 import run
 import upstream_worker
@@ -145,6 +146,50 @@ def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:
     md = out.with_name(out.name + ".md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| moetier-25 |"))
     assert row.endswith("| yes |"), "moetier tokens equal the in-RAM stock tokens"
+    # exact: its text is stock's in every repeat, and it left nothing out
+    assert rep["runs"]["moetier-25"]["agreement"]["min"] == 1.0
+    assert rep["runs"]["moetier-25"]["lossy"] == {"skipped": 0.0, "loads_low": 0.0}
+    q = next(line for line in md.splitlines() if line.startswith("| moetier-25 |") and "skipped" in line)
+    assert "| 1.00 (1.00-1.00) | 0.0% skipped |" in q
+
+
+def test_prefix_agreement_takes_the_closest_reference() -> None:
+    """The share of the reference reproduced before the first difference, per prompt, averaged;
+    each prompt against whichever exact reference it is closer to."""
+    assert run.prefix_agreement(["abcdef", "xy"], [["abcxyz", "xy"]]) == pytest.approx((0.5 + 1.0) / 2)
+    assert run.prefix_agreement(["abcdef"], [["abcxyz"], ["abcdeg"]]) == pytest.approx(5 / 6)
+    # trailing whitespace is not a difference (llama-completion ends with a blank line)
+    assert run.prefix_agreement(["ab\n\n"], [["ab"]]) == 1.0
+    assert run.prefix_agreement(["zz"], [["ab"]]) == 0.0
+    assert run.prefix_agreement([""], [[""]]) == 1.0
+
+
+def test_lossy_counts_of_moetier_and_the_peer() -> None:
+    ours = [{"runs": [{"n_lookups": 10, "n_skipped": 1, "n_loads_high": 3, "n_loads_low": 1}]}] * 2
+    assert run.lossy_counts(ours) == {"skipped": 0.1, "loads_low": 0.25}
+    peer = [{"runs": [{"experts_routed": 100, "experts_dropped": 30}, {"experts_routed": 100, "experts_dropped": 10}]}]
+    assert run.lossy_counts(peer) == {"dropped": 0.2}
+    assert run.lossy_counts([{"runs": [{"n_lookups": 0, "n_skipped": 0}]}]) is None  # stock: no cache
+    assert run.lossy_counts([{"runs": [{"n_lookups": 0}]}]) is None  # upstream: neither
+
+
+def test_model_flags_name_the_other_files() -> None:
+    assert run.model_flags(["-m /a/b.gguf --no-repack", "--model 'c d.gguf'", "--threads 2", "-m"]) == [
+        Path("/a/b.gguf"),
+        Path("c d.gguf"),
+    ]
+
+
+def test_peer_summary_counts() -> None:
+    """The per-request '# summary' lines of the peer's --csv sink, in order."""
+    text = (
+        "step,wall_ms\n1,2\n# summary tokens=4 experts_routed=64 experts_dropped=0 tok/s=3.1\n"
+        "1,2\n# summary experts_dropped=7 tokens=32 experts_routed=512\n"
+    )
+    assert peer_worker.summary_counts(text) == [
+        {"experts_routed": 64, "experts_dropped": 0},
+        {"experts_routed": 512, "experts_dropped": 7},
+    ]
 
 
 def test_variants_parse() -> None:
@@ -284,3 +329,42 @@ def test_memory_cap_limits_and_joins() -> None:
     finally:
         cap.close()
     assert not cap.path.exists()
+
+
+def test_frontier_runs_a_configuration_with_the_cache_of_its_run() -> None:
+    """A moetier point's perplexity uses its run's budget, store, policy and options, decoded token by
+    token, without a warm start, the model option repack=0 as --no-repack; a stock point its flags."""
+    report = {
+        "config": {"store": "/s/m.experts"},
+        "runs": {
+            "mixed-25": {
+                "budget_bytes": 1000,
+                "args": [
+                    "--threads",
+                    "2",
+                    "--cache",
+                    "1000",
+                    "--policy",
+                    "lfu",
+                    "--opts",
+                    "t1=0.5,t2=0.9,prefetch=1,repack=0",
+                ],
+            },
+            "stock-capped-25": {"args": ["--no-repack"]},
+        },
+    }
+    flags = frontier.moetier_flags(report, "mixed-25")
+    assert flags[:4] == ["-ub", "1", "--expert-cache", "1000"]
+    opts = dict(kv.split("=") for kv in flags[flags.index("--expert-opt") + 1].split(","))
+    assert (opts["t1"], opts["t2"], opts["prefetch"], opts["warm"]) == ("0.5", "0.9", "1", "0")
+    assert "repack" not in opts and flags[-1] == "--no-repack"
+    assert flags[flags.index("--expert-policy") + 1] == "lfu"
+    assert flags[flags.index("--expert-store") + 1] == "/s/m.experts"
+    with pytest.raises(SystemExit, match="stock-capped-25: not a moetier configuration"):
+        frontier.moetier_flags(report, "stock-capped-25")
+    assert frontier.parse_points("a-25=moetier; b-25=stock:--override-kv x.expert_used_count=int:6") == [
+        ("a-25", "moetier", []),
+        ("b-25", "stock", ["--override-kv", "x.expert_used_count=int:6"]),
+    ]
+    with pytest.raises(SystemExit, match="is not NAME=moetier"):
+        frontier.parse_points("c-25=peer:--x")
