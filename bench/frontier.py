@@ -31,10 +31,7 @@ from typing import Any
 from moefy_eval import perplexity
 from moetier.config import CacheConfig
 from moetier.plot import pyplot
-from worker import INT_OPTS
-
-# run.py's worker options that are model options, not cache ones
-MODEL_OPTS = ("repack",)
+from worker import parse_opts
 
 
 def moetier_flags(report: dict[str, Any], name: str) -> list[str]:
@@ -45,15 +42,13 @@ def moetier_flags(report: dict[str, Any], name: str) -> list[str]:
         raise SystemExit(msg)
     args = run["args"]
     policy = args[args.index("--policy") + 1]
-    opts = dict(kv.split("=", 1) for kv in args[args.index("--opts") + 1].split(",") if kv)
-    typed: dict[str, Any] = {k: int(v) if k in INT_OPTS else float(v) for k, v in opts.items() if k not in MODEL_OPTS}
-    typed.setdefault("warm", 0)  # as the run's worker: no warm start
-    cfg = CacheConfig(budget=int(run["budget_bytes"]), policy=policy, **typed)
+    opts, repack = parse_opts(args[args.index("--opts") + 1])
+    cfg = CacheConfig(budget=int(run["budget_bytes"]), policy=policy, **opts)
     flags = ["-ub", "1", "--expert-cache", str(run["budget_bytes"]), "--expert-opt", cfg.opts()]
     flags += ["--expert-policy", policy]
     if report["config"].get("store"):
         flags += ["--expert-store", report["config"]["store"]]
-    if opts.get("repack") == "0":
+    if not repack:
         flags.append("--no-repack")
     return flags
 

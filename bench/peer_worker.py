@@ -138,6 +138,13 @@ def summary_counts(csv_text: str) -> list[dict[str, int]]:
     return out
 
 
+def attach_counts(runs: list[dict[str, Any]], counts: list[dict[str, int]]) -> None:
+    """Each measured request gets its summary's counts: the last len(runs) summaries (the warm-up's
+    comes first)."""
+    for run, c in zip(runs, counts[len(counts) - len(runs) :], strict=True):
+        run.update(c)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer-bin", required=True, help="path of the peer's bmoe-cli")
@@ -197,9 +204,7 @@ def main() -> None:
             }
         )
     mem = s.close()
-    counts = summary_counts(Path(csv_file.name).read_text())
-    for run, c in zip(runs, counts[len(counts) - len(runs) :], strict=False):  # the warm-up's comes first
-        run.update(c)
+    attach_counts(runs, summary_counts(Path(csv_file.name).read_text()))
     out = {
         "load_s": load_s,
         "disk_read_bytes": disk,

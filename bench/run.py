@@ -229,7 +229,6 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
         "cgroup_peak_bytes": max((r.get("cgroup_peak_bytes", 0) for r in ok), default=0),
         "token_ids": [run["token_ids"] for run in ok[-1]["runs"]],
-        "texts": [run.get("text") for run in ok[-1]["runs"]],
         # lossy configurations differ from run to run (the peer's dropping follows its cache)
         "texts_by_repeat": [[run.get("text") for run in r["runs"]] for r in ok],
         "lossy": lossy_counts(ok),
@@ -469,6 +468,12 @@ def norm_texts(texts: list[str | None] | None) -> list[str] | None:
     return [(t or "").rstrip() for t in texts] if texts else None
 
 
+def last_texts(s: dict[str, Any]) -> list[str | None] | None:
+    """The texts of a configuration's last repeat (what the same-text column compares)."""
+    by_repeat = s.get("texts_by_repeat")
+    return by_repeat[-1] if by_repeat else None
+
+
 def agree_fmt(a: dict[str, float]) -> str:
     return f"{a['median']:.2f} ({a['min']:.2f}-{a['max']:.2f})"
 
@@ -506,8 +511,8 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
                 else "no"
             )
         else:  # the peer and upstream report text, not token ids
-            texts = norm_texts(s.get("texts"))
-            refs = (norm_texts(ram.get("texts")), norm_texts(plain.get("texts")))
+            texts = norm_texts(last_texts(s))
+            refs = (norm_texts(last_texts(ram)), norm_texts(last_texts(plain)))
             same = "same text" if texts and texts in refs else "no (text)"
         hit = "" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
         dec_disk = s.get("decode_disk_read_per_token") or 0.0
@@ -542,7 +547,7 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
             *pf_rows,
         ]
     exact = ("stock-ram", "stock-ram-norepack")
-    exact_refs = [t for t in (norm_texts(runs[k].get("texts")) for k in exact if k in runs) if t]
+    exact_refs = [t for t in (norm_texts(last_texts(runs[k])) for k in exact if k in runs) if t]
     q_rows = []
     for name in [n for n in names if n in runs and n not in exact]:
         s = runs[name]
@@ -581,7 +586,6 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     )
     for r in runs.values():
         r.pop("token_ids", None)
-        r.pop("texts", None)
         r.pop("texts_by_repeat", None)
     out.with_name(out.name + ".json").write_text(json.dumps(report, indent=1))
     out.with_name(out.name + ".md").write_text(text)

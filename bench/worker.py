@@ -17,6 +17,21 @@ from moetier import CacheConfig, ContextConfig, Model
 INT_OPTS = ("prefetch", "io_threads", "io_uring", "warm", "lock_weights", "direct_io", "fitted_prefetch")
 
 
+def parse_opts(text: str) -> tuple[dict[str, Any], bool]:
+    """KEY=VALUE,... as CacheConfig fields (typed), and whether repacking stays on (repack=0 is a
+    model option, not a cache one). No warm start unless asked for: repeated runs must not warm each
+    other up."""
+    opts: dict[str, Any] = {}  # CacheConfig fields of several types
+    repack = True
+    for k, v in (kv.split("=", 1) for kv in text.split(",") if kv):
+        if k == "repack":
+            repack = v != "0"
+            continue
+        opts[k] = int(v) if k in INT_OPTS else float(v)
+    opts.setdefault("warm", 0)
+    return opts, repack
+
+
 def disk_read_bytes() -> int:
     """Bytes this process caused to be fetched from storage (/proc/self/io read_bytes)."""
     for line in Path("/proc/self/io").read_text().splitlines():
@@ -61,14 +76,8 @@ def main() -> None:
     a = p.parse_args()
 
     t0 = time.perf_counter()
-    opts: dict[str, Any] = {}  # CacheConfig fields of several types
-    for k, v in (kv.split("=", 1) for kv in a.opts.split(",") if kv):
-        if k == "repack":  # a model option, not a cache one: repack=0 is --no-repack
-            a.no_repack = a.no_repack or v == "0"
-            continue
-        opts[k] = int(v) if k in INT_OPTS else float(v)
-    # a warm start only where asked for: repeated runs must not warm each other up
-    opts.setdefault("warm", 0)
+    opts, repack = parse_opts(a.opts)
+    a.no_repack = a.no_repack or not repack
     budget = a.cache if a.cache == "auto" else int(a.cache)
     cache = CacheConfig(budget=budget, policy=a.policy, **opts) if budget else None
     m = Model(

@@ -192,6 +192,13 @@ def test_peer_summary_counts() -> None:
     ]
 
 
+def test_peer_counts_skip_the_warm_up() -> None:
+    runs: list[dict[str, object]] = [{"tokens": 32}, {"tokens": 32}]
+    counts = [{"experts_routed": 64, "experts_dropped": 1}, {"experts_routed": 8}, {"experts_routed": 9}]
+    peer_worker.attach_counts(runs, counts)
+    assert runs == [{"tokens": 32, "experts_routed": 8}, {"tokens": 32, "experts_routed": 9}]
+
+
 def test_variants_parse() -> None:
     v = run.parse_variants("lru-high=lru:t1=1,t2=1; +multi=multi:t1=0.6,t2=1,prefetch=1")
     assert v == [("lru-high", "lru", "t1=1,t2=1"), ("+multi", "multi", "t1=0.6,t2=1,prefetch=1")]
@@ -313,6 +320,27 @@ def test_runs_are_fair_interleaved_and_ratios_use_their_baselines(
     assert cells[4:6] == ["4.00x", "0.50x"]
     assert "QD1 100, QD2 200, QD4 400, QD8 400 MB/s" in md
     assert rep["disk_odirect_bytes_per_s"] == 4e8
+
+
+def test_a_variants_other_model_file_is_dropped_before_every_run(
+    tiny_model: ModelFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A variant that runs a smaller quantization (-m FILE) finds that file's pages dropped, like the model's."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=8)
+    drops: list[tuple[Path, ...]] = []
+    fake = _worker([1.0], 1, 2, 100) | {"cgroup_peak_bytes": 0}
+    monkeypatch.setattr(run, "run_worker", lambda args, cap, timeout, script: fake)
+    monkeypatch.setattr(run, "drop_pages", lambda files: drops.append(tuple(files)))
+    monkeypatch.setattr(run, "MemoryCap", _FakeCap)
+    monkeypatch.setattr(run, "available", lambda: True)
+    monkeypatch.setattr(run, "disk_bandwidth", lambda p, chunk, seconds=2.0, depth=1: 1e8)
+    monkeypatch.setattr(run, "bench_plot", lambda *a, **k: None)
+    out = tmp_path / "res"
+    argv = ["run.py", "--model", str(path), "--budgets", "25", "--repeats", "1", "--out", str(out)]
+    argv += ["--upstream", "/up/llama-completion", "--upstream-variants", "upstream-q2k=-m /x/q2k.gguf --no-repack"]
+    monkeypatch.setattr(sys, "argv", argv)
+    run.main()
+    assert drops and all(Path("/x/q2k.gguf") in d and path in d for d in drops)
 
 
 @pytest.mark.skipif(not cgroup.available(), reason="needs a writable cgroup v1 memory controller")
