@@ -140,6 +140,9 @@ def prefetch_summary(pf: dict[str, Any] | None, tokens: int) -> dict[str, float]
         "bytes_wasted_per_token": pf["bytes_wasted"] / tokens,
         "top1": pf["n_top1"][0] / n,
         "allk": pf["n_allk"][0] / n,
+        # predicted misses left unread: the byte cap spent, the disk behind (older engines: absent)
+        "capped_per_token": pf.get("n_capped", 0) / tokens,
+        "busy_per_token": pf.get("n_busy", 0) / tokens,
     }
 
 
@@ -222,6 +225,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         # what one decode step moves: the cache's demand reads plus prefetch reads, and the disk
         "decode_steps": decode_steps(ok[-1]),
         "decode_bytes_per_token": decode_per_token(ok[-1], "decode_cache_bytes_read", "decode_prefetch_bytes_read"),
+        # the decode steps' wait for expert reads; the rest of a step (1 / decode_tok_s) is compute
+        "decode_stall_s_per_token": median_or_none([decode_per_token(r, "decode_read_s") for r in ok]),
         "decode_disk_read_per_token": median_or_none([decode_per_token(r, "decode_disk_read_bytes") for r in ok]),
         "disk_read_per_token": statistics.median(r["disk_read_bytes"] / tokens for r in ok),
         "major_faults_per_token": statistics.median(r["major_faults"] / tokens for r in ok),
@@ -532,19 +537,37 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     pf_rows = [
         f"| {name} | {p['reads_per_token']:.1f} | {p['hits_per_token']:.1f} | {p['cancelled_per_token']:.1f} "
         f"| {p['wasted_per_token']:.1f} | {p['bytes_per_token'] / 1e6:.2f} | {p['bytes_wasted_per_token'] / 1e6:.2f} "
-        f"| {p['top1']:.2f} | {p['allk']:.2f} |"
+        f"| {p['top1']:.2f} | {p['allk']:.2f} | {p.get('capped_per_token', 0):.1f} | {p.get('busy_per_token', 0):.1f} |"
         for name in names
         if name in runs and (p := runs[name].get("prefetch"))
     ]
     if pf_rows:
         rows += [
             "",
-            "prefetch (per token; accuracy of the predictions one layer ahead):",
+            "prefetch (per token; accuracy of the predictions one layer ahead; misses left unread by the byte "
+            "cap and because the disk was behind):",
             "",
             "| config | reads | used | cancelled (queued) | wasted (read, unused) | MB read | MB wasted "
-            "| top-1 | all-k |",
-            "|" + "---|" * 9,
+            "| top-1 | all-k | capped | busy |",
+            "|" + "---|" * 11,
             *pf_rows,
+        ]
+    t_rows = [
+        f"| {name} | {1e3 / d:.1f} | {1e3 * st:.1f} | {1e3 / d - 1e3 * st:.1f} |"
+        for name in names
+        if name in runs
+        and (st := runs[name].get("decode_stall_s_per_token")) is not None
+        and (d := runs[name].get("decode_tok_s", {}).get("median"))
+    ]
+    if t_rows:
+        rows += [
+            "",
+            "where a decode step's time goes (medians over repeats): the load ops (expert reads the compute "
+            "threads do, or wait for on the io_uring and the prefetch lanes), and the rest (compute):",
+            "",
+            "| config | ms / token | waiting for reads | the rest |",
+            "|" + "---|" * 4,
+            *t_rows,
         ]
     exact = ("stock-ram", "stock-ram-norepack")
     exact_refs = [t for t in (norm_texts(last_texts(runs[k])) for k in exact if k in runs) if t]

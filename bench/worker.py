@@ -101,6 +101,7 @@ def main() -> None:
             first["disk"] = disk_read_bytes()
             first["cache"] = m.stats().n_bytes_read
             first["prefetch"] = m.prefetch_stats().bytes_read
+            first["read_us"] = m.stats().read_us
 
         disk0 = disk_read_bytes()
         r = m.generate(text, max_tokens=a.n, on_first_token=at_first_token)
@@ -124,6 +125,8 @@ def main() -> None:
                 "n_loads_low": r.stats.n_loads_low,
                 "n_bytes_read": r.stats.n_bytes_read,
                 "read_s": r.stats.read_seconds,
+                # what the decode steps waited for expert reads (the load ops), beside decode_s
+                "decode_read_s": (r.stats.read_us - first.get("read_us", r.stats.read_us)) / 1e6,
                 "token_ids": r.tokens,
                 "text": r.text,
             }

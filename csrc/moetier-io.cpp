@@ -9,11 +9,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
 #include <stdexcept>
+#include <thread>
 #include <unordered_set>
 
 void moetier_aligned_deleter::operator()(void * p) const {
@@ -76,7 +78,7 @@ moetier_faults g_faults;
 bool moetier_faults_configure(const char * spec, std::string & err) {
     uint64_t                  every[MOETIER_FAULT_COUNT] = {};
     const std::string         s                          = spec ? spec : "";
-    static const char * const names[]                    = { "eio", "short", "flip", "nodirect" };
+    static const char * const names[]                    = { "eio", "short", "flip", "nodirect", "slow" };
     size_t                    pos                        = 0;
     while (!s.empty() && pos <= s.size()) {  // every item, an empty one (a stray comma) too
         size_t end              = s.find(',', pos);
@@ -92,7 +94,7 @@ bool moetier_faults_configure(const char * spec, std::string & err) {
         char *                   tail = nullptr;
         const unsigned long long n    = k >= 0 ? strtoull(item.c_str() + colon + 1, &tail, 10) : 0;
         if (k < 0 || n == 0 || !tail || *tail != '\0') {
-            err = format("MOETIER_FAULTS: '%s' is not KIND:N with KIND eio, short, flip or nodirect and N >= 1",
+            err = format("MOETIER_FAULTS: '%s' is not KIND:N with KIND eio, short, flip, nodirect or slow and N >= 1",
                          item.c_str());
             return false;
         }
@@ -114,7 +116,11 @@ bool moetier_fault(moetier_fault_kind k, uint64_t off) {
     if (every == 0) {
         return false;
     }
-    if (every > 1) {
+    if (k == MOETIER_FAULT_SLOW) {
+        if (g_faults.seen[k].fetch_add(1, std::memory_order_relaxed) % every != every - 1) {
+            return false;
+        }
+    } else if (every > 1) {
         std::lock_guard<std::mutex> lock(g_faults.mu);
         if (g_faults.hit.count(off) || ++g_faults.seen[k] % every != 0) {
             return false;
@@ -123,6 +129,12 @@ bool moetier_fault(moetier_fault_kind k, uint64_t off) {
     }
     g_faults.injected.fetch_add(1, std::memory_order_relaxed);
     return true;
+}
+
+void moetier_fault_delay(bool slow) {
+    if (slow) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
 }
 
 uint64_t moetier_faults_injected() {

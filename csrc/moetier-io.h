@@ -32,11 +32,14 @@ struct moetier_latency_hist {
 // N > 1 is a transient fault: a read at a file offset that already had one (of any kind) reads right (a retry
 // passes); N = 1 is a persistent one: every read fails, retries too.
 //   nodirect  opening an expert file with O_DIRECT is refused (as some filesystems do): buffered reads
+//   slow      a read on an I/O thread (prefetch, warm start) starts 5 ms late: a device that is behind
+//             the reads asked of it (every N-th one, whatever its offset)
 enum moetier_fault_kind {
     MOETIER_FAULT_EIO,
     MOETIER_FAULT_SHORT,
     MOETIER_FAULT_FLIP,
     MOETIER_FAULT_NODIRECT,
+    MOETIER_FAULT_SLOW,
     MOETIER_FAULT_COUNT
 };
 
@@ -44,6 +47,8 @@ enum moetier_fault_kind {
 bool     moetier_faults_configure(const char * spec, std::string & err);
 // whether this read (at file offset off) gets a fault of kind k (counts the reads of each kind)
 bool     moetier_fault(moetier_fault_kind k, uint64_t off);
+// a slow fault (moetier_fault(MOETIER_FAULT_SLOW, ...) said so): sleeps as a busy device would
+void     moetier_fault_delay(bool slow);
 // faults injected since the last configure
 uint64_t moetier_faults_injected();
 

@@ -176,6 +176,14 @@ int32_t moetier_io_pool::state(int32_t id) {
     return tasks[id].state;
 }
 
+int moetier_io_pool::queued_prefetches() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (ring) {
+        reap(false);  // reads that ended free their lanes for queued ones
+    }
+    return (int) queue.size();
+}
+
 bool moetier_io_pool::claim(int32_t id) {
     std::lock_guard<std::mutex> lock(mu);
     if (tasks[id].state != MOETIER_IO_QUEUED) {
@@ -243,6 +251,7 @@ void moetier_io_pool::worker(int thread_id) {
             task            = tasks[id];
         }
         err.clear();
+        moetier_fault_delay(moetier_fault(MOETIER_FAULT_SLOW, 0));  // tests: a device that is behind
         const bool ok = fn(task, thread_id, err);
         {
             std::lock_guard<std::mutex> lock(mu);

@@ -83,6 +83,10 @@ class moetier_io_pool {
     // how many prefetches read at once: the ring's prefetch depth, or one per I/O thread
     int prefetch_depth() const { return ring ? depth_pf : (int) threads.size(); }
 
+    // prefetches queued and not started yet: more than none when a walk starts means the disk is
+    // behind the reads already asked of it
+    int queued_prefetches();
+
     // queues a read; returns its task id, or -1 if every entry is in use. Urgent reads go before
     // every prefetch, in the order they were submitted.
     int32_t submit(const moetier_io_task & task, bool is_urgent = false);

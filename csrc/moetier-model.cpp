@@ -54,6 +54,7 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     low_frac       = params.low_frac;
     prefetch       = params.prefetch;
     io_threads     = params.io_threads;
+    prefetch_waste = params.prefetch_waste;
     use_uring      = params.io_uring;
     policy_weights = { params.w_lru, params.w_lfu, params.w_lhu, params.w_fld };
     std::string policy_err;
@@ -453,6 +454,10 @@ void moetier_model::init_io() {
 }
 
 void moetier_model::init_prefetch(const llama_model & model) {
+    if (prefetch > 0 && io_threads <= 0) {
+        // prefetch is on by default: io_threads=0 alone turns it off, said once
+        warn(format("prefetch=%d is off: io_threads=0 leaves it no lanes to read on", prefetch));
+    }
     if (prefetch <= 0 || io == nullptr) {
         return;
     }
@@ -499,7 +504,8 @@ void moetier_model::init_prefetch(const llama_model & model) {
             pl.push_back(std::move(x));
         }
         c->set_prefetch(std::make_unique<moetier_prefetch_stacked>(
-            pl, prefetch, n_expert, c->slots(MOETIER_PRECISION_HIGH), c->slots(MOETIER_PRECISION_LOW), *io, precision));
+            pl, prefetch, n_expert, c->slots(MOETIER_PRECISION_HIGH), c->slots(MOETIER_PRECISION_LOW), *io, precision,
+            prefetch_waste));
     }
     if (any && fitted) {
         prefetch_source = format("fitted predictor %s (%d of %d maps)", path.c_str(), n_fitted, n_maps);

@@ -118,6 +118,7 @@ struct moetier_model {
     int32_t                n_model_layers = 0;  // for layer distances (set by the load hook)
     int32_t                prefetch       = 0;
     int32_t                io_threads     = 1;
+    float                  prefetch_waste = 0.25f;  // the prefetch byte cap's share (moetier-prefetch.h)
     bool                   use_uring      = true;
 
     std::vector<std::string>                   warnings;  // of the load, in order (moetier_model_warning)

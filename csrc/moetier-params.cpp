@@ -25,7 +25,8 @@ static const moetier_param_info g_rows[] = {
     MOETIER_ROW(policy, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
             "eviction policy: lru, lfu, lhu (high-precision uses), fld (layer distance), multi (their weighted sum), "
             "random, classlru (decayed use classes, as upstream llama.cpp), lfru (uses over recency), least-stale "
-            "(what this forward pass already used goes first)"),
+            "(what this forward pass already used goes first), reuse (the longest expected time to next use, from "
+            "layer distance and use frequency decayed over 64 passes; reuse:H another half-life)"),
     MOETIER_ROW(t1, MOETIER_PARAM_TYPE_FLOAT, 0, 1, true,
             "precision threshold of a miss (HOBBIT eq. 2): an expert whose score (the normalised gate weight of the "
             "experts ranked above it) is <= t1 is read in high precision; the top-1 always is"),
@@ -48,6 +49,10 @@ static const moetier_param_info g_rows[] = {
             "when idle) that read prefetches while the compute threads read a layer's misses. A prefetch walk starts "
             "at most this many reads, the surest predictions first. 0: no I/O pool at all: the compute threads read "
             "every miss, no io_uring, no prefetch"),
+    MOETIER_ROW(prefetch_waste, MOETIER_PARAM_TYPE_FLOAT, 0, 100, true,
+            "prefetch byte cap: the bytes of prefetch reads that their layer then does not use stay below this share "
+            "of the bytes the layers need (their misses and the prefetches they use); a read holds its bytes of this "
+            "allowance until its layer runs. 0: prefetch holds predicted cached experts but reads none"),
     MOETIER_ROW(n_ctx, MOETIER_PARAM_TYPE_INT, 0, 1 << 24, true,
             "auto budget: context tokens whose KV cache is left room for (0: the model's training context; the "
             "tools pass their -c)"),
@@ -88,8 +93,9 @@ struct moetier_params moetier_default_params(void) {
         /*.w_lfu       =*/0.25f,
         /*.w_lhu       =*/0.25f,
         /*.w_fld       =*/0.25f,
-        /*.prefetch    =*/0,
-        /*.io_threads  =*/2,
+        /*.prefetch    =*/3,
+        /*.io_threads  =*/6,
+        /*.prefetch_waste=*/0.25f,
         /*.n_ctx       =*/0,
         /*.io_uring    =*/true,
         /*.direct_io   =*/true,
@@ -364,8 +370,6 @@ const char * moetier_params_check(const struct moetier_params * p) {
     } else if (p->w_lru + p->w_lfu + p->w_lhu + p->w_fld <= 0.0f) {
         g_opts_error = format("expert cache policy weights (w_lru=%g, w_lfu=%g, w_lhu=%g, w_fld=%g): must not all be 0",
                               p->w_lru, p->w_lfu, p->w_lhu, p->w_fld);
-    } else if (p->prefetch > 0 && p->io_threads == 0) {
-        g_opts_error = format("expert cache prefetch=%d needs io_threads >= 1", p->prefetch);
     } else {
         return nullptr;
     }

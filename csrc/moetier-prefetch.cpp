@@ -14,12 +14,21 @@ moetier_prefetch_stacked::moetier_prefetch_stacked(const std::vector<moetier_pre
                                                    moetier_slots &                             hi,
                                                    moetier_slots &                             lo,
                                                    moetier_io_pool &                           io_,
-                                                   const moetier_precision_rule &              rule_) :
+                                                   const moetier_precision_rule &              rule_,
+                                                   float                                       waste_) :
     n_expert(n_expert_),
     depth(depth_),
     slots{ &hi, &lo },
     io(io_),
-    rule(rule_) {
+    rule(rule_),
+    waste(std::max(0.0f, waste_)) {
+    // the ceiling: two walks' reads of the largest expert. It starts empty: the first reads wait
+    // for the bytes of the first misses, and the bound holds from the first token on.
+    uint64_t expert_max = 0;
+    for (const auto & l : layers) {
+        expert_max = std::max(expert_max, moetier_read_bytes(*l.layer, MOETIER_PRECISION_HIGH));
+    }
+    credit_max             = (int64_t) (2 * (uint64_t) std::max(1, io.prefetch_depth()) * expert_max);
     size_t  n_stack        = 0;
     int32_t n_model_layers = 0;
     for (const auto & l : layers) {
@@ -129,7 +138,10 @@ void moetier_prefetch_stacked::begin(const moetier_layer & layer,
                                      int64_t               n_used,
                                      bool                  check,
                                      uint64_t              pass_) {
-    pass = pass_;
+    pass       = pass_;
+    cur        = &layer;
+    cur_demand = layer.stats.n_bytes_read;
+    cur_used   = 0;
     settle_zombies();
     if (!check) {
         return;
@@ -158,38 +170,61 @@ moetier_prefetch_use moetier_prefetch_stacked::use(moetier_precision prec, int32
         return MOETIER_PREFETCH_USE_READY;
     }
     set.set_reader(s, -1);
+    // a read an earlier layer did not need, still running: counted as waste then, and its bytes stay
+    // spent; this layer only waits for it (settle_zombies sees its reader gone)
+    const bool was_wasted = is_zombie(prec, s);
+    if (!was_wasted) {
+        // needed: its bytes go back to the byte cap (a read the layer then does itself counts as its demand)
+        refund(*cur, prec);
+    }
     if (io.claim(id)) {
         ++pf.n_claimed;
         return MOETIER_PREFETCH_USE_READ;
     }
     const int32_t st = io.state(id);
     if (st == MOETIER_IO_RUNNING) {
-        ++pf.n_hits;
-        ++pf.n_waits;
+        if (!was_wasted) {
+            ++pf.n_hits;
+            ++pf.n_waits;
+            cur_used += moetier_read_bytes(*cur, prec);
+        }
         *id_out = id;
         return MOETIER_PREFETCH_USE_WAIT;
     }
     io.release(id);
     if (st == MOETIER_IO_DONE) {
-        ++pf.n_hits;
+        if (!was_wasted) {
+            ++pf.n_hits;
+            cur_used += moetier_read_bytes(*cur, prec);
+        }
         return MOETIER_PREFETCH_USE_READY;
     }
     return MOETIER_PREFETCH_USE_READ;  // failed: read again
 }
 
+void moetier_prefetch_stacked::refund(const moetier_layer & layer, moetier_precision prec) {
+    credit = std::min(credit_max, credit + (int64_t) moetier_read_bytes(layer, prec));
+}
+
 void moetier_prefetch_stacked::settle(const moetier_layer & layer) {
-    layer_state & st = states[layer.il];
+    layer_state &  st     = states[layer.il];
+    // what demand reads alone would have moved for this layer: its own reads and the prefetches it used
+    const uint64_t needed = layer.stats.n_bytes_read - cur_demand + cur_used;
+    credit                = std::min(credit_max, credit + (int64_t) (waste * (double) needed));
     for (const auto & [prec, s] : st.prefetched) {
         moetier_slots & set = *slots[prec];
         set.hold(s, false);
         const int32_t id = set.reader(s);
         if (id < 0) {
+            unhold(prec);
             continue;  // used by this layer, or a hold of an expert that was already cached
         }
         if (io.claim(id)) {
+            unhold(prec);
             set.set_reader(s, -1);
             set.drop(s);
             ++pf.n_cancelled;
+            refund(layer, prec);  // never read: it cost nothing
             continue;
         }
         ++pf.n_wasted;
@@ -199,6 +234,7 @@ void moetier_prefetch_stacked::settle(const moetier_layer & layer) {
             zombies.push_back({ prec, s });  // keeps its reader: the slot is not reused until the read ends
             continue;
         }
+        unhold(prec);
         set.set_reader(s, -1);
         io.release(id);
         if (state == MOETIER_IO_FAILED) {
@@ -206,6 +242,24 @@ void moetier_prefetch_stacked::settle(const moetier_layer & layer) {
         }
     }
     st.prefetched.clear();
+}
+
+bool moetier_prefetch_stacked::is_zombie(moetier_precision prec, int32_t s) const {
+    for (const auto & z : zombies) {
+        if (z.first == prec && z.second == s) {
+            return true;
+        }
+    }
+    return false;
+}
+
+bool moetier_prefetch_stacked::may_hold(moetier_precision prec) const {
+    // a layer's loads fall back to the high pool when the low one has no room: only it is bounded
+    return prec != MOETIER_PRECISION_HIGH || n_held_high < slots[MOETIER_PRECISION_HIGH]->n_slots() - n_expert;
+}
+
+void moetier_prefetch_stacked::unhold(moetier_precision prec) {
+    n_held_high -= prec == MOETIER_PRECISION_HIGH ? 1 : 0;
 }
 
 void moetier_prefetch_stacked::settle_zombies() {
@@ -225,6 +279,7 @@ void moetier_prefetch_stacked::settle_zombies() {
         if (st == MOETIER_IO_FAILED) {
             set.drop(s);
         }
+        unhold(prec);
         zombies[i] = zombies.back();
         zombies.pop_back();
     }
@@ -269,7 +324,11 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
     // slot it evicted a cached expert for, and a wrong one is cancelled when its layer resolves:
     // the eviction is all that is left of it.
     const int32_t max_reads = std::max(1, io.prefetch_depth());
+    // the disk is behind when reads of earlier walks have not started: keep the queue within one
+    // walk's reads
+    const int32_t n_free    = std::max(0, max_reads - io.queued_prefetches());
     int32_t       n_reads   = 0;
+    int32_t       n_turned  = 0;  // predicted misses this walk did not read (busy disk, byte cap)
     bool          walking   = true;
     for (size_t j = 0; j < ls.next.size(); ++j) {
         moetier_layer & T  = *ls.next[j];
@@ -327,9 +386,12 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
             moetier_precision prec = MOETIER_PRECISION_HIGH;
             int32_t           s    = -1;
             if (moetier_slots_find_version(*slots[0], *slots[1], T.il, e, pred_need[e], prec, s)) {
-                if (!slots[prec]->is_held(s)) {
+                // (a slot still being read for an earlier layer that did not need it cannot be evicted
+                // before its read ends: not held)
+                if (!slots[prec]->is_held(s) && slots[prec]->reader(s) < 0 && may_hold(prec)) {
                     slots[prec]->hold(s, true);
                     ts.prefetched.push_back({ prec, s });
+                    n_held_high += prec == MOETIER_PRECISION_HIGH ? 1 : 0;
                 }
             } else if (pred_need[e] != MOETIER_NEED_SKIP) {  // a skip need is not read on a miss
                 all_cached = false;
@@ -339,7 +401,7 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
         tctx.layer              = T.il;
         for (const int32_t e : pred_rank) {
             const moetier_need nd = pred_need[e];
-            if (n_reads == max_reads) {
+            if (n_reads + n_turned == max_reads) {
                 break;
             }
             moetier_precision prec = MOETIER_PRECISION_HIGH;
@@ -349,6 +411,20 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
             }
             prec = nd == MOETIER_NEED_LOW && slots[MOETIER_PRECISION_LOW]->n_slots() > 0 ? MOETIER_PRECISION_LOW :
                                                                                            MOETIER_PRECISION_HIGH;
+            const int64_t bytes = (int64_t) moetier_read_bytes(T, prec);
+            if (n_reads >= n_free) {
+                ++pf.n_busy;
+                ++n_turned;
+                continue;
+            }
+            if (credit < bytes) {
+                ++pf.n_capped;
+                ++n_turned;
+                continue;
+            }
+            if (!may_hold(prec)) {
+                break;  // the pool has no slot to spare beyond one layer's experts
+            }
             moetier_slots & set = *slots[prec];
             s                   = set.take({ T.il, e }, tctx);
             if (s < 0) {
@@ -368,6 +444,8 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
             set.set_reader(s, id);
             set.hold(s, true);
             ts.prefetched.push_back({ prec, s });
+            n_held_high += prec == MOETIER_PRECISION_HIGH ? 1 : 0;
+            credit -= bytes;  // held until T runs: given back if T uses it or it is cancelled
             ++pf.n_issued;
             ++n_reads;
         }
@@ -384,6 +462,8 @@ void moetier_prefetch_stacked::add_stats(moetier_prefetch_stats & out) const {
     out.n_wasted += pf.n_wasted;
     out.bytes_read += bytes_read.load(std::memory_order_relaxed);
     out.bytes_wasted += pf.bytes_wasted;
+    out.n_capped += pf.n_capped;
+    out.n_busy += pf.n_busy;
     for (int j = 0; j < MOETIER_MAX_PREFETCH; ++j) {
         out.n_pred[j] += pf.n_pred[j];
         out.n_top1[j] += pf.n_top1[j];

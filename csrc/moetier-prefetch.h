@@ -13,6 +13,14 @@
 // held too, and the walk stops. When a layer resolves, its needed experts that a prefetch is still
 // reading are waited for (or, if the read has not started, read at once: on-demand reads go
 // first); queued prefetches it does not need are cancelled, and the ones already read count as waste.
+//
+// What the disk can take: a read holds its bytes of an allowance (the byte cap) from its start until
+// its layer runs; a used or cancelled one gives them back, a wasted one keeps them. Every layer adds
+// waste x the bytes it needed (its misses' reads and the prefetches it used), up to a ceiling, so
+// the bytes read in vain never pass that share of the bytes that demand reads alone would move. And
+// a walk that finds earlier prefetches still queued (not started) starts only as many as keep the
+// queue within one walk's reads: when the disk is behind, a read started now would only evict a
+// cached expert for a read that ends too late.
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
@@ -78,14 +86,16 @@ struct moetier_prefetch_layer {
 
 class moetier_prefetch_stacked : public moetier_prefetch_i {
   public:
-    // layers: the group's served layers; slots: its pools (high, low); depth: p. throws std::runtime_error
+    // layers: the group's served layers; slots: its pools (high, low); depth: p; waste: the byte cap's
+    // share (moetier_params.prefetch_waste). throws std::runtime_error
     moetier_prefetch_stacked(const std::vector<moetier_prefetch_layer> & layers,
                              int32_t                                     depth,
                              int32_t                                     n_expert,
                              moetier_slots &                             hi,
                              moetier_slots &                             lo,
                              moetier_io_pool &                           io,
-                             const moetier_precision_rule &              rule);
+                             const moetier_precision_rule &              rule,
+                             float                                       waste);
 
     // moetier_prefetch_i
     ggml_tensor * router_stack(int32_t il) const override;
@@ -126,14 +136,31 @@ class moetier_prefetch_stacked : public moetier_prefetch_i {
     ggml_context_ptr         router_ctx;
     ggml_backend_buffer_ptr  router_buf;
 
-    std::vector<std::pair<moetier_precision, int32_t>> zombies;   // unneeded prefetches still being read
+    std::vector<std::pair<moetier_precision, int32_t>> zombies;  // unneeded prefetches still being read
+    // high slots this predictor keeps from the layers' own loads (held, or zombies): at most the pool's
+    // slots less one layer's experts, so a ubatch that routes every expert of a layer always finds
+    // slots (at the minimum budget prefetch holds nothing)
+    int32_t                                            n_held_high = 0;
+    bool                                               may_hold(moetier_precision prec) const;
+    bool                                               is_zombie(moetier_precision prec, int32_t s) const;
+    void                                               unhold(moetier_precision prec);
     uint64_t                                           pass = 0;  // of the layer being resolved
 
     // scratch of predict, sized to one layer's experts
     std::vector<moetier_need> pred_need;
-    std::vector<float>        pred_w;        // highest predicted weight
-    std::vector<int32_t>      pred_rank;     // predicted experts, surest first
-    std::vector<float>        pred_row;      // one token's logits plus the bias
+    std::vector<float>        pred_w;     // highest predicted weight
+    std::vector<int32_t>      pred_rank;  // predicted experts, surest first
+    std::vector<float>        pred_row;   // one token's logits plus the bias
+
+    // the byte cap (thread 0): credit may be spent on reads; it grows by waste x the bytes each layer
+    // needed, up to credit_max (a few walks' reads: a long run of good guesses banks no more)
+    const double          waste;
+    int64_t               credit     = 0;
+    int64_t               credit_max = 0;
+    const moetier_layer * cur        = nullptr;  // the layer being resolved
+    uint64_t              cur_demand = 0;        // its stats.n_bytes_read when begin() saw it
+    uint64_t              cur_used   = 0;        // bytes of the prefetches it used
+    void                  refund(const moetier_layer & layer, moetier_precision prec);
 
     moetier_prefetch_stats pf = {};          // resolve-side counters (thread 0)
     std::atomic<uint64_t>  bytes_read{ 0 };  // added by the read callbacks (io tasks' bytes_done)

@@ -53,12 +53,15 @@ struct moetier_params {
     float   w_lfu;
     float   w_lhu;
     float   w_fld;
-    int32_t prefetch;    // layers predicted ahead by the stacked routers (HOBBIT sec. 3.3); 0 = off
-    int32_t io_threads;  // prefetch lanes: reads in flight on the io_uring, or I/O threads that read
-                         // prefetches; a prefetch walk starts at most this many reads. 0: no I/O pool
-                         // (no io_uring, no prefetch): the compute threads read every miss
-    int32_t n_ctx;       // auto budget: context tokens whose KV cache is left room for (0: the model's
-                         // training context, as llama.cpp allocates for n_ctx 0)
+    int32_t prefetch;        // layers predicted ahead by the stacked routers (HOBBIT sec. 3.3); 0 = off
+    int32_t io_threads;      // prefetch lanes: reads in flight on the io_uring, or I/O threads that read
+                             // prefetches; a prefetch walk starts at most this many reads. 0: no I/O pool
+                             // (no io_uring, no prefetch): the compute threads read every miss
+    float   prefetch_waste;  // prefetch byte cap: bytes of prefetch reads that their layer does not use stay
+                             // below this share of the bytes the layers need (their misses and used
+                             // prefetches); 0: prefetch only holds cached experts, reads none
+    int32_t n_ctx;           // auto budget: context tokens whose KV cache is left room for (0: the model's
+                             // training context, as llama.cpp allocates for n_ctx 0)
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
     bool io_uring;         // read with io_uring (no I/O threads) where the kernel allows it and every
@@ -228,6 +231,8 @@ struct moetier_prefetch_stats {
     uint64_t n_wasted;                      // prefetched experts the layer did not need, read anyway
     uint64_t bytes_read;                    // bytes read by prefetch
     uint64_t bytes_wasted;                  // ... for experts the layer did not need
+    uint64_t n_capped;                      // predicted misses not read: the byte cap (prefetch_waste) was spent
+    uint64_t n_busy;                        // predicted misses not read: the disk was behind (reads still queued)
     uint64_t n_pred[MOETIER_MAX_PREFETCH];  // predictions checked per distance
     uint64_t n_top1[MOETIER_MAX_PREFETCH];  // predicted top-1 == actual top-1
     uint64_t n_allk[MOETIER_MAX_PREFETCH];  // predicted set == actual set

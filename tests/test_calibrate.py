@@ -38,7 +38,8 @@ def test_replay_matches_the_live_engine(moe: Path, policy: str) -> None:
     hits, misses and bytes, because it is the same code."""
     probe = Model(moe, cache=CacheConfig.exact("64M")).cache_info()
     budget = int(probe["min_cache_bytes"]) * 2
-    live = Model(moe, cache=CacheConfig.exact(budget, policy=policy), context=ContextConfig(n_ctx=64))
+    # replay models the cache's own reads: no prefetch (on by default) in the live run either
+    live = Model(moe, cache=CacheConfig.exact(budget, policy=policy, prefetch=0), context=ContextConfig(n_ctx=64))
     prompt = live.tokenize("def")[:1]
     n = 48
     out = live.generate(prompt, max_tokens=n)

@@ -55,7 +55,7 @@ def test_opts_round_trip_through_the_parser() -> None:
         ("io_uring=2", "io_uring: '2' must be 0 or 1"),
         ("policy=lru", "unknown KEY; expected one of reserve, t1, t2"),
         ("t1=0.9,t2=0.5", "t1 must not exceed t2"),
-        ("prefetch=1,io_threads=0", "needs io_threads >= 1"),
+        ("prefetch_waste=-1", r"prefetch_waste=-1: must lie in \[0, 100\]"),
     ],
 )
 def test_opts_errors_name_the_option(opts: str, why: str) -> None:

@@ -48,7 +48,12 @@ def test_prefetch_never_changes_output(model_and_store: tuple[Path, Path], use_s
         )
         np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)
         assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
-        _settled(m, prefetch)
+        if budget == lo:
+            # one layer's experts fill the pool: a prompt's ubatch may route every one of them, so
+            # prefetch holds no slot (it would leave the layer none to load into)
+            assert m.prefetch_stats().n_issued == 0
+        else:
+            _settled(m, prefetch)
 
 
 def test_prefetch_with_mixed_precision(model_and_store: tuple[Path, Path]) -> None:
@@ -72,16 +77,25 @@ def test_prefetch_config_errors() -> None:
         CacheConfig(budget="1M", prefetch=9)
     with pytest.raises(ConfigError, match="io_threads"):
         CacheConfig(budget="1M", io_threads=-1)
-    with pytest.raises(ConfigError, match="needs io_threads"):
-        CacheConfig(budget="1M", prefetch=1, io_threads=0)
+    with pytest.raises(ConfigError, match="prefetch_waste"):
+        CacheConfig(budget="1M", prefetch_waste=-0.5)
     CacheConfig(budget="1M", io_threads=0)  # the compute threads read
     with pytest.raises(ConfigError, match="integer"):
         CacheConfig(budget="1M", prefetch=1.5)  # type: ignore[arg-type]
 
 
+def test_prefetch_without_lanes_is_off_with_a_warning(model_and_store: tuple[Path, Path]) -> None:
+    """prefetch is on by default; io_threads=0 (no I/O pool) leaves it nothing to read on: said once."""
+    path, _ = model_and_store
+    m = Model(path, cache=CacheConfig.exact("64M", io_threads=0))
+    assert any("io_threads=0" in w and "prefetch=3 is off" in w for w in m.warnings), m.warnings
+    m.generate("hello", max_tokens=4)
+    assert m.prefetch_stats().n_issued == 0
+
+
 def test_no_prefetch_no_counters(model_and_store: tuple[Path, Path]) -> None:
     path, _ = model_and_store
-    m = Model(path, cache=CacheConfig.exact("64M"))
+    m = Model(path, cache=CacheConfig.exact("64M", prefetch=0))
     m.generate("hello", max_tokens=4)
     p = m.prefetch_stats()
     assert p.n_issued == 0 and not any(p.n_pred)
@@ -97,7 +111,9 @@ def test_prefetch_reads_per_layer_at_most_in_flight(model_and_store: tuple[Path,
     n_walks = 5 * 16  # layers with a next layer x graph runs (the prompt, then 15 decodes)
     issued = {}
     for lanes in (1, 4):
-        m = Model(path, store=store, cache=CacheConfig.exact(budget=lo, prefetch=1, io_threads=lanes))
+        # no byte cap: the lanes alone bound the reads here
+        cfg = CacheConfig.exact(budget=2 * lo, prefetch=1, io_threads=lanes, prefetch_waste=100)
+        m = Model(path, store=store, cache=cfg)
         assert m.generate(tokens, max_tokens=16).tokens == stock.generate(tokens, max_tokens=16).tokens
         _settled(m, 1)
         issued[lanes] = m.prefetch_stats().n_issued
@@ -211,3 +227,65 @@ def test_stale_or_broken_predictor_is_ignored_with_a_warning(model_copy: Path, t
         if content == "other model":
             assert "fitted on another model" in m.warnings[0]
         assert m.generate("hello", max_tokens=8).tokens == stock.generate("hello", max_tokens=8).tokens
+
+
+def _write_wrong_predictor(model: Path) -> None:
+    """A fitted predictor that names the experts the routers rank last: every read it asks for is
+    of an expert the layer will not select (top-4 of 16 and the bottom 4 never meet)."""
+    import gguf
+
+    from moetier import _core
+    from moetier.tools.predictor import moe_layers, write_predictor
+
+    routers = {
+        int(t.name.split(".")[1]): np.asarray(t.data, dtype=np.float32).reshape(int(t.shape[1]), int(t.shape[0]))
+        for t in gguf.GGUFReader(model).tensors
+        if t.name.endswith("ffn_gate_inp.weight")
+    }
+    layers = moe_layers(model)
+    maps = {(il, 1): (-routers[il + 1], np.zeros(len(routers[il + 1]), np.float32)) for il in layers[:-1]}
+    write_predictor(_core.predictor_path(str(model)), model, maps)
+
+
+def test_prefetch_byte_cap_bounds_wasted_reads(model_copy: Path) -> None:
+    """prefetch_waste caps the bytes read for experts their layer then does not use at that share
+    of the bytes the layers needed (their own reads and the prefetches they used); 0 reads nothing.
+    A predictor that is always wrong shows it: uncapped, it wastes far more."""
+    _write_wrong_predictor(model_copy)
+    stock = Model(model_copy)
+    tokens = stock.tokenize(LONG_PROMPT)
+    want = stock.generate(tokens, max_tokens=16).tokens
+    lo = int(Model(model_copy, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    share = {}
+    for waste in (0.0, 0.25, 100.0):
+        cfg = CacheConfig.exact(budget=2 * lo, prefetch=1, io_threads=4, prefetch_waste=waste, warm=False)
+        m = Model(model_copy, cache=cfg)
+        assert m.prefetch_source.startswith("fitted predictor")
+        assert m.generate(tokens, max_tokens=16).tokens == want
+        p, s = m.prefetch_stats(), m.stats()
+        needed = s.n_bytes_read + p.bytes_read - p.bytes_wasted
+        share[waste] = p.bytes_wasted / needed
+        assert p.n_hits + p.n_claimed + p.n_cancelled + p.n_wasted == p.n_issued, p
+        if waste == 0.0:
+            assert p.n_issued == 0 and p.n_capped > 0, p
+        elif waste == 0.25:
+            assert 0 < p.bytes_wasted <= 0.25 * needed and p.n_capped > 0, (p, needed)
+    assert share[100.0] > 0.25, share
+
+
+def test_prefetch_stands_back_when_the_disk_is_behind(model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the reads of earlier walks are still queued (the prefetch lanes are behind: here every
+    read on an I/O thread starts 5 ms late), a walk starts only as many as keep the queue within one
+    walk's reads; the predicted misses it leaves are counted, and the output stays exact."""
+    stock = Model(model_copy)
+    tokens = stock.tokenize(LONG_PROMPT)
+    want = stock.generate(tokens, max_tokens=24).tokens
+    lo = int(Model(model_copy, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    monkeypatch.setenv("MOETIER_FAULTS", "slow:1")
+    # most of the model cached: walks often find a layer's predictions cached and read further ahead,
+    # and those reads are the ones still queued when the next walk starts
+    cfg = CacheConfig.exact(budget=4 * lo, prefetch=3, io_threads=2, prefetch_waste=100, warm=False)
+    m = Model(model_copy, cache=cfg)
+    assert m.generate(tokens, max_tokens=24).tokens == want
+    p = m.prefetch_stats()
+    assert p.n_busy > 0 and p.n_hits + p.n_claimed + p.n_cancelled + p.n_wasted == p.n_issued, p

@@ -169,6 +169,35 @@ def test_lfru_weighs_uses_by_recency() -> None:
     assert p.victim([0, 0]) == 0  # 5/26 < 2/1
 
 
+def test_reuse_evicts_the_longest_expected_time_to_next_use() -> None:
+    """reuse weighs layer distance against use frequency in one unit, resolves: a rarely used expert
+    of the next layer goes before a popular one of the layer that just ran (FLD would evict the
+    latter); at equal frequency, the farther layer goes first."""
+    p = _core.Policy("reuse", 3, W)
+    fld = _core.Policy("fld", 3, W)
+    tick = 0
+    for pass_ in range(1, 11):  # 4 layers; slot 0 holds layer 1's expert 0 (pass 1 only), slot 1 layer 3's (every pass)
+        for layer in range(4):
+            tick += 1
+            for q in (p, fld):
+                q.set_clock(tick, 0, pass_, pass_, layer, 4)
+                if layer == 1 and pass_ == 1:
+                    q.on_load(0, 1, 0, True)
+                if layer == 3:
+                    (q.on_load if pass_ == 1 else q.on_hit)(1, 3, 0, True)
+                if layer == 2 and pass_ == 10:
+                    q.on_load(2, 2, 5, True)  # slot 2: layer 2, once, just now
+    for q in (p, fld):
+        q.set_clock(tick + 1, 0, 11, 11, 0, 4)  # resolving layer 0 of pass 11
+    assert fld.victim([0, 0, 1]) == 1  # the layer that just ran
+    assert p.victim([0, 0, 1]) == 0  # used once, 10 passes ago: its next use is far off
+    assert p.victim([1, 0, 0]) == 2  # layer 2 once vs layer 3 every pass
+    assert p.across_layers
+    with pytest.raises(ConfigError, match="half-life"):
+        CacheConfig(budget="64M", policy="reuse:x")
+    CacheConfig(budget="64M", policy="reuse:16")
+
+
 @pytest.fixture(scope="module")
 def moe(tiny_model: ModelFactory) -> Path:
     return tiny_model("qwen3moe", n_expert=16, n_expert_used=4, n_layer=4, expert_type="f16")
@@ -177,7 +206,7 @@ def moe(tiny_model: ModelFactory) -> Path:
 def test_new_policies_decode_exactly(moe: Path) -> None:
     budget = int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"]) * 2
     stock = Model(moe).generate("def fibonacci(n):", max_tokens=24).tokens
-    for policy in ("classlru", "lfru", "least-stale"):
+    for policy in ("classlru", "lfru", "least-stale", "reuse", "reuse:8"):
         m = Model(moe, cache=CacheConfig.exact(budget, policy=policy))
         out = m.generate("def fibonacci(n):", max_tokens=24)
         assert out.tokens == stock, policy

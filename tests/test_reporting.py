@@ -98,8 +98,9 @@ def test_on_first_token_splits_counters_outside_both_timings(tiny_model: ModelFa
 
 def test_opts_writes_sizes_and_switches_as_integers() -> None:
     """The --expert-opt string the shipped binaries parse: a size is a byte count, a switch 0/1."""
-    opts = dict(kv.split("=") for kv in CacheConfig(budget="1M", reserve="4K", io_uring=False).opts().split(","))
-    assert (opts["reserve"], opts["io_uring"], opts["prefetch"], opts["t1"]) == ("4096", "0", "0", "1.0")
+    cfg = CacheConfig(budget="1M", reserve="4K", io_uring=False, prefetch=2)
+    opts = dict(kv.split("=") for kv in cfg.opts().split(","))
+    assert (opts["reserve"], opts["io_uring"], opts["prefetch"], opts["t1"]) == ("4096", "0", "2", "1.0")
 
 
 @pytest.mark.parametrize(

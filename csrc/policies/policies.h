@@ -123,6 +123,9 @@ moetier_policy_ptr moetier_policy_weighted_create(const moetier_policy_weights &
 moetier_policy_ptr moetier_policy_classlru_create();
 moetier_policy_ptr moetier_policy_lfru_create();
 moetier_policy_ptr moetier_policy_least_stale_create();
+// expected reuse distance (layer distance and decayed use frequency, in resolves); half_life in
+// forward passes
+moetier_policy_ptr moetier_policy_reuse_create(double half_life);
 // Belady's MIN (cost_aware false) and its byte-weighted variant; future must outlive the policy
 moetier_policy_ptr moetier_policy_belady_create(const moetier_future * future, bool cost_aware);
 // FlashMoE's learned policy (flashmoe.h); nullptr with err set if the network file is bad

@@ -76,6 +76,9 @@ class CacheConfig:
     w_fld: float = field(default=round(float(_DEFAULTS.w_fld), 6), metadata={"help": _help("w_fld")})
     prefetch: int = field(default=int(_DEFAULTS.prefetch), metadata={"help": _help("prefetch")})
     io_threads: int = field(default=int(_DEFAULTS.io_threads), metadata={"help": _help("io_threads")})
+    prefetch_waste: float = field(
+        default=round(float(_DEFAULTS.prefetch_waste), 6), metadata={"help": _help("prefetch_waste")}
+    )
     io_uring: bool = field(default=bool(_DEFAULTS.io_uring), metadata={"help": _help("io_uring")})
     warm: bool = field(default=bool(_DEFAULTS.warm), metadata={"help": _help("warm")})
     fitted_prefetch: bool = field(default=bool(_DEFAULTS.fitted_prefetch), metadata={"help": _help("fitted_prefetch")})

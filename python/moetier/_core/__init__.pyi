@@ -40,6 +40,7 @@ class Params:
     w_fld: float
     prefetch: int
     io_threads: int
+    prefetch_waste: float
     n_ctx: int
     io_uring: bool
     direct_io: bool
@@ -97,6 +98,8 @@ class PrefetchStats:
     n_wasted: int
     bytes_read: int
     bytes_wasted: int
+    n_capped: int
+    n_busy: int
     @property
     def n_pred(self) -> list[int]: ...
     @property
