@@ -38,12 +38,19 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path.home() / ".cache/moetier/traces", help="where traces are kept")
     p.add_argument("--out", required=True, help="OUT.json/.md/.png (replay), OUT-flashmoe.bin/.json/.md (learned)")
     p.add_argument("--epochs", type=int, default=8, help="train-policy epochs per round")
+    p.add_argument("--policies", default=None, help="policies to replay, comma-separated (default: moetier replay's)")
+    p.add_argument("--no-learned", action="store_true", help="replay only: do not train FlashMoE's learned policy")
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     texts = default_cache() / "corpora"  # bench/corpora.py fetch NAME writes NAME.calib.txt, NAME.eval.txt
-    train = [trace_of(a.model, texts / f"{c}.calib.txt", a.tokens, a.work) for c in a.corpora]
     held = [trace_of(a.model, texts / f"{c}.eval.txt", a.tokens, a.work) for c in a.corpora]
-    rp.replay_main([*map(str, held), "-m", str(a.model), "--budgets", a.budgets, "-o", a.out + ".json", "-q"])
+    policies = ["--policies", a.policies] if a.policies else []
+    rp.replay_main(
+        [*map(str, held), "-m", str(a.model), "--budgets", a.budgets, *policies, "-o", a.out + ".json", "-q"]
+    )
+    if a.no_learned:
+        return 0
+    train = [trace_of(a.model, texts / f"{c}.calib.txt", a.tokens, a.work) for c in a.corpora]
     net = a.out + "-flashmoe.bin"
     args = ["-m", str(a.model), "--train", *map(str, train), "--eval", *map(str, held), "--budgets", a.budgets]
     tp.main([*args, "-o", net, "--epochs", str(a.epochs)])

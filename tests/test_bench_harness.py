@@ -64,6 +64,19 @@ def test_summarize_medians_and_counters() -> None:
     assert s["errors"] == ["timeout after 5 s"]
 
 
+def test_decode_stall_is_the_decode_steps_wait_per_step() -> None:
+    """The seconds the decode steps waited for expert reads (the worker's decode_read_s), per decode
+    step (tokens - 1 per prompt: the first token comes from the prompt's pass), median over repeats;
+    absent where no run reports it (upstream, the peer)."""
+    reps = [_worker([10.0, 10.0], 3, 4, 300) for _ in range(3)]
+    for r, wait in zip(reps, (0.4, 0.8, 2.0), strict=True):
+        for run_ in r["runs"]:  # type: ignore[attr-defined]
+            run_["decode_read_s"] = wait
+    s = run.summarize(reps)
+    assert s["decode_stall_s_per_token"] == pytest.approx(2 * 0.8 / 8)  # 2 prompts x 4 decode steps
+    assert run.summarize([_worker([10.0], 3, 4, 300)])["decode_stall_s_per_token"] is None
+
+
 def test_summarize_all_failed() -> None:
     assert run.summarize([{"error": "boom"}]) == {"error": "boom"}
 
@@ -88,6 +101,9 @@ def test_prefetch_summary() -> None:
     assert s is not None
     assert (s["reads_per_token"], s["hits_per_token"], s["bytes_per_token"]) == (2.0, 1.5, 200.0)
     assert (s["top1"], s["allk"]) == (0.6, 0.5)
+    assert (s["capped_per_token"], s["busy_per_token"]) == (0.0, 0.0)  # an engine before the byte cap
+    s = run.prefetch_summary({**pf, "n_capped": 10, "n_busy": 4}, 20)
+    assert s is not None and (s["capped_per_token"], s["busy_per_token"]) == (0.5, 0.2)
     assert run.prefetch_summary({**pf, "n_issued": 0}, 20) is None
     assert run.prefetch_summary(None, 20) is None
 
