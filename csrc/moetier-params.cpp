@@ -85,7 +85,7 @@ struct moetier_params moetier_default_params(void) {
         /*.cache_bytes =*/0,
         /*.reserve     =*/0,
         /*.store_dir   =*/nullptr,
-        /*.policy      =*/"lru",
+        /*.policy      =*/"reuse",
         /*.t1          =*/1.0f,
         /*.t2          =*/1.0f,
         /*.low_frac    =*/0.25f,
