@@ -14,41 +14,8 @@ namespace {
 constexpr double  MOETIER_CLASSLRU_HALF_LIFE = 128.0;  // forward passes
 constexpr int32_t MOETIER_CLASSLRU_CLASSES   = 8;
 
-struct moetier_policy_classlru : moetier_policy_i {
-    struct record {
-        double   count      = 0.0;  // decayed uses, as of pass count_pass
-        uint64_t count_pass = 0;
-        uint64_t last_use   = 0;    // tick
-    };
-
-    std::vector<moetier_key>       key;  // [n_slots]
-    moetier_expert_records<record> records;
-
-    void init(int32_t n_slots) override { key.assign(n_slots, moetier_key{}); }
-
-    record & rec(const moetier_key & k) { return records[k]; }
-
-    static double decayed(const record & r, uint64_t pass) {
-        return r.count * std::exp2(-(double) (pass - r.count_pass) / MOETIER_CLASSLRU_HALF_LIFE);
-    }
-
-    void use(int32_t s, const moetier_key & k, const moetier_policy_ctx & ctx) {
-        key[s]     = k;
-        record & r = rec(k);
-        if (r.last_use == 0 || r.count_pass != ctx.pass) {  // one use per forward pass
-            r.count      = decayed(r, ctx.pass) + 1.0;
-            r.count_pass = ctx.pass;
-        }
-        r.last_use = ctx.tick;
-    }
-
-    void on_hit(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
-        use(s, k, ctx);
-    }
-
-    void on_load(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
-        use(s, k, ctx);
-    }
+struct moetier_policy_classlru : moetier_policy_decayed_uses {
+    moetier_policy_classlru() : moetier_policy_decayed_uses(MOETIER_CLASSLRU_HALF_LIFE) {}
 
     int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
         int32_t best   = -1;
@@ -60,7 +27,7 @@ struct moetier_policy_classlru : moetier_policy_i {
             if (key[s].layer < 0) {
                 return s;  // never filled (the cache hands those out before asking): nothing to keep
             }
-            const record & r = rec(key[s]);
+            const record & r = records[key[s]];
             const double   c = decayed(r, ctx.pass);
             const int32_t  cls =
                 c < 1.0 ? 0 : std::min(MOETIER_CLASSLRU_CLASSES - 1, (int32_t) std::floor(std::log2(c)));
@@ -72,9 +39,6 @@ struct moetier_policy_classlru : moetier_policy_i {
         }
         return best;
     }
-
-    // the counts decay instead of resetting
-    void reset_sequence(const moetier_policy_ctx & /*ctx*/) override {}
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 // victim among unpinned slots. A new policy is one file in csrc/policies/ plus one line in
 // moetier_policy_create.
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -74,6 +75,50 @@ template <typename R> class moetier_expert_records {
 
   private:
     std::vector<std::vector<R>> rows;  // [layer][expert]
+};
+
+// The per-expert use counts of ClassLRU and reuse: at most one use per forward pass, decayed with a
+// half-life of half_life passes, and the tick of the last use. Counts are per expert, so an expert
+// read again keeps its history, and they decay instead of resetting with a sequence.
+struct moetier_policy_decayed_uses : moetier_policy_i {
+    struct record {
+        double   count      = 0.0;  // decayed uses, as of pass count_pass
+        uint64_t count_pass = 0;
+        uint64_t last_use   = 0;    // tick
+    };
+
+    const double                   half_life;  // forward passes
+    std::vector<moetier_key>       key;        // [n_slots]
+    moetier_expert_records<record> records;
+
+    explicit moetier_policy_decayed_uses(double h) : half_life(h) {}
+
+    double decay(uint64_t passes) const { return std::exp2(-(double) passes / half_life); }
+
+    // r's count as of pass
+    double decayed(const record & r, uint64_t pass) const { return r.count * decay(pass - r.count_pass); }
+
+    void use(int32_t s, const moetier_key & k, const moetier_policy_ctx & ctx) {
+        key[s]     = k;
+        record & r = records[k];
+        if (r.last_use == 0 || r.count_pass != ctx.pass) {  // one use per forward pass
+            r.count      = decayed(r, ctx.pass) + 1.0;
+            r.count_pass = ctx.pass;
+        }
+        r.last_use = ctx.tick;
+    }
+
+    void init(int32_t n_slots) override { key.assign(n_slots, moetier_key{}); }
+
+    void on_hit(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
+        use(s, k, ctx);
+    }
+
+    void on_load(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
+        use(s, k, ctx);
+    }
+
+    void reset_sequence(const moetier_policy_ctx & /*ctx*/) override {}
 };
 
 // What a recorded trace will ask for, known only to a replay: the offline policies (Belady) look

@@ -20,40 +20,8 @@
 
 namespace {
 
-struct moetier_policy_reuse : moetier_policy_i {
-    struct record {
-        double   count      = 0.0;  // decayed uses, as of pass count_pass
-        uint64_t count_pass = 0;
-        uint64_t last_use   = 0;    // tick
-    };
-
-    const double                   half_life;  // forward passes
-    std::vector<moetier_key>       key;        // [n_slots]
-    moetier_expert_records<record> records;
-
-    explicit moetier_policy_reuse(double h) : half_life(h) {}
-
-    void init(int32_t n_slots) override { key.assign(n_slots, moetier_key{}); }
-
-    double decay(uint64_t passes) const { return std::exp2(-(double) passes / half_life); }
-
-    void use(int32_t s, const moetier_key & k, const moetier_policy_ctx & ctx) {
-        key[s]     = k;
-        record & r = records[k];
-        if (r.last_use == 0 || r.count_pass != ctx.pass) {  // one use per forward pass
-            r.count      = r.count * decay(ctx.pass - r.count_pass) + 1.0;
-            r.count_pass = ctx.pass;
-        }
-        r.last_use = ctx.tick;
-    }
-
-    void on_hit(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
-        use(s, k, ctx);
-    }
-
-    void on_load(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
-        use(s, k, ctx);
-    }
+struct moetier_policy_reuse : moetier_policy_decayed_uses {
+    explicit moetier_policy_reuse(double h) : moetier_policy_decayed_uses(h) {}
 
     int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
         const int32_t ln     = ctx.n_layers > 0 ? ctx.n_layers : 1;
@@ -70,7 +38,7 @@ struct moetier_policy_reuse : moetier_policy_i {
                 return s;  // an empty slot
             }
             const record & r = records[key[s]];
-            const double   p = (r.count * decay(ctx.pass - r.count_pass) + 0.5) / (n + 1.0);
+            const double   p = (decayed(r, ctx.pass) + 0.5) / (n + 1.0);
             const int32_t  d = ((key[s].layer - ctx.layer) % ln + ln) % ln;
             const double   v = (d == 0 ? ln : d) + ln * (1.0 - std::min(p, 1.0)) / p;
             if (best < 0 || v > best_v || (v == best_v && r.last_use < best_t)) {
@@ -81,8 +49,6 @@ struct moetier_policy_reuse : moetier_policy_i {
         }
         return best;
     }
-
-    void reset_sequence(const moetier_policy_ctx & /*ctx*/) override {}
 
     bool across_layers() const override { return true; }
 };
