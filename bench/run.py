@@ -262,7 +262,8 @@ def main() -> None:
         default=None,
         help="several moetier configurations in the same run (an ablation): NAME=POLICY:OPTS;NAME=POLICY:OPTS... "
         "e.g. 'lru-high=lru:t1=1,t2=1;precision=lru:t1=0.6,t2=0.9' (default: one, 'moetier', from --policy/--opts); "
-        "budget=auto in OPTS sizes that variant's cache from the cap instead of the budget",
+        "budget=auto in OPTS sizes that variant's cache from the cap instead of the budget; store=0 makes "
+        "that variant read the GGUF where --store is given",
     )
     p.add_argument(
         "--peer",
@@ -392,10 +393,9 @@ def main() -> None:
         configs.append((f"stock-capped-{pct}", ["--no-repack"], cap, None, "worker.py"))
         for name, policy, opts in variants:
             size, opts = cache_flag(opts, budget)
+            store, opts = store_flag(opts, a.store)
             flags = ["--cache", size, "--policy", policy, "--opts", opts]
-            configs.append(
-                (f"{name}-{pct}", flags + (["--store", a.store] if a.store else []), cap, budget, "worker.py")
-            )
+            configs.append((f"{name}-{pct}", flags + (["--store", store] if store else []), cap, budget, "worker.py"))
         for name, peer_args in peers:
             # the peer's cache in whole MiB, as its --cache-mb takes it: never more than ours
             flags = ["--peer-bin", a.peer, f"--peer-args={peer_args.format(budget_mib=budget // MiB)}"]
@@ -444,6 +444,13 @@ def cache_flag(opts: str, budget: int) -> tuple[str, str]:
     items = [x for x in opts.split(",") if x]
     auto = "budget=auto" in items
     return ("auto" if auto else str(budget)), ",".join(x for x in items if x != "budget=auto")
+
+
+def store_flag(opts: str, store: str | None) -> tuple[str | None, str]:
+    """A variant's store and its other options: --store, or none where OPTS holds store=0 (that
+    variant reads the GGUF, beside variants that read the store, in one run)."""
+    items = [x for x in opts.split(",") if x]
+    return (None if "store=0" in items else store), ",".join(x for x in items if x != "store=0")
 
 
 def parse_peer_variants(text: str, option: str) -> list[tuple[str, str]]:

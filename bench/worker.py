@@ -14,7 +14,7 @@ from typing import Any
 from moetier import CacheConfig, ContextConfig, Model
 
 # CacheConfig fields that take whole numbers (the rest are floats)
-INT_OPTS = ("prefetch", "io_threads", "io_uring", "warm", "lock_weights", "direct_io", "fitted_prefetch")
+INT_OPTS = ("prefetch", "io_threads", "io_uring", "warm", "lock_weights", "direct_io", "fitted_prefetch", "verify_all")
 
 
 def parse_opts(text: str) -> tuple[dict[str, Any], bool]:

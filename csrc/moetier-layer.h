@@ -58,15 +58,22 @@ struct moetier_proj {
     uint64_t expert_checksum(int32_t e, moetier_precision prec) const {
         return prec == MOETIER_PRECISION_LOW ? store->checksum_low[e] : store->checksum_high[e];
     }
+
+    // a store's, per precision and expert: its copy was read back intact once (the checksum matched).
+    // The check is a pass over the bytes on the core that reads (~4 GB/s): unless verify_all, a later
+    // read of a verified copy skips it. Set by whichever thread finishes the read.
+    std::shared_ptr<std::atomic<bool>[]> verified[MOETIER_N_PRECISIONS];
 };
 
 // one served MoE layer; the custom ops' userdata
 struct moetier_layer {
     int32_t                   il    = -1;
-    moetier_cache *           cache = nullptr;      // the pool group serving it (set by the cache; not called below it)
-    std::vector<moetier_proj> projs;                // in the group's projection order
-    moetier_layer_stats       stats     = {};       // this layer's counters (stats.layer = il)
-    moetier_latency_hist *    read_hist = nullptr;  // the model's read latencies (every read of the layer adds one)
+    moetier_cache *           cache = nullptr;  // the pool group serving it (set by the cache; not called below it)
+    std::vector<moetier_proj> projs;            // in the group's projection order
+    moetier_layer_stats       stats      = {};  // this layer's counters (stats.layer = il)
+    moetier_latency_hist *    read_hist  = nullptr;  // the model's read latencies (every read of the layer adds one)
+    std::atomic<uint64_t> *   n_checked  = nullptr;  // the model's count of reads checked against the store's checksums
+    bool                      verify_all = false;    // check every read of a store, not only each copy's first
     // per expert, for the warm-start sidecar: lookups (seeded from the sidecar, halved) and the
     // group's tick of the last one; atomics: the sidecar is also written while decoding runs
     std::unique_ptr<std::atomic<uint32_t>[]> uses;

@@ -37,6 +37,7 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     n_ctx           = params.n_ctx;
     warm_on         = params.warm;
     lock_weights    = params.lock_weights;
+    verify_all      = params.verify_all;
     fitted_prefetch = params.fitted_prefetch;
     process_anon    = moetier_process_anon_bytes("");
     direct_io       = params.direct_io;
@@ -241,7 +242,17 @@ void moetier_model::finish_load() {
     }
     std::sort(layers.begin(), layers.end(), [](const auto & a, const auto & b) { return a->il < b->il; });
     for (auto & l : layers) {
-        l->read_hist = &read_hist;
+        l->read_hist  = &read_hist;
+        l->n_checked  = &n_checked;
+        l->verify_all = verify_all;
+        for (auto & p : l->projs) {
+            for (int32_t prec = 0; prec < MOETIER_N_PRECISIONS && p.store; ++prec) {
+                p.verified[prec].reset(new std::atomic<bool>[n_expert]);
+                for (int32_t e = 0; e < n_expert; ++e) {
+                    p.verified[prec][e].store(false, std::memory_order_relaxed);
+                }
+            }
+        }
         l->uses.reset(new std::atomic<uint32_t>[n_expert]);
         l->last_use.reset(new std::atomic<uint64_t>[n_expert]);
         for (int32_t e = 0; e < n_expert; ++e) {

@@ -97,12 +97,14 @@ struct moetier_model {
     //
 
     std::string            budget_note;  // how cache_bytes was chosen (moetier_model_budget_note)
-    bool                   budget_auto     = false;
-    uint64_t               reserve         = 0;
-    int32_t                n_ctx           = 0;
-    uint64_t               process_anon    = 0;  // RssAnon when the load began (auto budget)
-    bool                   warm_on         = false;
-    bool                   lock_weights    = true;
+    bool                   budget_auto  = false;
+    uint64_t               reserve      = 0;
+    int32_t                n_ctx        = 0;
+    uint64_t               process_anon = 0;  // RssAnon when the load began (auto budget)
+    bool                   warm_on      = false;
+    bool                   lock_weights = true;
+    bool                   verify_all   = false;
+    std::atomic<uint64_t>  n_checked{ 0 };    // reads checked against the store's checksums
     bool                   fitted_prefetch = true;
     std::string            prefetch_source;   // what predicts: "stacked routers" or the fitted predictor
     uint64_t               locked_bytes = 0;  // of the non-expert weights (lock_resident_weights)

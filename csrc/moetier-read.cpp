@@ -27,20 +27,37 @@ static void moetier_read_maybe_flip(const moetier_proj & p, moetier_precision pr
     }
 }
 
-static bool moetier_read_verify_proj(const moetier_proj & p,
-                                     moetier_precision    prec,
-                                     int32_t              e,
-                                     int32_t              s,
-                                     moetier_error &      err) {
+// one read (of an expert, or of one of its projections) was checked against the store's checksums
+static void moetier_read_count_check(const moetier_layer & l, bool checked) {
+    if (checked && l.n_checked) {
+        l.n_checked->fetch_add(1, std::memory_order_relaxed);
+    }
+}
+
+static bool moetier_read_verify_proj(const moetier_layer & l,
+                                     const moetier_proj &  p,
+                                     moetier_precision     prec,
+                                     int32_t               e,
+                                     int32_t               s,
+                                     bool &                checked,
+                                     moetier_error &       err) {
     if (!p.store) {
         return true;
     }
+    std::atomic<bool> * done = p.verified[prec] ? &p.verified[prec][e] : nullptr;
+    if (!l.verify_all && done && done->load(std::memory_order_relaxed)) {
+        return true;
+    }
+    checked = true;
     if (moetier_checksum(moetier_slot_data(p, prec, s), p.expert_bytes(prec)) != p.expert_checksum(e, prec)) {
         err.set(MOETIER_ERROR_STORE,
                 format("%s: checksum mismatch for %s expert %d (%s precision): the store is corrupt; "
                        "re-run `moetier pack`",
                        p.file->path().c_str(), p.meta->name, e, prec == MOETIER_PRECISION_LOW ? "low" : "high"));
         return false;
+    }
+    if (done) {
+        done->store(true, std::memory_order_relaxed);
     }
     return true;
 }
@@ -50,12 +67,16 @@ bool moetier_read_verify(const moetier_layer & l,
                          int32_t               e,
                          int32_t               s,
                          moetier_error &       err) noexcept {
+    bool checked = false;
+    bool ok      = true;
     for (const auto & p : l.projs) {
-        if (!moetier_read_verify_proj(p, prec, e, s, err)) {
-            return false;
+        if (!moetier_read_verify_proj(l, p, prec, e, s, checked, err)) {
+            ok = false;
+            break;
         }
     }
-    return true;
+    moetier_read_count_check(l, checked);
+    return ok;
 }
 
 static bool moetier_read_run_untimed(const moetier_read &     r,
@@ -98,7 +119,10 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
         return false;
     }
     moetier_read_maybe_flip(p, r.prec, r.expert, r.slot);
-    return moetier_read_verify_proj(p, r.prec, r.expert, r.slot, err);
+    bool       checked = false;
+    const bool ok      = moetier_read_verify_proj(l, p, r.prec, r.expert, r.slot, checked, err);
+    moetier_read_count_check(l, checked);
+    return ok;
 }
 
 bool moetier_read_run(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept {

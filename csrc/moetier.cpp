@@ -43,6 +43,7 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     info->expert_bytes_low = m->expert_bytes_low;
     info->min_cache_bytes  = m->min_cache_bytes;
     info->weights_locked   = m->locked_bytes;
+    info->reads_checked    = m->n_checked.load(std::memory_order_relaxed);
     info->t1               = m->precision.t1;
     info->t2               = m->precision.t2;
     info->exact            = m->exact();

@@ -74,6 +74,8 @@ struct moetier_params {
                            // there is one (moetier fit-predictor); false: the next layers' routers
     bool lock_weights;     // mlock the mapped non-expert weights (every token reads them): memory pressure
                            // then takes the page cache and the expert cache's reads, never them
+    bool verify_all;       // check every read of a store against its checksums; false: the first read of
+                           // each expert copy in this process (a pass over the bytes on a reading core)
 };
 
 // cache_bytes of an automatic budget: the memory limit (cgroup v2 memory.max, cgroup v1
@@ -210,6 +212,7 @@ struct moetier_cache_info {
     uint64_t expert_bytes;      // bytes of all served experts (what stock llama.cpp loads)
     uint64_t min_cache_bytes;   // smallest budget accepted: one layer's experts per group
     uint64_t weights_locked;    // bytes of mapped non-expert weights locked in RAM (lock_weights)
+    uint64_t reads_checked;     // expert reads checked against the store's checksums (verify_all)
     float    t1;                // the precision rule in effect (moetier_params)
     float    t2;
     bool     exact;             // every selected expert is computed in high precision: output equals stock llama.cpp

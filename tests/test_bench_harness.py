@@ -412,3 +412,9 @@ def test_frontier_runs_a_configuration_with_the_cache_of_its_run() -> None:
     ]
     with pytest.raises(SystemExit, match="is not NAME=moetier"):
         frontier.parse_points("c-25=peer:--x")
+
+
+def test_variant_store_0_reads_the_gguf() -> None:
+    assert run.store_flag("t1=1,t2=1", "S") == ("S", "t1=1,t2=1")
+    assert run.store_flag("t1=1,store=0,t2=1", "S") == (None, "t1=1,t2=1")
+    assert run.store_flag("prefetch=0", None) == (None, "prefetch=0")

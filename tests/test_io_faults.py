@@ -28,9 +28,10 @@ def setup(tiny_model: ModelFactory, tmp_path: Path) -> tuple[Path, Path, int]:
     return path, store, lo
 
 
-def _model(setup: tuple[Path, Path, int], io_uring: int, prefetch: int) -> Model:
+def _model(setup: tuple[Path, Path, int], io_uring: int, prefetch: int, verify_all: bool = False) -> Model:
     path, store, lo = setup
-    return Model(path, store=store, cache=CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch))
+    cache = CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch, verify_all=verify_all)
+    return Model(path, store=store, cache=cache)
 
 
 @pytest.mark.parametrize(("io_uring", "prefetch"), PATHS)
@@ -39,12 +40,13 @@ def test_transient_faults_are_read_again(
     setup: tuple[Path, Path, int], monkeypatch: pytest.MonkeyPatch, io_uring: int, prefetch: int, faults: str
 ) -> None:
     """Every N-th read faults, so the second try of a faulted read does not (short reads are
-    finished even when every read is short): the logits are stock's, bit for bit."""
+    finished even when every read is short): the logits are stock's, bit for bit. A flipped byte in
+    a re-read of a copy read back intact before is caught only with verify_all."""
     stock = Model(setup[0])
     tokens = stock.tokenize(LONG_PROMPT)
     want = stock.logits(tokens)
     monkeypatch.setenv("MOETIER_FAULTS", faults)
-    m = _model(setup, io_uring, prefetch)
+    m = _model(setup, io_uring, prefetch, verify_all="flip" in faults)
     np.testing.assert_array_equal(m.logits(tokens), want)
     assert m.stats().n_misses > 8, "the budget makes it read, so faults were injected"
     assert m.generate(LONG_PROMPT, max_tokens=8).tokens == stock.generate(LONG_PROMPT, max_tokens=8).tokens
@@ -73,6 +75,26 @@ def test_persistent_faults_fail_cleanly(
     stock = Model(path)
     tokens = stock.tokenize(LONG_PROMPT)
     np.testing.assert_array_equal(_model(setup, io_uring, prefetch).logits(tokens), stock.logits(tokens))
+
+
+@pytest.mark.parametrize(("io_uring", "prefetch"), PATHS)
+def test_store_copies_checked_once(setup: tuple[Path, Path, int], io_uring: int, prefetch: int) -> None:
+    """By default each expert copy's checksum is checked on its first read only (the check is a pass
+    over its bytes on the core that reads); verify_all checks every read. Both decode exactly."""
+    want = Model(setup[0]).generate(LONG_PROMPT, max_tokens=24).tokens
+    copies = 3 * 8  # layers x experts, high precision only
+    for verify_all in (False, True):
+        m = _model(setup, io_uring, prefetch, verify_all)
+        assert m.generate(LONG_PROMPT, max_tokens=24).tokens == want
+        reads = m.stats().n_misses + m.prefetch_stats().n_issued
+        checked = int(m.cache_info()["reads_checked"])
+        assert reads > 2 * copies, "the budget makes it read copies again"
+        if verify_all:
+            assert copies < checked <= reads
+            assert checked >= m.stats().n_misses
+            assert prefetch or checked == m.stats().n_misses
+        else:
+            assert 0 < checked <= copies
 
 
 def test_bad_fault_spec(setup: tuple[Path, Path, int], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,3 +113,24 @@ def test_numbers_of_other_types() -> None:
     assert "t1=0.5," in cfg.opts() and "t2=0.75," in cfg.opts() and "prefetch=1," in cfg.opts()
     with pytest.raises(ConfigError, match=r"cache.io_threads: 4294967296 must lie in \[0, 64\]"):
         CacheConfig(budget="1M", io_threads=2**32)
+
+
+@pytest.mark.parametrize("given", [None, "77"])
+def test_openmp_spin_count(given: str | None) -> None:
+    """Importing moetier sets libgomp's barrier spin count (so the compute threads leave the cores to
+    the I/O threads) before the engine loads libgomp, unless the user set it."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if given is not None:
+        env["GOMP_SPINCOUNT"] = given
+    code = (
+        "import os\n"
+        "before = any('libgomp' in line for line in open('/proc/self/maps'))\n"
+        "import moetier\n"
+        "after = any('libgomp' in line for line in open('/proc/self/maps'))\n"
+        "print(before, after, os.environ['GOMP_SPINCOUNT'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True", given or "3000"]

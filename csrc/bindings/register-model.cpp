@@ -204,6 +204,7 @@ py::dict cache_info(const llama_model * model) {
     d["expert_bytes"]     = info.expert_bytes;
     d["min_cache_bytes"]  = info.min_cache_bytes;
     d["weights_locked"]   = info.weights_locked;
+    d["reads_checked"]    = info.reads_checked;
     d["t1"]               = info.t1;
     d["t2"]               = info.t2;
     d["exact"]            = info.exact;

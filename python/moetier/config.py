@@ -83,6 +83,7 @@ class CacheConfig:
     warm: bool = field(default=bool(_DEFAULTS.warm), metadata={"help": _help("warm")})
     fitted_prefetch: bool = field(default=bool(_DEFAULTS.fitted_prefetch), metadata={"help": _help("fitted_prefetch")})
     lock_weights: bool = field(default=bool(_DEFAULTS.lock_weights), metadata={"help": _help("lock_weights")})
+    verify_all: bool = field(default=bool(_DEFAULTS.verify_all), metadata={"help": _help("verify_all")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget", auto=True))
