@@ -60,7 +60,7 @@ struct moetier_proj {
     }
 
     // a store's, per precision and expert: its copy was read back intact once (the checksum matched).
-    // The check is a pass over the bytes on the core that reads (~4 GB/s): unless verify_all, a later
+    // The check is a pass over the bytes on the core that reads: unless verify_all, a later
     // read of a verified copy skips it. Set by whichever thread finishes the read.
     std::shared_ptr<std::atomic<bool>[]> verified[MOETIER_N_PRECISIONS];
 };

@@ -40,8 +40,8 @@ def test_transient_faults_are_read_again(
     setup: tuple[Path, Path, int], monkeypatch: pytest.MonkeyPatch, io_uring: int, prefetch: int, faults: str
 ) -> None:
     """Every N-th read faults, so the second try of a faulted read does not (short reads are
-    finished even when every read is short): the logits are stock's, bit for bit. A flipped byte in
-    a re-read of a copy read back intact before is caught only with verify_all."""
+    finished even when every read is short): the logits are stock's, bit for bit. Flips run with
+    verify_all, so a flip is caught whichever read of a copy it hits."""
     stock = Model(setup[0])
     tokens = stock.tokenize(LONG_PROMPT)
     want = stock.logits(tokens)

@@ -7,9 +7,9 @@ import os as _os
 # The CPU backend's OpenMP threads spin at every barrier of a graph: libgomp's default is 300000
 # spins while threads <= cores. With 2 compute threads on 2 cores they keep the cores from the
 # prefetch I/O threads, whose reads then start and finish late. 3000 spins (a few microseconds)
-# left in-RAM decode unchanged and made prefetch 8-30% faster (bench/results/README.md, "The
-# cores"). libgomp reads it once, when it is loaded with the engine below; a user's own setting
-# wins. Children (moetier serve's server, the tools) inherit it.
+# left in-RAM decode unchanged and made prefetch 8-29% faster in single runs
+# (bench/results/cores-session28.md). libgomp reads it once, when it is loaded with the engine
+# below; a user's own setting wins. Children (moetier serve's server, the tools) inherit it.
 _os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from .config import CacheConfig, ContextConfig, PackConfig, format_size, parse_size
