@@ -222,8 +222,12 @@ void moetier_cache::finish(moetier_pass & p) noexcept {
     p.layer   = nullptr;
 }
 
-bool moetier_cache::queue_load(moetier_pass & p, moetier_layer & layer, moetier_precision prec, int32_t e) noexcept {
-    const int32_t s = sets[prec]->take({ layer.il, e }, policy_ctx(layer.il));
+bool moetier_cache::queue_load(moetier_pass &             p,
+                               moetier_layer &            layer,
+                               moetier_precision          prec,
+                               int32_t                    e,
+                               const moetier_policy_ctx & ctx) noexcept {
+    const int32_t s = sets[prec]->take({ layer.il, e }, ctx);
     if (s < 0) {
         return false;
     }
@@ -302,11 +306,33 @@ void moetier_cache::resolve(moetier_layer & layer,
         }
     }
 
+    // each needed expert's rank by gate weight at the last token (n_used: only earlier tokens route it),
+    // for the policies that learn from it (reuse-rank)
+    rank.assign(n_expert_, (int32_t) n_used);
+    if (n_tokens > 0) {
+        const int32_t * row = (const int32_t *) ((const char *) ids + (n_tokens - 1) * ids_nb1);
+        const float *   w   = weights ? (const float *) ((const char *) weights + (n_tokens - 1) * w_nb1) : nullptr;
+        for (int64_t k = 0; k < n_used; ++k) {
+            int32_t r = (int32_t) k;  // no weights: the router's order
+            if (w) {
+                r = 0;
+                for (int64_t j = 0; j < n_used; ++j) {
+                    r += w[j] > w[k] || (w[j] == w[k] && j < k);
+                }
+            }
+            rank[row[k]] = r;
+        }
+    }
+    moetier_policy_ctx pctx = policy_ctx(layer.il);
+    pctx.batch              = n_tokens > 1;
+    missing.clear();
+
     moetier_layer_stats & c = layer.stats;
     for (int32_t e = 0; e < n_expert_; ++e) {
         if (need[e] == MOETIER_NEED_NONE) {
             continue;
         }
+        pctx.rank = rank[e];
         if (!warmup && layer.uses) {
             layer.uses[e].fetch_add(1, std::memory_order_relaxed);
             layer.last_use[e].store(tick, std::memory_order_relaxed);
@@ -328,7 +354,7 @@ void moetier_cache::resolve(moetier_layer & layer,
                 }
             }
             moetier_slots & set = *sets[prec];
-            set.on_hit(s, policy_ctx(layer.il));
+            set.on_hit(s, pctx);
             ++c.n_lookups;
             int32_t                    id  = -1;
             const moetier_prefetch_use use = prefetcher ? prefetcher->use(prec, s, &id) : MOETIER_PREFETCH_USE_READY;
@@ -353,22 +379,27 @@ void moetier_cache::resolve(moetier_layer & layer,
             ++c.n_misses;
             ++c.n_skipped;
         } else {
-            // a high need with only the low version cached reads the high version: the rule asked for it
-            ++c.n_lookups;
-            ++c.n_misses;
-            if (need[e] == MOETIER_NEED_LOW && lo.n_slots() > 0 && queue_load(p, layer, MOETIER_PRECISION_LOW, e)) {
-                ++c.n_loads_low;
-            } else {
-                bool ok = queue_load(p, layer, MOETIER_PRECISION_HIGH, e);
-                if (!ok && n_warm > 0) {
-                    // the warm start holds the slots (with prefetch holding others): its reads end
-                    // soon, in layer order; wait for them, then the slots are ordinary again
-                    wait_warm_all();
-                    ok = queue_load(p, layer, MOETIER_PRECISION_HIGH, e);
-                }
-                GGML_ASSERT(ok && "expert cache: no unpinned slot; the pool is smaller than one layer's experts");
-                ++c.n_loads_high;
+            missing.push_back(e);
+        }
+    }
+    // the misses take slots once every hit is pinned: a miss must not evict an expert this layer uses
+    for (const int32_t e : missing) {
+        // a high need with only the low version cached reads the high version: the rule asked for it
+        pctx.rank = rank[e];
+        ++c.n_lookups;
+        ++c.n_misses;
+        if (need[e] == MOETIER_NEED_LOW && lo.n_slots() > 0 && queue_load(p, layer, MOETIER_PRECISION_LOW, e, pctx)) {
+            ++c.n_loads_low;
+        } else {
+            bool ok = queue_load(p, layer, MOETIER_PRECISION_HIGH, e, pctx);
+            if (!ok && n_warm > 0) {
+                // the warm start holds the slots (with prefetch holding others): its reads end
+                // soon, in layer order; wait for them, then the slots are ordinary again
+                wait_warm_all();
+                ok = queue_load(p, layer, MOETIER_PRECISION_HIGH, e, pctx);
             }
+            GGML_ASSERT(ok && "expert cache: no unpinned slot; the pool is smaller than one layer's experts");
+            ++c.n_loads_high;
         }
     }
 

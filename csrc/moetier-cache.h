@@ -180,7 +180,12 @@ class moetier_cache {
     // drops every slot it assigned (nothing was read into them, or checked); failed reads drop theirs
     void finish(moetier_pass & p) noexcept;
     void queue_read(moetier_pass & p, moetier_layer & layer, moetier_precision prec, int32_t e, int32_t s) noexcept;
-    bool queue_load(moetier_pass & p, moetier_layer & layer, moetier_precision prec, int32_t e) noexcept;
+    // a slot for expert e (the policy told of the load with ctx) and its read queued; false if none
+    bool queue_load(moetier_pass &             p,
+                    moetier_layer &            layer,
+                    moetier_precision          prec,
+                    int32_t                    e,
+                    const moetier_policy_ctx & ctx) noexcept;
     void start_reads(moetier_pass & p) noexcept;  // io_uring: the kernel starts the pass's reads now
     void wait_prefetched(moetier_pass & p) noexcept;
     void set_error(const moetier_error & err) noexcept;
@@ -213,6 +218,8 @@ class moetier_cache {
     // scratch of resolve, sized to one layer's experts
     std::vector<moetier_need> need;     // [n_expert]
     std::vector<moetier_need> needs_k;  // [n_used]
+    std::vector<int32_t>      rank;     // [n_expert] gate rank at the ubatch's last token (moetier_policy_ctx)
+    std::vector<int32_t>      missing;  // the resolve's experts to read, in expert order
 
     moetier_pass pass;
 

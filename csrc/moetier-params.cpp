@@ -26,7 +26,9 @@ static const moetier_param_info g_rows[] = {
             "eviction policy: lru, lfu, lhu (high-precision uses), fld (layer distance), multi (their weighted sum), "
             "random, classlru (decayed use classes, as upstream llama.cpp), lfru (uses over recency), least-stale "
             "(what this forward pass already used goes first), reuse (the longest expected time to next use, from "
-            "layer distance and use frequency decayed over 64 passes; reuse:H another half-life)"),
+            "layer distance and use frequency decayed over 64 passes; reuse:H another half-life), reuse-rank (reuse with "
+            "the next use's probability learned online from the gate rank at the last use and the passes since; "
+            "frequency half-life 16, reuse-rank:H another)"),
     MOETIER_ROW(t1, MOETIER_PARAM_TYPE_FLOAT, 0, 1, true,
             "precision threshold of a miss (HOBBIT eq. 2): an expert whose score (the normalised gate weight of the "
             "experts ranked above it) is <= t1 is read in high precision; the top-1 always is"),
@@ -89,7 +91,7 @@ struct moetier_params moetier_default_params(void) {
         /*.cache_bytes =*/0,
         /*.reserve     =*/0,
         /*.store_dir   =*/nullptr,
-        /*.policy      =*/"reuse",
+        /*.policy      =*/"reuse-rank",
         /*.t1          =*/1.0f,
         /*.t2          =*/1.0f,
         /*.low_frac    =*/0.25f,

@@ -198,6 +198,60 @@ def test_reuse_evicts_the_longest_expected_time_to_next_use() -> None:
     CacheConfig(budget="64M", policy="reuse:16")
 
 
+def test_reuse_rank_learns_how_often_a_gate_rank_comes_back() -> None:
+    """reuse-rank counts, per gate rank at the last use and passes since, how often an expert came
+    back; at equal frequency and recency it keeps the one whose rank comes back: rank 0 here (every
+    pass for one expert, every other for another), not rank 7 (never at the next pass). reuse sees a
+    tie. A read no token used (rank -1, a prefetch) is no use and goes first."""
+    p = _core.Policy("reuse-rank", 5, W)
+    reuse = _core.Policy("reuse", 5, W)
+    tick = 0
+    for pass_ in range(1, 22):  # 2 layers; the experts are layer 1's, used while it resolves
+        tick += 2
+        for q in (p, reuse):
+            q.set_clock(tick, 0, pass_, pass_, 1, 2)
+            q.on_hit(2, 1, 0, True, rank=0)  # every pass, ranked first
+            if pass_ % 2:
+                q.on_hit(0, 1, 3, True, rank=0)  # odd passes, ranked first
+                q.on_hit(1, 1, 1, True, rank=7)  # odd passes, ranked last
+            else:
+                q.on_hit(3, 1, 2, True, rank=7)  # even passes, ranked last
+    for q in (p, reuse):
+        q.set_clock(tick + 1, 0, 22, 22, 0, 2)  # resolving layer 0 of pass 22: layer 1 is next
+    assert p.victim([0, 0, 1, 1, 1]) == 1  # rank 7 after one pass: it never came back
+    assert reuse.victim([0, 0, 1, 1, 1]) == 0  # same frequency, same last use: the first slot
+    p.on_load(4, 1, 5, True, rank=-1)
+    assert p.victim([0, 0, 1, 1, 0]) == 4
+    assert p.across_layers
+    with pytest.raises(ConfigError, match="half-life"):
+        CacheConfig(budget="64M", policy="reuse-rank:0")
+
+
+def test_reuse_rank_reads_the_rank_from_the_gate_weights() -> None:
+    """The cache hands reuse-rank each expert's rank by gate weight: a token here keeps a prefix of
+    the previous token's choice, the top of it, so with the weights in that order it misses less
+    than with the same weights shuffled within each token (ranks that say nothing; the table is
+    learned online, so any fixed relabelling of the ranks would do as well as the right one)."""
+    ids = synthetic(5, n_tokens=600, k=8)
+    w = np.broadcast_to(np.linspace(0.2, 0.05, 8, dtype=np.float32), ids.shape).copy()
+    shuffled = np.random.default_rng(0).permuted(w, axis=2)
+    right = _replay(ids, "reuse-rank", 40, w).n_misses
+    assert right < _replay(ids, "reuse-rank", 40, shuffled).n_misses
+    assert right < _replay(ids, "reuse:16", 40).n_misses
+
+
+def test_a_miss_never_evicts_what_the_same_resolve_uses() -> None:
+    """Every hit of a resolve is pinned before its misses take slots. Layer 0's experts 8-15 fill
+    half the cache, all last used together; the next token needs expert 0 and 8-14: expert 0 takes
+    15's slot. Pinning in expert order let it take 8's, whose read then took 9's, and so on."""
+    t0 = [list(range(8, 16)), list(range(8))]
+    t1 = [[0, *range(8, 15)], list(range(8))]
+    ids = np.array([t0, t1], dtype=np.int32)
+    assert _replay(ids, "lru", 16).n_misses == 16 + 1
+    for policy in _core.policy_names():
+        assert _replay(ids, policy, 16).n_misses <= 16 + 2, policy
+
+
 @pytest.fixture(scope="module")
 def moe(tiny_model: ModelFactory) -> Path:
     return tiny_model("qwen3moe", n_expert=16, n_expert_used=4, n_layer=4, expert_type="f16")
@@ -206,7 +260,7 @@ def moe(tiny_model: ModelFactory) -> Path:
 def test_new_policies_decode_exactly(moe: Path) -> None:
     budget = int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"]) * 2
     stock = Model(moe).generate("def fibonacci(n):", max_tokens=24).tokens
-    for policy in ("classlru", "lfru", "least-stale", "reuse", "reuse:8"):
+    for policy in ("classlru", "lfru", "least-stale", "reuse", "reuse:8", "reuse-rank"):
         m = Model(moe, cache=CacheConfig.exact(budget, policy=policy))
         out = m.generate("def fibonacci(n):", max_tokens=24)
         assert out.tokens == stock, policy

@@ -42,14 +42,14 @@ class py_policy {
         ctx_ = { tick, seq_tick, pass, steps, layer, n_layers };
     }
 
-    void on_hit(int32_t slot, int32_t layer, int32_t expert, bool high) {
+    void on_hit(int32_t slot, int32_t layer, int32_t expert, bool high, int32_t rank, bool batch) {
         check(slot, layer, expert);
-        policy_->on_hit(slot, { layer, expert }, high, ctx_);
+        policy_->on_hit(slot, { layer, expert }, high, use_ctx(rank, batch));
     }
 
-    void on_load(int32_t slot, int32_t layer, int32_t expert, bool high) {
+    void on_load(int32_t slot, int32_t layer, int32_t expert, bool high, int32_t rank, bool batch) {
         check(slot, layer, expert);
-        policy_->on_load(slot, { layer, expert }, high, ctx_);
+        policy_->on_load(slot, { layer, expert }, high, use_ctx(rank, batch));
     }
 
     int32_t victim(const std::vector<uint8_t> & excluded) {
@@ -64,6 +64,13 @@ class py_policy {
     bool across_layers() const { return policy_->across_layers(); }
 
   private:
+    moetier_policy_ctx use_ctx(int32_t rank, bool batch) const {
+        moetier_policy_ctx c = ctx_;
+        c.rank               = rank;
+        c.batch              = batch;
+        return c;
+    }
+
     void check(int32_t slot, int32_t layer, int32_t expert) const {
         if (slot < 0 || slot >= n_slots_) {
             throw std::out_of_range("slot out of range");
@@ -234,8 +241,12 @@ void register_policy(py::module_ & m) {
              py::arg("weights") = std::vector<float>{ 0.25f, 0.25f, 0.25f, 0.25f })
         .def("set_clock", &py_policy::set_clock, py::arg("tick"), py::arg("seq_tick"), py::arg("pass_"),
              py::arg("steps"), py::arg("layer"), py::arg("n_layers"))
-        .def("on_hit", &py_policy::on_hit, py::arg("slot"), py::arg("layer"), py::arg("expert"), py::arg("high"))
-        .def("on_load", &py_policy::on_load, py::arg("slot"), py::arg("layer"), py::arg("expert"), py::arg("high"))
+        .def("on_hit", &py_policy::on_hit, py::arg("slot"), py::arg("layer"), py::arg("expert"), py::arg("high"),
+             py::arg("rank") = 0, py::arg("batch") = false,
+             "expert used: rank by gate weight at the ubatch's last token (n_used: earlier tokens only, -1: no "
+             "token, a prefetch); batch: a ubatch of several tokens")
+        .def("on_load", &py_policy::on_load, py::arg("slot"), py::arg("layer"), py::arg("expert"), py::arg("high"),
+             py::arg("rank") = 0, py::arg("batch") = false, "slot filled with the expert (rank, batch: as on_hit)")
         .def("victim", &py_policy::victim, py::arg("excluded"))
         .def("reset_sequence", &py_policy::reset_sequence)
         .def_property_readonly("across_layers", &py_policy::across_layers);

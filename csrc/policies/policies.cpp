@@ -47,18 +47,21 @@ static moetier_policy_ptr moetier_policy_named(const std::string &            na
     if (name == "least-stale") {
         return moetier_policy_least_stale_create();
     }
-    static const std::string reuse = "reuse";
-    if (name.compare(0, reuse.size(), reuse) == 0 && (name.size() == reuse.size() || name[reuse.size()] == ':')) {
-        double half_life = 64.0;
-        if (name.size() > reuse.size()) {
+    for (const char * base : { "reuse", "reuse-rank" }) {
+        const std::string b = base;
+        if (name.compare(0, b.size(), b) != 0 || (name.size() != b.size() && name[b.size()] != ':')) {
+            continue;
+        }
+        double half_life = b == "reuse" ? 64.0 : 16.0;
+        if (name.size() > b.size()) {
             char * end = nullptr;
-            half_life  = strtod(name.c_str() + reuse.size() + 1, &end);
-            if (end == name.c_str() + reuse.size() + 1 || *end != '\0' || !(half_life > 0.0 && half_life < 1e9)) {
-                err = "policy '" + name + "': reuse:H takes a half-life H > 0 in forward passes";
+            half_life  = strtod(name.c_str() + b.size() + 1, &end);
+            if (end == name.c_str() + b.size() + 1 || *end != '\0' || !(half_life > 0.0 && half_life < 1e9)) {
+                err = "policy '" + name + "': " + b + ":H takes a half-life H > 0 in forward passes";
                 return nullptr;
             }
         }
-        return moetier_policy_reuse_create(half_life);
+        return b == "reuse" ? moetier_policy_reuse_create(half_life) : moetier_policy_reuse_rank_create(half_life);
     }
     static const std::string flashmoe = "flashmoe:";
     if (name.compare(0, flashmoe.size(), flashmoe) == 0) {
@@ -85,7 +88,8 @@ static moetier_policy_ptr moetier_policy_named(const std::string &            na
         for (const char * const * n = moetier_policy_names(); *n; ++n) {
             names += names.empty() ? *n : std::string(", ") + *n;
         }
-        err = "unknown policy '" + name + "'; available: " + names + ", reuse:HALF_LIFE, flashmoe:NETWORK_FILE";
+        err = "unknown policy '" + name + "'; available: " + names +
+              ", reuse:HALF_LIFE, reuse-rank:HALF_LIFE, flashmoe:NETWORK_FILE";
         return nullptr;
     }
     return moetier_policy_weighted_create(w);
@@ -113,7 +117,7 @@ moetier_policy_ptr moetier_policy_create(const std::string &            name,
 
 // the online policies (a model can run them); replay also takes the offline ones
 const char * const * moetier_policy_names(void) {
-    static const char * const names[] = { "lru",      "lfu",  "lhu",         "fld",   "multi", "random",
-                                          "classlru", "lfru", "least-stale", "reuse", nullptr };
+    static const char * const names[] = { "lru",      "lfu",  "lhu",         "fld",   "multi",      "random",
+                                          "classlru", "lfru", "least-stale", "reuse", "reuse-rank", nullptr };
     return names;
 }

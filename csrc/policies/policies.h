@@ -25,6 +25,11 @@ struct moetier_policy_ctx {
     uint64_t steps    = 1;  // forward passes of the current sequence, counting this one
     int32_t  layer    = 0;  // model layer being resolved
     int32_t  n_layers = 1;  // model layers, for layer distances
+    // on_hit/on_load of an expert the resolve needs: its rank by gate weight (0 = the largest) at the
+    // last token of the ubatch, n_used if only earlier tokens route it; -1 if no token routed it (a
+    // prefetch, a warm start)
+    int32_t  rank     = -1;
+    bool     batch    = false;  // the pass is a ubatch of several tokens (prefill)
 };
 
 // the weights of HOBBIT's multidimensional priority (eq. 3)
@@ -171,6 +176,9 @@ moetier_policy_ptr moetier_policy_least_stale_create();
 // expected reuse distance (layer distance and decayed use frequency, in resolves); half_life in
 // forward passes
 moetier_policy_ptr moetier_policy_reuse_create(double half_life);
+// expected reuse distance with the next use's probability learned online from the gate rank at the
+// last use and the passes since, and the decayed use frequency (half_life in forward passes)
+moetier_policy_ptr moetier_policy_reuse_rank_create(double half_life);
 // Belady's MIN (cost_aware false) and its byte-weighted variant; future must outlive the policy
 moetier_policy_ptr moetier_policy_belady_create(const moetier_future * future, bool cost_aware);
 // FlashMoE's learned policy (flashmoe.h); nullptr with err set if the network file is bad

@@ -217,9 +217,9 @@ def split_of(scores: npt.NDArray[np.float32], t1: float, t2: float) -> dict[str,
 
 
 def policy_candidates(grid: int) -> list[tuple[str, tuple[float, float, float, float]]]:
-    """random, lru, lfu, lhu, fld, reuse, and multi at every weight vector on the simplex grid."""
+    """random, lru, lfu, lhu, fld, reuse, reuse-rank, and multi at every weight vector on the simplex grid."""
     out: list[tuple[str, tuple[float, float, float, float]]] = [
-        (name, (0.25, 0.25, 0.25, 0.25)) for name in ("random", "lru", "lfu", "lhu", "fld", "reuse")
+        (name, (0.25, 0.25, 0.25, 0.25)) for name in ("random", "lru", "lfu", "lhu", "fld", "reuse", "reuse-rank")
     ]
     for c in itertools.product(range(grid + 1), repeat=4):
         if sum(c) == grid and max(c) < grid:  # one-hot vectors are the single policies

@@ -1,0 +1,149 @@
+// Expected reuse distance (reuse.cpp) with a better estimate of the probability q that an expert's
+// next chance to be used (its layer's next resolve) uses it. Consecutive tokens route alike, and
+// how alike is in the gate: an expert a decode token ranked first by gate weight is routed again by
+// the next token far more often than one it ranked last, and one a pass skipped comes back less often
+// than one it used (bench/results/routing-locality-1.5b-ernie-c32k.md, six traces: 0.87-0.92 after
+// rank 1 of 8, 0.52-0.54 after rank 8, 0.72-0.76 one pass after a use, 0.37-0.42 two passes after).
+// reuse.cpp's decayed frequency sees neither. Here
+//
+//   odds(q) = odds(table[rank at last use][passes since]) x odds(p) / odds(base rate)
+//
+// with the table counted online from each expert's gaps between uses (decode steps only: a prefill
+// ubatch routes nearly every expert), p the decayed use frequency of reuse.cpp and the base rate the
+// table's overall share of uses; the two are treated as independent evidence. The victim is, as in
+// reuse.cpp, the slot whose next use is expected farthest away: d + n_layers (1 - q) / q resolves.
+// Experts a prefetch read that no token used yet have no rank: they take the table's oldest bucket.
+
+#include "policies.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+struct moetier_policy_reuse_rank : moetier_policy_i {
+    static constexpr int32_t max_age = 16;  // passes; older gaps share the last bucket
+
+    struct record {
+        double   count      = 0.0;  // decayed uses, as of pass count_pass
+        uint64_t count_pass = 0;
+        uint64_t last_pass  = 0;    // 0 = never used by a token
+        uint64_t last_tick  = 0;
+        int32_t  last_rank  = 0;
+        bool     last_batch = false;
+    };
+
+    // q's table: [rank][age] uses and chances, with a prior of one use in two chances
+    struct cell {
+        double used   = 1.0;
+        double chance = 2.0;
+    };
+
+    const double                   half_life;
+    std::vector<moetier_key>       key;    // [n_slots]
+    moetier_expert_records<record> records;
+    std::vector<std::vector<cell>> table;  // [rank][age], rank n_used (earlier tokens, no rank) last
+    double                         n_used_all   = 2.0;
+    double                         n_chance_all = 4.0;
+
+    explicit moetier_policy_reuse_rank(double h) : half_life(h) {}
+
+    double decay(uint64_t passes) const { return std::exp2(-(double) passes / half_life); }
+
+    cell & at(int32_t rank, uint64_t age) {
+        if ((size_t) rank >= table.size()) {
+            table.resize(rank + 1, std::vector<cell>(max_age + 1));
+        }
+        return table[rank][std::min<uint64_t>(std::max<uint64_t>(age, 1), max_age)];
+    }
+
+    void use(int32_t s, const moetier_key & k, const moetier_policy_ctx & ctx) {
+        key[s] = k;
+        if (ctx.rank < 0) {
+            return;  // read for a prediction: no token used it
+        }
+        record & r = records[k];
+        if (r.last_pass != 0 && ctx.pass > r.last_pass && !r.last_batch) {
+            // chances at ages 1 .. gap - 1 were missed, the one at age gap was taken
+            const uint64_t gap = ctx.pass - r.last_pass;
+            for (uint64_t a = 1; a < gap && a < (uint64_t) max_age; ++a) {
+                at(r.last_rank, a).chance += 1.0;
+            }
+            if (gap > (uint64_t) max_age) {
+                at(r.last_rank, max_age).chance += (double) (gap - max_age);
+            }
+            cell & c = at(r.last_rank, gap);
+            c.chance += 1.0;
+            c.used += 1.0;
+            n_chance_all += (double) gap;
+            n_used_all += 1.0;
+        }
+        if (r.count_pass != ctx.pass || r.last_pass == 0) {  // one use per forward pass
+            r.count      = r.count * decay(ctx.pass - r.count_pass) + 1.0;
+            r.count_pass = ctx.pass;
+        }
+        r.last_pass  = ctx.pass;
+        r.last_tick  = ctx.tick;
+        r.last_rank  = ctx.rank;
+        r.last_batch = ctx.batch;
+    }
+
+    void init(int32_t n_slots) override { key.assign(n_slots, moetier_key{}); }
+
+    void on_hit(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
+        use(s, k, ctx);
+    }
+
+    void on_load(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
+        use(s, k, ctx);
+    }
+
+    static double odds(double p) { return p / (1.0 - p); }
+
+    int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
+        const int32_t ln        = ctx.n_layers > 0 ? ctx.n_layers : 1;
+        // the passes seen so far, decayed as the counts are (reuse.cpp)
+        const double  n         = (1.0 - decay(ctx.pass)) / (1.0 - decay(1));
+        const double  base_odds = odds(n_used_all / n_chance_all);
+        const int32_t no_rank   = table.empty() ? 0 : (int32_t) table.size() - 1;
+        int32_t       best      = -1;
+        double        best_v    = -1.0;
+        uint64_t      best_t    = 0;
+        for (int32_t s = 0; s < (int32_t) key.size(); ++s) {
+            if (excluded[s]) {
+                continue;
+            }
+            if (key[s].layer < 0) {
+                return s;  // an empty slot
+            }
+            const record & r    = records[key[s]];
+            // its next chance: this pass if its layer has not run yet, else the next one
+            const uint64_t next = key[s].layer > ctx.layer ? ctx.pass : ctx.pass + 1;
+            const cell &   c =
+                r.last_pass == 0 ? at(no_rank, max_age) : at(r.last_rank, next > r.last_pass ? next - r.last_pass : 1);
+            const double  f = r.count * decay(ctx.pass - r.count_pass);
+            const double  p = std::clamp((f + 0.5) / (n + 1.0), 1e-3, 1.0 - 1e-3);
+            const double  o = odds(c.used / c.chance) * odds(p) / base_odds;
+            const double  q = std::clamp(o / (1.0 + o), 1e-4, 1.0);
+            const int32_t d = ((key[s].layer - ctx.layer) % ln + ln) % ln;
+            const double  v = (d == 0 ? ln : d) + ln * (1.0 - q) / q;
+            if (best < 0 || v > best_v || (v == best_v && r.last_tick < best_t)) {
+                best   = s;
+                best_v = v;
+                best_t = r.last_tick;
+            }
+        }
+        return best;
+    }
+
+    // the counts and the table are the model's habits more than the text's: they carry over
+    void reset_sequence(const moetier_policy_ctx & /*ctx*/) override {}
+
+    bool across_layers() const override { return true; }
+};
+
+}  // namespace
+
+moetier_policy_ptr moetier_policy_reuse_rank_create(double half_life) {
+    return std::make_unique<moetier_policy_reuse_rank>(half_life > 0.0 ? half_life : 16.0);
+}
