@@ -397,8 +397,9 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
                 all_cached = false;
             }
         }
-        moetier_policy_ctx tctx = ctx;
-        tctx.layer              = T.il;
+        // the victim of a read is chosen as of now, layer's resolve: with T as the clock's layer, the
+        // experts of the layers between (needed before T) looked a whole pass away, and were evicted
+        const moetier_policy_ctx & tctx = ctx;
         for (const int32_t e : pred_rank) {
             const moetier_need nd = pred_need[e];
             if (n_reads + n_turned == max_reads) {
