@@ -146,6 +146,22 @@ def prefetch_summary(pf: dict[str, Any] | None, tokens: int) -> dict[str, float]
     }
 
 
+def decode_prefetch(r: dict[str, Any], steps: int | None) -> tuple[dict[str, Any] | None, int]:
+    """The prefetch counters of a repeat's decode steps, summed over its generations, and the steps;
+    a worker without them: the last generation's whole counters and its prompt + generated tokens."""
+    runs = r["runs"]
+    if steps and all("decode_prefetch" in run for run in runs):
+        total: dict[str, Any] = {}
+        for run in runs:
+            for k, v in run["decode_prefetch"].items():
+                if isinstance(v, list):
+                    total[k] = [a + b for a, b in zip(total.get(k, [0] * len(v)), v, strict=True)]
+                else:
+                    total[k] = total.get(k, 0) + v
+        return total, steps
+    return r.get("prefetch"), runs[-1]["tokens"] + runs[-1]["prompt_tokens"]
+
+
 def median_or_none(xs: list[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.median(vals) if vals else None
@@ -237,10 +253,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         # lossy configurations differ from run to run (the peer's dropping follows its cache)
         "texts_by_repeat": [[run.get("text") for run in r["runs"]] for r in ok],
         "lossy": lossy_counts(ok),
-        # the counters cover the last generation (each resets them)
-        "prefetch": prefetch_summary(
-            ok[-1].get("prefetch"), ok[-1]["runs"][-1]["tokens"] + ok[-1]["runs"][-1]["prompt_tokens"]
-        ),
+        # per decode step, over the last repeat's generations (older workers: the last generation's
+        # counters, prompt included, per token of prompt and generation)
+        "prefetch": prefetch_summary(*decode_prefetch(ok[-1], decode_steps(ok[-1]))),
         "errors": [r["error"] for r in results if "error" in r],
     }
 
@@ -551,8 +566,9 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     if pf_rows:
         rows += [
             "",
-            "prefetch (per token; accuracy of the predictions one layer ahead; misses left unread by the byte "
-            "cap and because the disk was behind):",
+            "prefetch (per decode step, over the last repeat; results of older workers: per token of the last "
+            "prompt and its generation; accuracy of the predictions one layer ahead; misses left unread by the "
+            "byte cap and because the disk was behind):",
             "",
             "| config | reads | used | cancelled (queued) | wasted (read, unused) | MB read | MB wasted "
             "| top-1 | all-k | capped | busy |",

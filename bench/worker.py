@@ -48,6 +48,18 @@ def status_bytes(key: str) -> int:
     return 0
 
 
+def counter_delta(now: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """now - then, field by field (lists elementwise); then empty: now."""
+    out: dict[str, Any] = {}
+    for k, v in now.items():
+        t = then.get(k)
+        if isinstance(v, list):
+            out[k] = [a - b for a, b in zip(v, t, strict=True)] if t is not None else list(v)
+        else:
+            out[k] = v - t if t is not None else v
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True, help="GGUF model")
@@ -96,12 +108,14 @@ def main() -> None:
     for text in prompts:
         # counters at the first token: what the decode steps alone read is the rest
         first: dict[str, int] = {}
+        pf_first: dict[str, Any] = {}
 
-        def at_first_token(first: dict[str, int] = first) -> None:
+        def at_first_token(first: dict[str, int] = first, pf_first: dict[str, Any] = pf_first) -> None:
             first["disk"] = disk_read_bytes()
             first["cache"] = m.stats().n_bytes_read
             first["prefetch"] = m.prefetch_stats().bytes_read
             first["read_us"] = m.stats().read_us
+            pf_first.update(m.prefetch_stats()._asdict())
 
         disk0 = disk_read_bytes()
         r = m.generate(text, max_tokens=a.n, on_first_token=at_first_token)
@@ -111,6 +125,8 @@ def main() -> None:
                 "decode_disk_read_bytes": disk1 - first.get("disk", disk1),
                 "decode_cache_bytes_read": r.stats.n_bytes_read - first.get("cache", r.stats.n_bytes_read),
                 "decode_prefetch_bytes_read": m.prefetch_stats().bytes_read - first.get("prefetch", 0),
+                # the prefetch counters of the decode steps alone (each generation resets them)
+                "decode_prefetch": counter_delta(m.prefetch_stats()._asdict(), pf_first),
                 "disk_read_bytes": disk1 - disk0,
                 "prompt_tokens": r.prompt_tokens,
                 "tokens": len(r.tokens),

@@ -20,6 +20,7 @@ import frontier
 import peer_worker
 import run
 import upstream_worker
+import worker
 
 
 def _worker(decode: list[float], n_hits: int, n_lookups: int, n_bytes_read: int, disk: int = 0) -> dict[str, object]:
@@ -106,6 +107,22 @@ def test_prefetch_summary() -> None:
     assert s is not None and (s["capped_per_token"], s["busy_per_token"]) == (0.5, 0.2)
     assert run.prefetch_summary({**pf, "n_issued": 0}, 20) is None
     assert run.prefetch_summary(None, 20) is None
+
+
+def test_prefetch_counters_of_the_decode_steps() -> None:
+    """The worker's counters at the first token subtracted from those at the end, summed over a
+    repeat's generations and divided by its decode steps: the prompt's pass is not in them."""
+    at_end = {"n_issued": 50, "bytes_read": 5000, "n_pred": [12, 9]}
+    at_first = {"n_issued": 30, "bytes_read": 3000, "n_pred": [2, 1]}
+    d = worker.counter_delta(at_end, at_first)
+    assert d == {"n_issued": 20, "bytes_read": 2000, "n_pred": [10, 8]}
+    assert worker.counter_delta(at_end, {}) == at_end
+    r = {"runs": [{"decode_prefetch": d, "tokens": 5, "prompt_tokens": 9}] * 2, "prefetch": at_end}
+    total, steps = run.decode_prefetch(r, 8)
+    assert steps == 8 and total == {"n_issued": 40, "bytes_read": 4000, "n_pred": [20, 16]}
+    # an older worker: the last generation's counters over its prompt and generated tokens
+    old = {"runs": [{"tokens": 5, "prompt_tokens": 9}], "prefetch": at_end}
+    assert run.decode_prefetch(old, 4) == (at_end, 14)
 
 
 def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:
