@@ -103,6 +103,14 @@ struct moetier_policy_decayed_uses : moetier_policy_i {
     // r's count as of pass
     double decayed(const record & r, uint64_t pass) const { return r.count * decay(pass - r.count_pass); }
 
+    // the passes seen by pass, decayed as the counts are: sum over i < pass of 2^(-i / H)
+    double passes_seen(uint64_t pass) const { return (1.0 - decay(pass)) / (1.0 - decay(1)); }
+
+    // r's use frequency per pass by pass (half a use and one pass added: one use is not certainty)
+    double frequency(const record & r, uint64_t pass) const {
+        return (decayed(r, pass) + 0.5) / (passes_seen(pass) + 1.0);
+    }
+
     void use(int32_t s, const moetier_key & k, const moetier_policy_ctx & ctx) {
         key[s]     = k;
         record & r = records[k];

@@ -25,8 +25,6 @@ struct moetier_policy_reuse : moetier_policy_decayed_uses {
 
     int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
         const int32_t ln     = ctx.n_layers > 0 ? ctx.n_layers : 1;
-        // the passes seen so far, decayed as the counts are: sum over i < pass of 2^(-i / H)
-        const double  n      = (1.0 - decay(ctx.pass)) / (1.0 - decay(1));
         int32_t       best   = -1;
         double        best_v = -1.0;
         uint64_t      best_t = 0;
@@ -38,7 +36,7 @@ struct moetier_policy_reuse : moetier_policy_decayed_uses {
                 return s;  // an empty slot
             }
             const record & r = records[key[s]];
-            const double   p = (decayed(r, ctx.pass) + 0.5) / (n + 1.0);
+            const double   p = frequency(r, ctx.pass);
             const int32_t  d = ((key[s].layer - ctx.layer) % ln + ln) % ln;
             const double   v = (d == 0 ? ln : d) + ln * (1.0 - std::min(p, 1.0)) / p;
             if (best < 0 || v > best_v || (v == best_v && r.last_use < best_t)) {

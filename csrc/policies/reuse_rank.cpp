@@ -21,16 +21,14 @@
 
 namespace {
 
-struct moetier_policy_reuse_rank : moetier_policy_i {
+struct moetier_policy_reuse_rank : moetier_policy_decayed_uses {
     static constexpr int32_t max_age = 16;  // passes; older gaps share the last bucket
 
-    struct record {
-        double   count      = 0.0;  // decayed uses, as of pass count_pass
-        uint64_t count_pass = 0;
-        uint64_t last_pass  = 0;    // 0 = never used by a token
-        uint64_t last_tick  = 0;
-        int32_t  last_rank  = 0;
-        bool     last_batch = false;
+    // what the table learns from, per expert, beside the use counts of the base
+    struct last_use_rank {
+        uint64_t pass  = 0;  // 0 = never used by a token
+        int32_t  rank  = 0;
+        bool     batch = false;
     };
 
     // q's table: [rank][age] uses and chances, with a prior of one use in two chances
@@ -39,16 +37,12 @@ struct moetier_policy_reuse_rank : moetier_policy_i {
         double chance = 2.0;
     };
 
-    const double                   half_life;
-    std::vector<moetier_key>       key;    // [n_slots]
-    moetier_expert_records<record> records;
-    std::vector<std::vector<cell>> table;  // [rank][age], rank n_used (earlier tokens, no rank) last
-    double                         n_used_all   = 2.0;
-    double                         n_chance_all = 4.0;
+    moetier_expert_records<last_use_rank> last;
+    std::vector<std::vector<cell>>        table;  // [rank][age], rank n_used (earlier tokens, no rank) last
+    double                                n_used_all   = 2.0;
+    double                                n_chance_all = 4.0;
 
-    explicit moetier_policy_reuse_rank(double h) : half_life(h) {}
-
-    double decay(uint64_t passes) const { return std::exp2(-(double) passes / half_life); }
+    explicit moetier_policy_reuse_rank(double h) : moetier_policy_decayed_uses(h) {}
 
     cell & at(int32_t rank, uint64_t age) {
         if ((size_t) rank >= table.size()) {
@@ -57,53 +51,45 @@ struct moetier_policy_reuse_rank : moetier_policy_i {
         return table[rank][std::min<uint64_t>(std::max<uint64_t>(age, 1), max_age)];
     }
 
-    void use(int32_t s, const moetier_key & k, const moetier_policy_ctx & ctx) {
+    void use_ranked(int32_t s, const moetier_key & k, const moetier_policy_ctx & ctx) {
         key[s] = k;
         if (ctx.rank < 0) {
             return;  // read for a prediction: no token used it
         }
-        record & r = records[k];
-        if (r.last_pass != 0 && ctx.pass > r.last_pass && !r.last_batch) {
+        last_use_rank & r = last[k];
+        if (r.pass != 0 && ctx.pass > r.pass && !r.batch) {
             // chances at ages 1 .. gap - 1 were missed, the one at age gap was taken
-            const uint64_t gap = ctx.pass - r.last_pass;
+            const uint64_t gap = ctx.pass - r.pass;
             for (uint64_t a = 1; a < gap && a < (uint64_t) max_age; ++a) {
-                at(r.last_rank, a).chance += 1.0;
+                at(r.rank, a).chance += 1.0;
             }
             if (gap > (uint64_t) max_age) {
-                at(r.last_rank, max_age).chance += (double) (gap - max_age);
+                at(r.rank, max_age).chance += (double) (gap - max_age);
             }
-            cell & c = at(r.last_rank, gap);
+            cell & c = at(r.rank, gap);
             c.chance += 1.0;
             c.used += 1.0;
             n_chance_all += (double) gap;
             n_used_all += 1.0;
         }
-        if (r.count_pass != ctx.pass || r.last_pass == 0) {  // one use per forward pass
-            r.count      = r.count * decay(ctx.pass - r.count_pass) + 1.0;
-            r.count_pass = ctx.pass;
-        }
-        r.last_pass  = ctx.pass;
-        r.last_tick  = ctx.tick;
-        r.last_rank  = ctx.rank;
-        r.last_batch = ctx.batch;
+        r.pass  = ctx.pass;
+        r.rank  = ctx.rank;
+        r.batch = ctx.batch;
+        use(s, k, ctx);  // the decayed count and the tick of the last use
     }
 
-    void init(int32_t n_slots) override { key.assign(n_slots, moetier_key{}); }
-
     void on_hit(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
-        use(s, k, ctx);
+        use_ranked(s, k, ctx);
     }
 
     void on_load(int32_t s, const moetier_key & k, bool /*high*/, const moetier_policy_ctx & ctx) override {
-        use(s, k, ctx);
+        use_ranked(s, k, ctx);
     }
 
     static double odds(double p) { return p / (1.0 - p); }
 
     int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
         const int32_t ln        = ctx.n_layers > 0 ? ctx.n_layers : 1;
-        // the passes seen so far, decayed as the counts are (reuse.cpp)
-        const double  n         = (1.0 - decay(ctx.pass)) / (1.0 - decay(1));
         const double  base_odds = odds(n_used_all / n_chance_all);
         const int32_t no_rank   = table.empty() ? 0 : (int32_t) table.size() - 1;
         int32_t       best      = -1;
@@ -116,21 +102,20 @@ struct moetier_policy_reuse_rank : moetier_policy_i {
             if (key[s].layer < 0) {
                 return s;  // an empty slot
             }
-            const record & r    = records[key[s]];
+            const record &        r    = records[key[s]];
+            const last_use_rank & lr   = last[key[s]];
             // its next chance: this pass if its layer has not run yet, else the next one
-            const uint64_t next = key[s].layer > ctx.layer ? ctx.pass : ctx.pass + 1;
-            const cell &   c =
-                r.last_pass == 0 ? at(no_rank, max_age) : at(r.last_rank, next > r.last_pass ? next - r.last_pass : 1);
-            const double  f = r.count * decay(ctx.pass - r.count_pass);
-            const double  p = std::clamp((f + 0.5) / (n + 1.0), 1e-3, 1.0 - 1e-3);
+            const uint64_t        next = key[s].layer > ctx.layer ? ctx.pass : ctx.pass + 1;
+            const cell &  c = lr.pass == 0 ? at(no_rank, max_age) : at(lr.rank, next > lr.pass ? next - lr.pass : 1);
+            const double  p = std::clamp(frequency(r, ctx.pass), 1e-3, 1.0 - 1e-3);
             const double  o = odds(c.used / c.chance) * odds(p) / base_odds;
             const double  q = std::clamp(o / (1.0 + o), 1e-4, 1.0);
             const int32_t d = ((key[s].layer - ctx.layer) % ln + ln) % ln;
             const double  v = (d == 0 ? ln : d) + ln * (1.0 - q) / q;
-            if (best < 0 || v > best_v || (v == best_v && r.last_tick < best_t)) {
+            if (best < 0 || v > best_v || (v == best_v && r.last_use < best_t)) {
                 best   = s;
                 best_v = v;
-                best_t = r.last_tick;
+                best_t = r.last_use;
             }
         }
         return best;
