@@ -124,12 +124,15 @@ uint64_t moetier_budget_auto(const moetier_memory &       mem,
     // the margin covers the page cache nobody counts (the interpreter's and the libraries' code,
     // ~50 MiB for the Python API) and the estimates' error
     const uint64_t margin = std::max<uint64_t>((uint64_t) 64 << 20, usable / 32);
-    const uint64_t needed = needs.weights + needs.kv + needs.compute + needs.reserve + margin;
+    const uint64_t needed = needs.weights + needs.kv + needs.compute + needs.io + needs.reserve + margin;
     const uint64_t left   = usable > needed ? usable - needed : 0;
     const uint64_t budget = std::min(left, all_experts);
     note = format("expert cache auto: %s = %s - non-expert weights %s - KV cache %s (n_ctx %d) - compute buffers %s",
                   moetier_format_bytes(budget).c_str(), from.c_str(), moetier_format_bytes(needs.weights).c_str(),
                   moetier_format_bytes(needs.kv).c_str(), needs.n_ctx, moetier_format_bytes(needs.compute).c_str());
+    if (needs.io > 0) {
+        note += format(" - read staging %s", moetier_format_bytes(needs.io).c_str());
+    }
     if (needs.reserve > 0) {
         note += format(" - reserve %s", moetier_format_bytes(needs.reserve).c_str());
     }

@@ -28,6 +28,7 @@ struct moetier_budget_needs {
     uint64_t compute = 0;  // compute buffers (estimate)
     uint64_t process = 0;  // the process's own memory before the model loaded
     uint64_t reserve = 0;  // asked for by the user
+    uint64_t io      = 0;  // staging buffers of io_uring reads from a GGUF
 };
 
 // The budget: the usable memory (the cgroup limit minus the process's own memory, or MemAvailable,

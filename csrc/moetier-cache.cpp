@@ -241,11 +241,14 @@ void moetier_cache::queue_read(moetier_pass &    p,
                                int32_t           e,
                                int32_t           s) noexcept {
     sets[prec]->pin(s);
-    const int32_t n_parts = moetier_read_parts(layer, prec);
+    // a read per projection lets the compute threads share an expert's reads; on the ring an
+    // expert is one task (a GGUF's projections its parts)
+    const bool    whole   = moetier_read_parts(layer, prec) == 1 || (io != nullptr && io->uses_uring());
+    const int32_t n_parts = whole ? 1 : moetier_read_parts(layer, prec);
     for (int32_t k = 0; k < n_parts; ++k) {
         moetier_pass::task & t = p.tasks[p.n_tasks++];
         t.read.layer           = &layer;
-        t.read.proj            = n_parts == 1 && !layer.file_order[prec].empty() ? MOETIER_READ_ALL : k;
+        t.read.proj            = whole ? MOETIER_READ_ALL : k;
         t.read.prec            = prec;
         t.read.expert          = e;
         t.read.slot            = s;
@@ -464,7 +467,7 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
             for (int32_t i = 0; i < p.n_tasks; ++i) {
                 moetier_pass::task & t = p.tasks[i];
                 if (t.io_id < 0) {
-                    if (!moetier_read_run(t.read, bb, err)) {  // the ring was full
+                    if (!read_sync(t.read, bb, err)) {  // the ring was full
                         t.failed = true;
                         set_error(err);
                     }
@@ -475,7 +478,7 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
                 // once more, synchronously (a short or refused ring read; a bad store fails again,
                 // with the file named)
                 n_read_retries_.fetch_add(failed ? 1 : 0, std::memory_order_relaxed);
-                if (failed && !moetier_read_run(t.read, bb, err)) {
+                if (failed && !read_sync(t.read, bb, err)) {
                     t.failed = true;
                     set_error(err);
                 }
@@ -487,10 +490,7 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
         // the compute threads read, each its share
         for (int32_t i = ith; i < p.n_tasks; i += nth) {
             moetier_pass::task & t = p.tasks[i];
-            // a failed read is tried once more: a transient fault (EIO from a flaky card, bits
-            // flipped on the way) reads right the second time; a damaged store fails again
-            if (!moetier_read_run(t.read, bb, err) &&
-                (n_read_retries_.fetch_add(1, std::memory_order_relaxed), !moetier_read_run(t.read, bb, err))) {
+            if (!read_sync(t.read, bb, err)) {
                 t.failed = true;
                 set_error(err);
             }
@@ -506,6 +506,23 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
     }
 }
 
+bool moetier_cache::read_sync(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept {
+    // a failed read is tried once more: a transient fault (EIO from a flaky card, bits flipped on the
+    // way) reads right the second time; a damaged store fails again. A GGUF's expert is a read per
+    // projection, each with its own second try.
+    const moetier_layer & l     = *r.layer;
+    const bool            split = r.proj == MOETIER_READ_ALL && l.file_order[r.prec].empty();
+    moetier_read          one   = r;
+    for (int32_t k = 0; k < (split ? (int32_t) l.projs.size() : 1); ++k) {
+        one.proj = split ? k : r.proj;
+        if (!moetier_read_run(one, bb, err) &&
+            (n_read_retries_.fetch_add(1, std::memory_order_relaxed), !moetier_read_run(one, bb, err))) {
+            return false;
+        }
+    }
+    return true;
+}
+
 void moetier_cache::wait_prefetched(moetier_pass & p) noexcept {
     // prefetches of experts this layer needs that were still being read; a failed one is read again
     // here, synchronously, before the layer uses it
@@ -518,7 +535,12 @@ void moetier_cache::wait_prefetched(moetier_pass & p) noexcept {
         }
         n_read_retries_.fetch_add(1, std::memory_order_relaxed);
         moetier_error err;
-        if (!moetier_read_expert(*p.layer, w.prec, sets[w.prec]->key(w.slot).expert, w.slot, bounce[0], err)) {
+        moetier_read  r;
+        r.layer  = p.layer;
+        r.prec   = w.prec;
+        r.expert = sets[w.prec]->key(w.slot).expert;
+        r.slot   = w.slot;
+        if (!read_sync(r, bounce[0], err)) {
             w.failed = true;
             set_error(err);
         }

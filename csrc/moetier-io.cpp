@@ -225,7 +225,15 @@ bool moetier_file::read(void *                   dst,
         const uint64_t hi   = std::min<uint64_t>(pos + want, offset + n);
         size_t         got  = 0;
         while (got < want) {
-            const ssize_t r = pread(fd_direct_, (uint8_t *) bounce.data.get() + got, want - got, (off_t) (pos + got));
+            size_t len = want - got;
+            if (len > 2 * MOETIER_ALIGN && fault(MOETIER_FAULT_SHORT, pos + got)) {
+                len = len / 2 / MOETIER_ALIGN * MOETIER_ALIGN;  // stays block aligned
+            }
+            ssize_t r = pread(fd_direct_, (uint8_t *) bounce.data.get() + got, len, (off_t) (pos + got));
+            if (r >= 0 && fault(MOETIER_FAULT_EIO, pos + got)) {
+                r     = -1;
+                errno = EIO;
+            }
             if (r < 0) {
                 if (errno == EINTR) {
                     continue;

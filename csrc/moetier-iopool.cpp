@@ -21,7 +21,9 @@ moetier_io_pool::moetier_io_pool(std::unique_ptr<moetier_uring> ring_,
                                  int                            depth_prefetch,
                                  size_t                         capacity,
                                  prep_fn                        prep_,
-                                 finish_fn                      finish_) :
+                                 finish_fn                      finish_,
+                                 int                            n_stage,
+                                 size_t                         stage_bytes) :
     ring(std::move(ring_)),
     prep(std::move(prep_)),
     finish(std::move(finish_)),
@@ -29,10 +31,36 @@ moetier_io_pool::moetier_io_pool(std::unique_ptr<moetier_uring> ring_,
     tasks.resize(capacity);
     reads.resize(capacity);
     is_urgent_.assign(capacity, 0);
+    pending.assign(capacity, 0);
+    part_bad.assign(capacity, 0);
+    stage_of.assign(capacity, -1);
+    stages.resize(std::max(0, n_stage));
+    for (int32_t i = (int32_t) stages.size(); i-- > 0;) {
+        stages[i].reserve(stage_bytes);
+        free_stages.push_back(i);
+    }
     free_ids.reserve(capacity);
     for (size_t i = capacity; i-- > 0;) {
         free_ids.push_back((int32_t) i);
     }
+}
+
+// a task's parts in the ring's user data: the task id and the part's index
+static uint64_t moetier_io_user_data(int32_t id, unsigned part) {
+    return (uint64_t) (uint32_t) id | ((uint64_t) part << 32);
+}
+
+void moetier_io_pool::end_task(int32_t id, bool ok, const std::string & err) {
+    tasks[id].state = ok ? MOETIER_IO_DONE : MOETIER_IO_FAILED;
+    if (!ok && error_msg.empty()) {
+        error_msg = err;
+    }
+    if (stage_of[id] >= 0) {
+        free_stages.push_back(stage_of[id]);
+        stage_of[id] = -1;
+    }
+    --n_flight;
+    n_flight_pf -= is_urgent_[id] ? 0 : 1;
 }
 
 void moetier_io_pool::pump() {
@@ -42,41 +70,60 @@ void moetier_io_pool::pump() {
         if (pf && (queue.empty() || n_flight_pf >= depth_pf)) {
             break;
         }
+        if (!stages.empty() && free_stages.empty()) {
+            break;  // every staging buffer is being read into: the next completion frees one
+        }
         std::deque<int32_t> & q  = pf ? queue : urgent;
         const int32_t         id = q.front();
         std::string           err;
         moetier_io_vec_read & rd = reads[id];
         rd                       = moetier_io_vec_read{};
+        rd.stage                 = stages.empty() ? nullptr : (uint8_t *) stages[free_stages.back()].data.get();
         tasks[id].t_start_us     = moetier_time_us();
-        if (!prep(tasks[id], rd, err)) {
+        if (!prep(tasks[id], rd, err) || rd.n_parts == 0 || rd.n_parts > MOETIER_IO_MAX_PARTS) {
             q.pop_front();
             tasks[id].state = MOETIER_IO_FAILED;
             if (error_msg.empty()) {
-                error_msg = err;
+                error_msg = err.empty() ? "io_uring: a read of no parts" : err;
             }
             continue;
         }
-        if (!ring->prep_readv(rd.fd, rd.iov, rd.n_iov, rd.offset, (uint64_t) id)) {
+        if (ring->free_entries() < rd.n_parts) {
             break;  // the ring is full: the next completion makes room
         }
+        for (unsigned k = 0; k < rd.n_parts; ++k) {
+            const moetier_io_part & part = rd.parts[k];
+            ring->prep_readv(part.fd, part.iov, part.n_iov, part.offset, moetier_io_user_data(id, k));
+        }
         q.pop_front();
+        if (rd.stage != nullptr) {
+            stage_of[id] = free_stages.back();
+            free_stages.pop_back();
+        }
         tasks[id].state = MOETIER_IO_RUNNING;
         is_urgent_[id]  = !pf;
+        pending[id]     = (uint8_t) rd.n_parts;
+        part_bad[id]    = 0;
         ++n_flight;
         n_flight_pf += pf;
         round.push_back(id);
     }
     if (!round.empty() && !ring->submit(false)) {
-        // the reads the kernel did not take fail (the cache reads them again synchronously)
+        // the reads the kernel did not take fail (the cache reads them again synchronously); a task
+        // whose first parts it took fails when those end
         if (error_msg.empty()) {
             error_msg = ring->error();
         }
-        for (unsigned n = ring->rollback(); n > 0 && !round.empty(); --n) {
-            const int32_t id = round.back();
+        for (unsigned n = ring->rollback(); n > 0 && !round.empty();) {
+            const int32_t  id   = round.back();
+            const unsigned drop = std::min<unsigned>(n, pending[id]);
             round.pop_back();
-            tasks[id].state = MOETIER_IO_FAILED;
-            --n_flight;
-            n_flight_pf -= is_urgent_[id] ? 0 : 1;
+            n -= drop;
+            pending[id] -= (uint8_t) drop;
+            part_bad[id] = 1;
+            if (pending[id] == 0) {
+                end_task(id, false, ring->error());
+            }
         }
     }
 }
@@ -94,27 +141,27 @@ void moetier_io_pool::reap(bool block) {
     int32_t  res = 0;
     bool     any = false;
     while (ring->pop(ud, res)) {
-        const int32_t               id = (int32_t) ud;
-        const moetier_io_vec_read & rd = reads[id];
+        const int32_t               id   = (int32_t) (uint32_t) ud;
+        const moetier_io_vec_read & rd   = reads[id];
+        const moetier_io_part &     part = rd.parts[ud >> 32];
         std::string                 err;
-        if (res >= 0 && moetier_fault(MOETIER_FAULT_EIO, rd.offset)) {
+        if (res >= 0 && moetier_fault(MOETIER_FAULT_EIO, part.offset)) {
             res = -EIO;
-        } else if (res > (int32_t) MOETIER_ALIGN && moetier_fault(MOETIER_FAULT_SHORT, rd.offset)) {
+        } else if (res > (int32_t) MOETIER_ALIGN && moetier_fault(MOETIER_FAULT_SHORT, part.offset)) {
             res = (int32_t) MOETIER_ALIGN;
         }
-        bool ok = res >= 0 && (size_t) res == rd.bytes;
-        if (!ok) {
-            err = res < 0 ? format("read failed: %s", strerror(-res)) :
-                            format("short read: %d of %zu bytes", res, rd.bytes);
-        } else {
-            ok = finish(tasks[id], err);
+        if (res < 0 || (size_t) res < part.need) {
+            part_bad[id] = 1;
+            if (error_msg.empty()) {
+                error_msg = res < 0 ? format("read failed: %s", strerror(-res)) :
+                                      format("short read: %d of %zu bytes", res, part.need);
+            }
         }
-        tasks[id].state = ok ? MOETIER_IO_DONE : MOETIER_IO_FAILED;
-        if (!ok && error_msg.empty()) {
-            error_msg = err;
+        if (--pending[id] > 0) {
+            continue;  // the task's other parts are still being read
         }
-        --n_flight;
-        n_flight_pf -= is_urgent_[id] ? 0 : 1;
+        const bool ok = !part_bad[id] && finish(tasks[id], rd, err);
+        end_task(id, ok, err);
         any = true;
     }
     if (any) {

@@ -6,6 +6,7 @@
 // barriers; on 2 cores a spinning I/O thread would steal their time), or an io_uring with no thread
 // at all. Knows nothing of ggml; the read itself is a callback (moetier_model wires it to moetier-read).
 
+#include "moetier-io.h"
 #include "moetier-uring.h"
 
 #include <sys/uio.h>
@@ -42,34 +43,51 @@ struct moetier_io_task {
     int32_t                 state      = MOETIER_IO_FREE;  // guarded by the pool mutex
 };
 
-// one task as a single vectored O_DIRECT read (io_uring mode)
-struct moetier_io_vec_read {
+// one O_DIRECT read of a task (io_uring mode)
+struct moetier_io_part {
     int      fd     = -1;
     uint64_t offset = 0;
-    size_t   bytes  = 0;
+    size_t   bytes  = 0;  // asked for
+    size_t   need   = 0;  // at least this many must come back (a last block past EOF reads short)
     unsigned n_iov  = 0;
     iovec    iov[8] = {};
+};
+
+static constexpr unsigned MOETIER_IO_MAX_PARTS = 4;
+
+// a task as O_DIRECT reads (io_uring mode): a store's expert is one vectored read straight into its
+// slots; a GGUF's projections lie in separate tensors at unaligned offsets, so each is one read of
+// the blocks around it into the task's staging buffer, copied into the slots when all are in
+struct moetier_io_vec_read {
+    unsigned        n_parts = 0;
+    moetier_io_part parts[MOETIER_IO_MAX_PARTS];
+    uint8_t *       stage = nullptr;  // the task's staging buffer, nullptr if the pool has none
 };
 
 class moetier_io_pool {
   public:
     // reads task into its slot; false + err on failure. Called on an I/O thread with its own bounce id.
-    using read_fn   = std::function<bool(const moetier_io_task & task, int thread_id, std::string & err)>;
-    // io_uring mode: describes task as one vectored read (false + err if it cannot be), then checks
-    // what was read (checksums)
-    using prep_fn   = std::function<bool(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err)>;
-    using finish_fn = std::function<bool(const moetier_io_task & task, std::string & err)>;
+    using read_fn = std::function<bool(const moetier_io_task & task, int thread_id, std::string & err)>;
+    // io_uring mode: describes task as its reads (false + err if it cannot be), then moves what was
+    // read into place (from the staging buffer) and checks it (checksums)
+    using prep_fn = std::function<bool(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err)>;
+    using finish_fn =
+        std::function<bool(const moetier_io_task & task, const moetier_io_vec_read & rd, std::string & err)>;
 
     // n_threads I/O threads that sleep when idle
     moetier_io_pool(int n_threads, size_t capacity, read_fn fn);
     // no threads: the kernel reads (ring); every urgent task is in flight at once, prefetches up to
     // depth_prefetch. Calls must come from one thread at a time (the compute thread that runs the
-    // cache's serial ops); they also collect completions.
+    // cache's serial ops); they also collect completions. With n_stage > 0, each task in flight
+    // holds one of n_stage staging buffers of stage_bytes (4096-aligned; throws std::bad_alloc), and
+    // no more tasks than that are in flight.
     moetier_io_pool(std::unique_ptr<moetier_uring> ring,
                     int                            depth_prefetch,
                     size_t                         capacity,
                     prep_fn                        prep,
-                    finish_fn                      finish);
+                    finish_fn                      finish,
+                    int                            n_stage     = 0,
+                    size_t                         stage_bytes = 0);
     ~moetier_io_pool();
 
     // io_uring mode: no threads to hand work to; one caller waits for everything
@@ -115,18 +133,25 @@ class moetier_io_pool {
     // completions (block: wait for at least one if any read is in flight)
     void pump();
     void reap(bool block);
+    // io_uring mode, mutex held: a task in flight ended (its parts all in, or not taken by the kernel)
+    void end_task(int32_t id, bool ok, const std::string & err);
 
     read_fn fn;
 
-    std::unique_ptr<moetier_uring>   ring;
-    prep_fn                          prep;
-    finish_fn                        finish;
-    std::vector<moetier_io_vec_read> reads;       // [capacity] io_uring reads (their iovecs live here)
-    std::vector<uint8_t>             is_urgent_;  // [capacity]
-    std::vector<int32_t>             round;       // scratch of pump: ids prepared in this call
-    int                              depth_pf    = 1;
-    int                              n_flight    = 0;
-    int                              n_flight_pf = 0;
+    std::unique_ptr<moetier_uring>      ring;
+    prep_fn                             prep;
+    finish_fn                           finish;
+    std::vector<moetier_io_vec_read>    reads;       // [capacity] io_uring reads (their iovecs live here)
+    std::vector<uint8_t>                is_urgent_;  // [capacity]
+    std::vector<uint8_t>                pending;     // [capacity] parts of a task still being read
+    std::vector<uint8_t>                part_bad;    // [capacity] a part of it failed
+    std::vector<moetier_aligned_buffer> stages;      // staging buffers
+    std::vector<int32_t>                free_stages;
+    std::vector<int32_t>                stage_of;    // [capacity] the staging buffer a task holds, -1 none
+    std::vector<int32_t>                round;       // scratch of pump: ids prepared in this call
+    int                                 depth_pf    = 1;
+    int                                 n_flight    = 0;
+    int                                 n_flight_pf = 0;
 
     std::mutex                   mu;
     std::condition_variable      cv_work;

@@ -415,6 +415,25 @@ void moetier_model::finish_load() {
     }
 }
 
+int32_t moetier_model::n_staging() const {
+    // staged reads in flight at once: two per prefetch lane (urgent reads go first; more in flight
+    // than that does not read faster)
+    return 2 * io_threads;
+}
+
+size_t moetier_model::staging_bytes(moetier_precision prec) const {
+    // the largest expert of prec, each projection with the blocks around it
+    size_t out = 0;
+    for (const auto & l : layers) {
+        size_t need = 0;
+        for (const auto & pr : l->projs) {
+            need += moetier_align_up(pr.expert_bytes(prec)) + MOETIER_ALIGN;
+        }
+        out = std::max(out, need);
+    }
+    return out;
+}
+
 void moetier_model::init_io() {
     if (io_threads <= 0) {
         return;
@@ -423,28 +442,48 @@ void moetier_model::init_io() {
     // read per predicted expert of up to p layers, and room for reads still in flight
     size_t n_proj   = 0;
     bool   vectored = store != nullptr && store_file->direct_fd() >= 0;
+    // a GGUF read with O_DIRECT: each projection as the blocks around it, staged, then copied
+    bool   staged   = store == nullptr;
     for (const auto & l : layers) {
         n_proj = std::max(n_proj, l->projs.size());
         for (int32_t prec = 0; prec < MOETIER_N_PRECISIONS; ++prec) {
-            vectored = vectored && (!l->file_order[prec].empty() || l->cache->n_slots((moetier_precision) prec) == 0);
+            if (l->cache->n_slots((moetier_precision) prec) == 0) {
+                continue;
+            }
+            vectored = vectored && !l->file_order[prec].empty();
+            for (const auto & pr : l->projs) {
+                staged = staged && pr.file->direct_fd() >= 0;
+            }
         }
     }
+    staged                = staged && n_proj <= MOETIER_IO_MAX_PARTS;
     const size_t capacity = caches.size() * 2 * n_proj * n_expert + (size_t) 4 * prefetch * n_expert + 64;
+    const int    n_stage  = staged ? n_staging() : 0;
+    const size_t stage    = staged ? staging_bytes(MOETIER_PRECISION_HIGH) : 0;  // a GGUF has no low copies
 
-    // io_uring when every read is one vectored O_DIRECT read of the store: the kernel reads while
-    // the compute threads run; else I/O threads
-    if (use_uring && vectored) {
+    // io_uring when every read is an O_DIRECT read (of the store, straight into the slots; of a
+    // GGUF, staged): the kernel reads while the compute threads run; else I/O threads
+    if (use_uring && (vectored || staged)) {
         auto ring = std::make_unique<moetier_uring>((unsigned) std::min<size_t>(capacity, 4096));
         if (ring->ok()) {
-            io = std::make_unique<moetier_io_pool>(std::move(ring), io_threads, capacity, moetier_read_io_prep,
-                                                   moetier_read_io_finish);
+            try {
+                io = std::make_unique<moetier_io_pool>(std::move(ring), io_threads, capacity, moetier_read_io_prep,
+                                                       moetier_read_io_finish, vectored ? 0 : n_stage, stage);
+            } catch (const std::bad_alloc &) {
+                throw std::runtime_error(format("out of memory for %d io_uring staging buffers of %s", n_stage,
+                                                moetier_format_bytes(stage).c_str()));
+            }
             for (auto & c : caches) {
                 c->set_io(io.get());
             }
             MOETIER_LOG_INFO(
                 "%s: io_uring: expert reads start at routing and overlap the compute that does not need them "
-                "(prefetch: %d reads in flight)\n",
-                __func__, io_threads);
+                "(prefetch: %d reads in flight%s)\n",
+                __func__, io_threads,
+                vectored ? "" :
+                           format("; from the GGUF through %d staging buffers, %s", n_stage,
+                                  moetier_format_bytes((uint64_t) n_stage * stage).c_str())
+                               .c_str());
             return;
         }
         warn(format("io_uring: %s; using %d I/O threads instead", ring->error().c_str(), io_threads));
@@ -576,6 +615,9 @@ moetier_budget_needs moetier_model::budget_needs(const llama_model & model) cons
                     4 * 16 * (uint64_t) model.vocab.n_tokens() + ((uint64_t) 16 << 20);
     needs.process = process_anon;
     needs.reserve = reserve;
+    if (store == nullptr && use_uring && io_threads > 0 && direct_io) {
+        needs.io = (uint64_t) n_staging() * staging_bytes(MOETIER_PRECISION_HIGH);
+    }
     return needs;
 }
 

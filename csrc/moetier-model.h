@@ -54,7 +54,10 @@ struct moetier_model {
 
     // then: starts the I/O pool (none if io_threads is 0: the compute threads read): an io_uring or
     // I/O threads, whose reads go through moetier-read
-    void init_io();
+    void    init_io();
+    // io_uring reads from a GGUF: how many staging buffers, and the bytes of one (of precision prec)
+    int32_t n_staging() const;
+    size_t  staging_bytes(moetier_precision prec) const;
 
     // after the model's weights are loaded: a stacked-router prefetcher per group; nothing if
     // prefetch is off

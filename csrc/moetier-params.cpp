@@ -59,8 +59,9 @@ static const moetier_param_info g_rows[] = {
             "auto budget: context tokens whose KV cache is left room for (0: the model's training context; the "
             "tools pass their -c)"),
     MOETIER_ROW(io_uring, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
-            "read with io_uring where the kernel allows it and the experts come from a store with O_DIRECT: the "
-            "kernel reads while the compute threads run, no I/O thread takes their cores; off (0): I/O threads"),
+            "read with io_uring where the kernel allows it and experts are read with O_DIRECT (a store's straight "
+            "into the slots, a GGUF's through staging buffers): the kernel reads while the compute threads run, no "
+            "I/O thread takes their cores; off (0): the compute threads read misses, I/O threads prefetch"),
     MOETIER_ROW(direct_io, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
             "read experts with O_DIRECT (bypass the page cache); falls back to buffered reads with a warning"),
     MOETIER_ROW(warm, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,

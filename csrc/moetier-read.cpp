@@ -1,6 +1,7 @@
 #include "moetier-read.h"
 
 #include <algorithm>
+#include <cstring>
 
 // the address of slot s in projection p's pool of precision prec
 static uint8_t * moetier_slot_data(const moetier_proj & p, moetier_precision prec, int32_t s) {
@@ -84,6 +85,16 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
                                      moetier_error &          err) noexcept {
     const moetier_layer & l = *r.layer;
     std::string           msg;
+    if (r.proj == MOETIER_READ_ALL && l.file_order[r.prec].empty()) {
+        // a GGUF's expert: its projections one by one
+        moetier_read one = r;
+        for (one.proj = 0; one.proj < (int32_t) l.projs.size(); ++one.proj) {
+            if (!moetier_read_run_untimed(one, bb, err)) {
+                return false;
+            }
+        }
+        return true;
+    }
     if (r.proj == MOETIER_READ_ALL) {
         // a store keeps an expert's projections back to back and padded: one vectored O_DIRECT
         // read straight into the slots of the projection pools
@@ -168,21 +179,84 @@ static bool moetier_read_prep(const moetier_layer & l,
         return false;
     }
     const moetier_proj & first = l.projs[order[0]];
-    rd.fd                      = first.file->direct_fd();
-    rd.offset                  = first.expert_offset(e, prec);
-    rd.n_iov                   = (unsigned) order.size();
-    rd.bytes                   = 0;
+    moetier_io_part &    part  = rd.parts[0];
+    rd.n_parts                 = 1;
+    part.fd                    = first.file->direct_fd();
+    part.offset                = first.expert_offset(e, prec);
+    part.n_iov                 = (unsigned) order.size();
+    part.bytes                 = 0;
     for (size_t k = 0; k < order.size(); ++k) {
         const moetier_proj & p = l.projs[order[k]];
-        rd.iov[k].iov_base     = moetier_slot_data(p, prec, s);
-        rd.iov[k].iov_len      = moetier_align_up(p.expert_bytes(prec));
-        rd.bytes += rd.iov[k].iov_len;
+        part.iov[k].iov_base   = moetier_slot_data(p, prec, s);
+        part.iov[k].iov_len    = moetier_align_up(p.expert_bytes(prec));
+        part.bytes += part.iov[k].iov_len;
     }
-    if (rd.fd < 0) {
+    part.need = part.bytes;
+    if (part.fd < 0) {
         err = format("%s: io_uring reads need O_DIRECT", first.file->path().c_str());
         return false;
     }
     return true;
+}
+
+// io_uring from a GGUF: each projection (one, or all of the expert's) is read as the whole blocks
+// around it into the staging buffer; moetier_read_unstage copies it into the slot
+static bool moetier_read_prep_staged(const moetier_layer & l,
+                                     moetier_precision     prec,
+                                     int32_t               proj,
+                                     int32_t               e,
+                                     moetier_io_vec_read & rd,
+                                     std::string &         err) noexcept {
+    if (rd.stage == nullptr) {
+        err = "io_uring: a read from a GGUF needs a staging buffer";
+        return false;
+    }
+    const int32_t n_proj = (int32_t) l.projs.size();
+    if ((proj < 0 ? n_proj : 1) > (int32_t) MOETIER_IO_MAX_PARTS) {
+        err = "io_uring: an expert of more projections than reads of a task";
+        return false;
+    }
+    size_t at = 0;
+    for (int32_t pi = proj < 0 ? 0 : proj; pi < (proj < 0 ? n_proj : proj + 1); ++pi) {
+        const moetier_proj & p      = l.projs[pi];
+        const uint64_t       offset = p.expert_offset(e, prec);
+        const uint64_t       n      = p.expert_bytes(prec);
+        if (offset + n > p.file->size()) {
+            err = format("%s: file is truncated: wanted %llu bytes at offset %llu, file has %llu bytes",
+                         p.file->path().c_str(), (unsigned long long) n, (unsigned long long) offset,
+                         (unsigned long long) p.file->size());
+            return false;
+        }
+        if (p.file->direct_fd() < 0) {
+            err = format("%s: io_uring reads need O_DIRECT", p.file->path().c_str());
+            return false;
+        }
+        const uint64_t    begin = offset / MOETIER_ALIGN * MOETIER_ALIGN;
+        const uint64_t    end   = moetier_align_up(offset + n);
+        moetier_io_part & part  = rd.parts[rd.n_parts++];
+        part.fd                 = p.file->direct_fd();
+        part.offset             = begin;
+        part.bytes              = (size_t) (end - begin);
+        part.need               = (size_t) (offset + n - begin);  // the last block may end past EOF
+        part.n_iov              = 1;
+        part.iov[0].iov_base    = rd.stage + at;
+        part.iov[0].iov_len     = part.bytes;
+        at += part.bytes;
+    }
+    return true;
+}
+
+// the staged projections of a task into its slot
+static void moetier_read_unstage(const moetier_io_task & task, const moetier_io_vec_read & rd) {
+    const moetier_layer &   l    = *(const moetier_layer *) task.layer;
+    const moetier_precision prec = (moetier_precision) task.prec;
+    for (unsigned k = 0; k < rd.n_parts; ++k) {
+        const moetier_proj &    p    = l.projs[task.proj < 0 ? (int32_t) k : task.proj];
+        const moetier_io_part & part = rd.parts[k];
+        const uint8_t *         src =
+            (const uint8_t *) part.iov[0].iov_base + (p.expert_offset(task.expert, prec) - part.offset);
+        memcpy(moetier_slot_data(p, prec, task.slot), src, p.expert_bytes(prec));
+    }
 }
 
 // what a task's read moved, for prefetch accounting
@@ -205,19 +279,27 @@ bool moetier_read_io(const moetier_io_task & task, moetier_aligned_buffer & bb, 
 }
 
 bool moetier_read_io_prep(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err) noexcept {
+    const moetier_layer & l = *(const moetier_layer *) task.layer;
+    if (l.file_order[task.prec].empty()) {
+        return moetier_read_prep_staged(l, (moetier_precision) task.prec, task.proj, task.expert, rd, err);
+    }
     if (task.proj >= 0) {
         err = "io_uring: one projection is not one vectored read of the store";
         return false;
     }
-    return moetier_read_prep(*(const moetier_layer *) task.layer, (moetier_precision) task.prec, task.expert, task.slot,
-                             rd, err);
+    return moetier_read_prep(l, (moetier_precision) task.prec, task.expert, task.slot, rd, err);
 }
 
-bool moetier_read_io_finish(const moetier_io_task & task, std::string & err) noexcept {
+bool moetier_read_io_finish(const moetier_io_task & task, const moetier_io_vec_read & rd, std::string & err) noexcept {
     moetier_error         e;
     const moetier_layer & l = *(const moetier_layer *) task.layer;
     if (l.read_hist && task.t_start_us > 0) {
         l.read_hist->add(moetier_time_us() - task.t_start_us);
+    }
+    if (l.file_order[task.prec].empty()) {
+        moetier_read_unstage(task, rd);  // a GGUF's: nothing to check it against
+        moetier_read_io_done(task);
+        return true;
     }
     moetier_read_maybe_flip(l.projs[l.file_order[task.prec][0]], (moetier_precision) task.prec, task.expert, task.slot);
     if (!moetier_read_verify(l, (moetier_precision) task.prec, task.expert, task.slot, e)) {

@@ -102,6 +102,10 @@ bool moetier_uring::prep_readv(int file, const iovec * iov, unsigned n_iov, uint
     return true;
 }
 
+unsigned moetier_uring::free_entries() const {
+    return sq_entries - (*sq_tail - __atomic_load_n(sq_head, __ATOMIC_ACQUIRE));
+}
+
 bool moetier_uring::submit(bool wait) {
     for (;;) {
         const unsigned flags = wait ? IORING_ENTER_GETEVENTS : 0;
@@ -151,6 +155,10 @@ moetier_uring::~moetier_uring() = default;
 
 bool moetier_uring::prep_readv(int, const iovec *, unsigned, uint64_t, uint64_t) {
     return false;
+}
+
+unsigned moetier_uring::free_entries() const {
+    return 0;
 }
 
 bool moetier_uring::submit(bool) {

@@ -27,6 +27,9 @@ class moetier_uring {
     // queues a vectored read (iov must stay valid until submit()); false if the queue is full
     bool prep_readv(int file, const iovec * iov, unsigned n_iov, uint64_t offset, uint64_t user_data);
 
+    // reads that can still be queued before submit()
+    unsigned free_entries() const;
+
     // hands the queued reads to the kernel; with wait, also blocks until a completion is there.
     // false on an error of the ring itself (see error())
     bool submit(bool wait);

@@ -64,8 +64,8 @@ struct moetier_params {
                              // training context, as llama.cpp allocates for n_ctx 0)
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
-    bool io_uring;         // read with io_uring (no I/O threads) where the kernel allows it and every
-                           // read is one O_DIRECT range of a store; false: I/O threads
+    bool io_uring;         // read with io_uring (no I/O threads) where the kernel allows it and reads
+                           // are O_DIRECT (a store's into the slots, a GGUF's staged); false: I/O threads
     bool direct_io;        // O_DIRECT reads; refused by the file system -> buffered reads + a warning
     bool warm;             // warm start: the cache's hot state is kept in a sidecar next to the store
                            // (moetier_model_state_path); at load its hottest experts are read in the

@@ -4,6 +4,7 @@ other needs, printed with its reasons."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,10 @@ def test_auto_budget_is_chosen_and_explained(tiny_model: ModelFactory) -> None:
     assert note.startswith("expert cache auto:") and "non-expert weights" in note and "KV cache" in note
     assert "capped at all experts" in note
     assert "n_ctx 2048" in note, "the context's KV cache is what is left room for"
+    # reads from the GGUF on the ring go through staging buffers, which the budget leaves room for
+    assert info["io_uring"] and not info["from_store"]
+    assert re.search(r"read staging \d", note), note
+    assert "read staging" not in Model(path, cache=CacheConfig(io_uring=False)).budget_note
     stock = Model(path)
     assert m.generate("hello world", max_tokens=8).tokens == stock.generate("hello world", max_tokens=8).tokens
     assert Model(path, cache=CacheConfig.exact(budget="64M")).budget_note == "expert cache: 64.00 MiB (given)"

@@ -95,6 +95,43 @@ def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_pa
     assert f"{path}: expert cache budget 1.00 KiB is below the minimum" in r.stderr
 
 
+def test_demo_reads_from_its_store_and_packs_it_again_for_another_model(
+    tiny_model: ModelFactory, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    from moetier.cli import demo_model
+
+    notes: list[str] = []
+    moe = tmp_path / "demo-moe.gguf"
+    shutil.copy(tiny_model("qwen2moe", n_expert=8, n_expert_used=2, seed=3), moe)
+    store = moe.with_suffix(".experts")
+    budget = int(Model(moe, cache=CacheConfig.exact(budget="64M")).cache_info()["expert_bytes"]) // 2
+    # first use: packed next to the model, and the cache reads from it
+    m = demo_model(moe, budget, notes.append)
+    assert m.cache_info()["from_store"] and (store / "experts.bin").is_file()
+    assert notes and "packing the expert store" in notes[-1]
+    r = m.generate(LONG_PROMPT, max_tokens=8)
+    del m
+    # second use: the same store, not packed again
+    before = (store / "experts.bin").stat().st_mtime_ns
+    n = len(notes)
+    m = demo_model(moe, budget, notes.append)
+    assert len(notes) == n and (store / "experts.bin").stat().st_mtime_ns == before
+    assert m.generate(LONG_PROMPT, max_tokens=8).tokens == r.tokens
+    del m
+    # the conversion made again under the same name: the old store belongs to another model
+    old_id = json.loads((store / "manifest.json").read_text())["model"]
+    shutil.copy(tiny_model("qwen2moe", n_expert=8, n_expert_used=2, seed=4), moe)
+    m = demo_model(moe, budget, notes.append)
+    assert "packing the expert store again" in notes[-1]
+    assert m.cache_info()["from_store"]
+    assert json.loads((store / "manifest.json").read_text())["model"] != old_id
+    stock = Model(moe).generate(LONG_PROMPT, max_tokens=8)
+    assert m.generate(LONG_PROMPT, max_tokens=8).tokens == stock.tokens
+
+
 def test_demo_compares_first_sentence_or_line() -> None:
     from moetier.cli import first_answer
 

@@ -97,6 +97,44 @@ def test_store_copies_checked_once(setup: tuple[Path, Path, int], io_uring: int,
             assert 0 < checked <= copies
 
 
+@pytest.mark.parametrize(("io_uring", "prefetch"), PATHS)
+@pytest.mark.parametrize("faults", ["eio:3", "short:2", "eio:5,short:3", "short:1"])
+def test_gguf_transient_faults_are_read_again(
+    setup: tuple[Path, Path, int], monkeypatch: pytest.MonkeyPatch, io_uring: int, prefetch: int, faults: str
+) -> None:
+    """The same from the GGUF: with io_uring each projection is read as the blocks around it into a
+    staging buffer (a task of up to three reads), then copied into the slot."""
+    path = setup[0]
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    want = stock.logits(tokens)
+    monkeypatch.setenv("MOETIER_FAULTS", faults)
+    lo = int(Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    m = Model(path, cache=CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch))
+    info = m.cache_info()
+    assert info["from_store"] is False and info["direct_io"] is True
+    assert info["io_uring"] is bool(io_uring), info
+    np.testing.assert_array_equal(m.logits(tokens), want)
+    assert m.stats().n_misses > 8, "the budget makes it read, so faults were injected"
+    assert m.generate(LONG_PROMPT, max_tokens=8).tokens == stock.generate(LONG_PROMPT, max_tokens=8).tokens
+
+
+@pytest.mark.parametrize(("io_uring", "prefetch"), PATHS)
+def test_gguf_persistent_fault_fails_cleanly(
+    setup: tuple[Path, Path, int], monkeypatch: pytest.MonkeyPatch, io_uring: int, prefetch: int
+) -> None:
+    path = setup[0]
+    lo = int(Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    cache = CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch)
+    monkeypatch.setenv("MOETIER_FAULTS", "eio:1")
+    with pytest.raises(MoetierError, match=rf"{path.name}.*Input/output error"):
+        Model(path, cache=cache).generate(LONG_PROMPT, max_tokens=4)
+    monkeypatch.delenv("MOETIER_FAULTS")
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    np.testing.assert_array_equal(Model(path, cache=cache).logits(tokens), stock.logits(tokens))
+
+
 def test_bad_fault_spec(setup: tuple[Path, Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ("eio", "eio:0", "boom:3", "eio:3,", "short:x"):
         monkeypatch.setenv("MOETIER_FAULTS", bad)

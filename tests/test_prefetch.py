@@ -275,8 +275,9 @@ def test_prefetch_byte_cap_bounds_wasted_reads(model_copy: Path) -> None:
 
 def test_prefetch_stands_back_when_the_disk_is_behind(model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """When the reads of earlier walks are still queued (the prefetch lanes are behind: here every
-    read on an I/O thread starts 5 ms late), a walk starts only as many as keep the queue within one
-    walk's reads; the predicted misses it leaves are counted, and the output stays exact."""
+    read on an I/O thread starts 5 ms late; the I/O threads, not the ring, whose reads the kernel
+    runs), a walk starts only as many as keep the queue within one walk's reads; the predicted misses
+    it leaves are counted, and the output stays exact."""
     stock = Model(model_copy)
     tokens = stock.tokenize(LONG_PROMPT)
     want = stock.generate(tokens, max_tokens=24).tokens
@@ -284,7 +285,7 @@ def test_prefetch_stands_back_when_the_disk_is_behind(model_copy: Path, monkeypa
     monkeypatch.setenv("MOETIER_FAULTS", "slow:1")
     # most of the model cached: walks often find a layer's predictions cached and read further ahead,
     # and those reads are the ones still queued when the next walk starts
-    cfg = CacheConfig.exact(budget=4 * lo, prefetch=3, io_threads=2, prefetch_waste=100, warm=False)
+    cfg = CacheConfig.exact(budget=4 * lo, prefetch=3, io_threads=2, prefetch_waste=100, warm=False, io_uring=False)
     m = Model(model_copy, cache=cfg)
     assert m.generate(tokens, max_tokens=24).tokens == want
     p = m.prefetch_stats()
