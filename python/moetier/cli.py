@@ -81,11 +81,12 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if cache is not None and ns.store is None:
         info = m.cache_info()
         if int(info["cache_bytes"]) < int(info["expert_bytes"]):
-            # the GGUF path reads each projection through the compute threads; a store decodes about
-            # twice as fast on both bench models (bench/results/peer-0.5b-ernie-c32k-store.md)
+            # a GGUF's projections are read as the blocks around them and copied into the slots; a
+            # store's expert is one read with no copy (the 0.5B at 25%: 17.64 against 15.38 tok/s,
+            # bench/results/gguf-ring-0.5b-ernie-c32k-25.md), checked, with low-precision copies
             sys.stderr.write(
                 f"moetier: note: experts are read from the GGUF; `moetier pack {ns.model}` writes an expert "
-                "store that reads them faster (--store)\n"
+                "store: one read per expert with no copy, checksums, low-precision copies (--store)\n"
             )
     r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
     sys.stdout.write(r.text + "\n")
@@ -354,8 +355,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     prompt = prompts[min(1, len(prompts) - 1)]
     stock = stock_moe.generate(prompt, max_tokens=ns.n_predict)
     del stock_moe
-    # the expert store is the fast path (O_DIRECT reads straight into the slots, io_uring): about
-    # twice the GGUF's decode speed on both bench models (bench/results/peer-0.5b-ernie-c32k-store.md)
+    # the expert store: one read per expert straight into the slots, no copy (the 0.5B at 25%:
+    # 17.64 tok/s from it, 15.38 from the GGUF; bench/results/gguf-ring-0.5b-ernie-c32k-25.md)
     cached = demo_model(moe, budget, note).generate(prompt, max_tokens=ns.n_predict)
     s = cached.stats
     rate = s.n_bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
