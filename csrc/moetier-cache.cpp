@@ -467,16 +467,15 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
             for (int32_t i = 0; i < p.n_tasks; ++i) {
                 moetier_pass::task & t = p.tasks[i];
                 if (t.io_id < 0) {
-                    if (!read_sync(t.read, bb, err)) {  // the ring was full
+                    if (!read_sync(t.read, bb, err)) {  // the pool had no free task entry
                         t.failed = true;
                         set_error(err);
                     }
                     continue;
                 }
-                const bool failed = io->wait(t.io_id) == MOETIER_IO_FAILED;
-                io->release(t.io_id);
-                // once more, synchronously (a short or refused ring read; a bad store fails again,
-                // with the file named)
+                const bool failed = !wait_io(t.io_id);
+                // again, synchronously (a short or refused ring read; each read of it gets a second
+                // try there, so a bad store is read up to three times and fails with the file named)
                 n_read_retries_.fetch_add(failed ? 1 : 0, std::memory_order_relaxed);
                 if (failed && !read_sync(t.read, bb, err)) {
                     t.failed = true;
@@ -506,6 +505,18 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
     }
 }
 
+bool moetier_cache::wait_io(int32_t id) noexcept {
+    const int32_t st = io->wait(id);
+    if (st == MOETIER_IO_QUEUED) {
+        // the ring could not start it (an error of the ring itself): taken back from the queue, so
+        // that nothing reads into its slot later
+        io->claim(id);
+        return false;
+    }
+    io->release(id);
+    return st == MOETIER_IO_DONE;
+}
+
 bool moetier_cache::read_sync(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept {
     // a failed read is tried once more: a transient fault (EIO from a flaky card, bits flipped on the
     // way) reads right the second time; a damaged store fails again. A GGUF's expert is a read per
@@ -527,9 +538,8 @@ void moetier_cache::wait_prefetched(moetier_pass & p) noexcept {
     // prefetches of experts this layer needs that were still being read; a failed one is read again
     // here, synchronously, before the layer uses it
     for (auto & w : p.waits) {
-        const bool failed = io->wait(w.id) == MOETIER_IO_FAILED;
-        io->release(w.id);
-        w.id = -1;
+        const bool failed = !wait_io(w.id);
+        w.id              = -1;
         if (!failed) {
             continue;
         }

@@ -187,6 +187,8 @@ class moetier_cache {
                     int32_t                    e,
                     const moetier_policy_ctx & ctx) noexcept;
     void start_reads(moetier_pass & p) noexcept;  // io_uring: the kernel starts the pass's reads now
+    // waits for io task id and frees it; true if it was read (false: failed, or never started)
+    bool wait_io(int32_t id) noexcept;
     // reads r on this thread, synchronously, each of its reads tried twice; false + err if one fails
     bool read_sync(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept;
     void wait_prefetched(moetier_pass & p) noexcept;

@@ -76,7 +76,8 @@ class moetier_io_pool {
 
     // n_threads I/O threads that sleep when idle
     moetier_io_pool(int n_threads, size_t capacity, read_fn fn);
-    // no threads: the kernel reads (ring); every urgent task is in flight at once, prefetches up to
+    // no threads: the kernel reads (ring); every urgent task is in flight at once (with staging
+    // buffers, as many as there are buffers; urgent ones take them first), prefetches up to
     // depth_prefetch. Calls must come from one thread at a time (the compute thread that runs the
     // cache's serial ops); they also collect completions. With n_stage > 0, each task in flight
     // holds one of n_stage staging buffers of stage_bytes (4096-aligned; throws std::bad_alloc), and
