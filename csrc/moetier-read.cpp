@@ -85,16 +85,6 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
                                      moetier_error &          err) noexcept {
     const moetier_layer & l = *r.layer;
     std::string           msg;
-    if (r.proj == MOETIER_READ_ALL && l.file_order[r.prec].empty()) {
-        // a GGUF's expert: its projections one by one
-        moetier_read one = r;
-        for (one.proj = 0; one.proj < (int32_t) l.projs.size(); ++one.proj) {
-            if (!moetier_read_run_untimed(one, bb, err)) {
-                return false;
-            }
-        }
-        return true;
-    }
     if (r.proj == MOETIER_READ_ALL) {
         // a store keeps an expert's projections back to back and padded: one vectored O_DIRECT
         // read straight into the slots of the projection pools

@@ -81,7 +81,11 @@ def test_auto_budget_is_chosen_and_explained(tiny_model: ModelFactory) -> None:
     assert "n_ctx 2048" in note, "the context's KV cache is what is left room for"
     # reads from the GGUF on the ring go through staging buffers, which the budget leaves room for
     assert info["io_uring"] and not info["from_store"]
-    assert re.search(r"read staging \d", note), note
+    staging = re.search(r"read staging ([\d.]+) KiB", note)
+    assert staging, note
+    # 2 x io_threads staging buffers: twice the lanes, twice the room
+    wide = re.search(r"read staging ([\d.]+) KiB", Model(path, cache=CacheConfig(io_threads=12)).budget_note)
+    assert wide and float(wide.group(1)) == 2 * float(staging.group(1)), (note, wide)
     assert "read staging" not in Model(path, cache=CacheConfig(io_uring=False)).budget_note
     stock = Model(path)
     assert m.generate("hello world", max_tokens=8).tokens == stock.generate("hello world", max_tokens=8).tokens
