@@ -232,6 +232,28 @@ def test_peer_counts_skip_the_warm_up() -> None:
     assert runs == [{"tokens": 32, "experts_routed": 8}, {"tokens": 32, "experts_routed": 9}]
 
 
+# llama-completion's perf lines as the pinned upstream build prints them (0.5B MoE, 32 tokens; log
+# timestamps cut)
+UPSTREAM_PERF = """\
+common_perf_print:    sampling time =       8.85 ms
+common_perf_print:    samplers time =       2.48 ms /   101 tokens
+common_perf_print:        load time =     839.98 ms
+common_perf_print: prompt eval time =     839.08 ms /    69 tokens (   12.16 ms per token,    82.23 tokens per second)
+common_perf_print:        eval time =     653.29 ms /    31 runs   (   21.07 ms per token,    47.45 tokens per second)
+common_perf_print:       total time =    1504.35 ms /   100 tokens
+"""
+
+
+def test_upstream_decode_time_holds_its_sampling_as_ours_does() -> None:
+    t = upstream_worker.timings(UPSTREAM_PERF)
+    assert t["prompt_tokens"] == 69 and t["prompt_ms"] == pytest.approx(839.08)
+    assert t["eval_runs"] == 31
+    # eval time plus the sampling of the 31 tokens after the first (32 samples in 8.85 ms)
+    assert t["eval_ms"] == pytest.approx(653.29 + 8.85 * 31 / 32)
+    with pytest.raises(SystemExit, match="no timings"):
+        upstream_worker.timings(UPSTREAM_PERF.replace("sampling time", "other time"))
+
+
 def test_variants_parse() -> None:
     v = run.parse_variants("lru-high=lru:t1=1,t2=1; +multi=multi:t1=0.6,t2=1,prefetch=1")
     assert v == [("lru-high", "lru", "t1=1,t2=1"), ("+multi", "multi", "t1=0.6,t2=1,prefetch=1")]
