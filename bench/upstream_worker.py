@@ -46,7 +46,7 @@ def complete(binary: str, model: str, prompt: str, n: int, a: argparse.Namespace
 def timings(stderr: str) -> dict[str, Any]:
     """llama-completion's perf lines -> prompt_ms, prompt_tokens, eval_ms, eval_runs. eval_ms holds
     the sampling of the eval_runs tokens after the first: worker.py's decode time samples each token
-    too (greedy over the whole vocabulary, ~0.3 ms a token on the 0.5B), and llama.cpp's eval time
+    too (greedy over the whole vocabulary, 0.28-0.45 ms a token on the 0.5B), and llama.cpp's eval time
     does not."""
     pm, em, sm = PROMPT_RE.search(stderr), EVAL_RE.search(stderr), SAMPLING_RE.search(stderr)
     if not pm or not em or not sm:
