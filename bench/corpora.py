@@ -488,16 +488,25 @@ def mix(
 ) -> str:
     """One text of n_chars from several corpora's split (and the texts of extra, each as one more
     corpus), interleaved slice by slice (so the first tokens of it, which a calibration takes, hold
-    every corpus in equal parts)."""
-    texts = [corpus(n, split, cache_dir) for n in names] + list(extra)
+    every corpus in its share). A name may carry a weight, NAME:W: W consecutive slices of it a
+    round (default 1)."""
+    texts: list[tuple[str, int]] = []
+    for spec in names:
+        name, _, w = spec.partition(":")
+        if w and (not w.isdigit() or int(w) < 1):
+            msg = f"mix: weight of {spec!r} must be a positive integer"
+            raise CorpusError(msg)
+        texts.append((corpus(name, split, cache_dir), int(w or 1)))
+    texts += [(t, 1) for t in extra]
     out: list[str] = []
-    total = i = 0
-    while total < n_chars and any(i * slice_chars < len(t) for t in texts):
-        for t in texts:
-            piece = t[i * slice_chars : (i + 1) * slice_chars]
+    total = 0
+    pos = [0] * len(texts)
+    while total < n_chars and any(p < len(t) for p, (t, _) in zip(pos, texts, strict=True)):
+        for j, (t, w) in enumerate(texts):
+            piece = t[pos[j] : pos[j] + w * slice_chars]
+            pos[j] += w * slice_chars
             out.append(piece)
             total += len(piece)
-        i += 1
     return "".join(out)[:n_chars]
 
 
@@ -520,7 +529,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--chars", type=int, default=2000, help="characters to print (default: 2000)")
     x = sub.add_parser("mix", help="interleave several corpora's split into one text (a calibration mix)")
     x.add_argument("split", choices=SPLITS, help="split")
-    x.add_argument("names", nargs="+", choices=list(CORPORA), metavar="NAME", help="corpora to mix")
+    x.add_argument(
+        "names",
+        nargs="+",
+        metavar="NAME[:W]",
+        help=f"corpora to mix ({', '.join(CORPORA)}); :W takes W slices of it for each one of the others",
+    )
     x.add_argument("--chars", type=int, default=400_000, help="characters to write (default: 400000)")
     x.add_argument("-o", "--output", type=Path, required=True, help="text file to write")
     x.add_argument(

@@ -76,6 +76,9 @@ def main() -> None:
     a = p.parse_args()
 
     texts = [Path(t) for t in a.text]
+    if len({t.stem for t in texts}) < len(texts):
+        # results are keyed by the file's stem: two texts of one stem would share one cell
+        p.error(f"two texts have the same name (stem): {' '.join(a.text)}")
     dense = Path(a.dense)
     ppl: dict[str, dict[str, float]] = {"dense": {}}
     for t in texts:

@@ -302,3 +302,15 @@ def test_mix_interleaves_slices_and_extra_texts() -> None:
     assert text == "aaabbbcccaaacc"
     with pytest.raises(corpora.CorpusError, match="unknown split"):
         corpora.mix(["fortunes"], "test", 10)
+    with pytest.raises(corpora.CorpusError, match="positive integer"):
+        corpora.mix(["fortunes:0"], "calib", 10)
+
+
+def test_mix_weights_take_more_slices_of_a_corpus(tmp_path: Path) -> None:
+    """NAME:W takes W consecutive slices of that corpus a round, none of them twice."""
+    for name, body in (("fortunes", "F" * 3 + "f" * 3 + "G" * 3), ("py-stdlib", "pqrstu")):
+        (tmp_path / "corpora").mkdir(exist_ok=True)
+        for split, text in (("calib", body), ("eval", ""), ("json", "{}")):
+            (tmp_path / "corpora" / f"{name}.{split}.txt".replace(".json.txt", ".json")).write_text(text)
+    text = corpora.mix(["fortunes:2", "py-stdlib"], "calib", 100, slice_chars=3, cache_dir=tmp_path)
+    assert text == "FFFfffpqrGGGstu"

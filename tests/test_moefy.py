@@ -163,6 +163,34 @@ def test_refit_down_recovers_the_down_projections_of_a_layer() -> None:
     assert np.abs(kept.down - start.down).max() < 1e-4
 
 
+def test_relative_fit_weights_keep_a_few_massive_tokens_from_taking_the_refit() -> None:
+    # Qwen2.5's window starts carry FFN outputs ~100x the rest's; plain least squares then fits them
+    # and leaves the ordinary tokens worse (bench/results/moefy-fitweight.md)
+    from moetier.tools.distill import rel_error
+    from moetier.tools.moefy import dense_ffn, layer_from_plan, plan_layer, token_weights
+
+    rng = np.random.default_rng(7)
+    d, ff, n = 32, 512, 4096
+    wg, wu = (
+        (rng.standard_normal((ff, d)) / np.sqrt(d)).astype(np.float32),
+        (rng.standard_normal((ff, d)) / np.sqrt(d)).astype(np.float32),
+    )
+    wd = (rng.standard_normal((d, ff)) / np.sqrt(ff)).astype(np.float32)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    x[::256] *= 8.0  # massive tokens, ~60x the FFN output of the rest
+    held = rng.standard_normal((1024, d)).astype(np.float32)
+    errs = {}
+    for how in ("uniform", "relative"):
+        cfg = MoefyConfig(n_expert=4, n_expert_used=2, fit_weight=how)
+        pl = plan_layer(x, wg, wu, wd, cfg, np.random.default_rng(0))
+        errs[how] = rel_error(layer_from_plan(pl, wg, wu), held, dense_ffn(held, wg, wu, wd), 2, True, 1.0)
+    assert errs["relative"] < 0.95 * errs["uniform"], errs
+    w = token_weights(np.array([[3.0, 4.0], [0.0, 0.0], [30.0, 40.0]], dtype=np.float32), "relative")
+    assert w[0, 0] == pytest.approx(0.2) and w[2, 0] == pytest.approx(0.02) and np.isfinite(w).all()
+    with pytest.raises(ConfigError, match="fit_weight"):
+        MoefyConfig(fit_weight="huber")
+
+
 def test_correction_round_brings_the_logits_toward_dense(dense: Path, tmp_path: Path) -> None:
     base = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, down_type="f16")
     plain, corrected = tmp_path / "plain.gguf", tmp_path / "corr.gguf"

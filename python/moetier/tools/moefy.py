@@ -49,6 +49,8 @@ F32 = npt.NDArray[np.float32]
 ARCHS = {"ernie4_5-moe": (True, 1.0), "qwen2moe": (False, 0.5)}
 # qwen2moe's shared-gate weight (every component): z = QWEN2MOE_SHEXP_GATE * sum(x) stays small
 QWEN2MOE_SHEXP_GATE = 1e-4
+# how the refit weighs calibration tokens (MoefyConfig.fit_weight)
+FIT_WEIGHTS = ("relative", "uniform")
 # calibration tokens past the fitted ones on which each layer's error is reported
 HELD_OUT_TOKENS = 2048
 # checked besides the held-out tail of each calibration text: the converted model's logits must be finite
@@ -93,6 +95,14 @@ class MoefyConfig:
     )
     refit: bool = field(default=True, metadata={"help": "refit the down projections for the sparse routing"})
     refit_ridge: float = field(default=1.0, metadata={"help": "ridge strength of the down-projection refit"})
+    fit_weight: str = field(
+        default="uniform",
+        metadata={
+            "help": "how the refit weighs tokens: uniform (plain least squares, where a few tokens with massive "
+            "activations outweigh the rest) or relative (each token's error relative to its dense FFN output; "
+            "no perplexity gain on the 0.5B: bench/results/moefy-fitweight.md)"
+        },
+    )
     correct_rounds: int = field(
         default=0,
         metadata={
@@ -135,6 +145,9 @@ class MoefyConfig:
                 f"moefy: correct_rounds {self.correct_rounds} must be >= 0 and correct_share "
                 f"{self.correct_share} in [0, 1]"
             )
+            raise ConfigError(msg)
+        if self.fit_weight not in FIT_WEIGHTS:
+            msg = f"moefy.fit_weight: {self.fit_weight!r} must be one of {', '.join(FIT_WEIGHTS)}"
             raise ConfigError(msg)
         if self.down_type not in ("q8_0", "f16"):
             msg = f"moefy.down_type: {self.down_type!r} must be q8_0 or f16"
@@ -209,6 +222,17 @@ def _ridge(a: F32, b: F32, lam: float, prior: F32 | None = None) -> F32:
     return np.linalg.solve(g, rhs).astype(np.float32)
 
 
+def token_weights(y: F32, how: str) -> F32:
+    """Row weights [N, 1] of a least-squares fit to targets y [N, d]: 1 (uniform), or 1 / ||y_t||
+    (relative: each token's squared error counted relative to its target's), floored at 1% of the
+    median norm so that a near-zero target does not take the fit."""
+    if how == "uniform":
+        return np.ones((len(y), 1), dtype=np.float32)
+    n = np.linalg.norm(np.asarray(y, dtype=np.float32), axis=1)
+    floor = 0.01 * float(np.median(n)) + 1e-12
+    return (1.0 / np.maximum(n, floor)).astype(np.float32)[:, None]
+
+
 def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rng: np.random.Generator) -> LayerPlan:
     """x [N, d] ffn inputs; w_gate/w_up [ff, d]; w_down [d, ff]."""
     ff = w_gate.shape[0]
@@ -261,7 +285,11 @@ def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rn
         [w_down[:, shared] / sh_gate] + [w_down[:, g] / mean_w[e] for e, g in enumerate(groups)], axis=1
     ).astype(np.float32)  # [d, ff]
     feats = np.concatenate([h[:, shared] * sh_gate] + [h[:, g] * w[:, e : e + 1] for e, g in enumerate(groups)], axis=1)
-    down = _ridge(feats.astype(np.float32), y, cfg.refit_ridge, prior.T).T if cfg.refit else prior
+    # plain least squares lets a handful of tokens decide the fit: the window starts, whose FFN
+    # outputs are ~100x the others' (Qwen2.5 layer 3: 16 of 8192 tokens hold 97% of the squared
+    # output), while the next layer normalises each token; relative weights fit the error per token
+    rw = token_weights(y, cfg.fit_weight)
+    down = _ridge(feats * rw, y * rw, cfg.refit_ridge, prior.T).T if cfg.refit else prior
 
     y_moe = feats @ down.T
     rel = float(np.mean(np.linalg.norm(y - y_moe, axis=1) / (np.linalg.norm(y, axis=1) + 1e-8)))
@@ -370,10 +398,13 @@ def _plan_fields(cfg: MoefyConfig) -> dict[str, Any]:
     return {k: v for k, v in asdict(cfg).items() if k not in ("correct_rounds", "correct_share")}
 
 
-def refit_down(layer: MoeLayer, x: F32, y: F32, k: int, renorm: bool, sh_gate: float, ridge: float) -> MoeLayer:
+def refit_down(
+    layer: MoeLayer, x: F32, y: F32, k: int, renorm: bool, sh_gate: float, ridge: float, fit_weight: str = "uniform"
+) -> MoeLayer:
     """The layer with its down projections (shared and routed) refitted in closed form so that its
-    output on inputs x [N, d] approaches y [N, d]: ridge toward the current down weights, gate/up and
-    router kept (the routing, hence each token's features, stays as llama.cpp computes it)."""
+    output on inputs x [N, d] approaches y [N, d] (tokens weighed as token_weights says): ridge toward
+    the current down weights, gate/up and router kept (the routing, hence each token's features, stays
+    as llama.cpp computes it)."""
     E, ff_e = layer.gate.shape[0], layer.gate.shape[1]
     n_sh = layer.gate_sh.shape[0]
     ff = n_sh + E * ff_e
@@ -387,9 +418,11 @@ def refit_down(layer: MoeLayer, x: F32, y: F32, k: int, renorm: bool, sh_gate: f
         parts = [_silu(xb @ layer.gate_sh.T) * (xb @ layer.up_sh.T) * np.float32(sh_gate)]
         for e in range(E):
             parts.append(_silu(xb @ layer.gate[e].T) * (xb @ layer.up[e].T) * wfull[:, e : e + 1])
-        f = np.concatenate(parts, axis=1)
+        yb = np.asarray(y[i : i + 2048], dtype=np.float32)
+        rw = token_weights(yb, fit_weight)
+        f = np.concatenate(parts, axis=1) * rw
         g += f.T @ f
-        rhs += f.T @ np.asarray(y[i : i + 2048], dtype=np.float32)
+        rhs += f.T @ (yb * rw)
     prior = np.concatenate([layer.down_sh] + [layer.down[e] for e in range(E)], axis=1).T  # [ff, d]
     scale = float(np.mean(np.diag(g))) or 1.0
     g[np.diag_indices_from(g)] += ridge * scale
@@ -619,7 +652,9 @@ def moefy(
                 layers[il], errors[il] = _load_layer(path)
             else:
                 y = _correction_target(x, w, dense_l_out[il][:n_fit], acts["ffn_inp"][il][:n_fit], cfg.correct_share)
-                layers[il] = refit_down(layers[il], x, y, cfg.n_expert_used, renorm, sh_gate, cfg.refit_ridge)
+                layers[il] = refit_down(
+                    layers[il], x, y, cfg.n_expert_used, renorm, sh_gate, cfg.refit_ridge, cfg.fit_weight
+                )
                 errors[il] = rel_error(layers[il], x, y, cfg.n_expert_used, renorm, sh_gate)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _save_layer(path, layers[il], errors[il])
