@@ -230,7 +230,8 @@ def token_weights(y: F32, how: str) -> F32:
         return np.ones((len(y), 1), dtype=np.float32)
     n = np.linalg.norm(np.asarray(y, dtype=np.float32), axis=1)
     floor = 0.01 * float(np.median(n)) + 1e-12
-    return (1.0 / np.maximum(n, floor)).astype(np.float32)[:, None]
+    w: F32 = (1.0 / np.maximum(n, floor)).astype(np.float32)[:, None]
+    return w
 
 
 def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rng: np.random.Generator) -> LayerPlan:
