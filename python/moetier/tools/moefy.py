@@ -222,12 +222,12 @@ def _ridge(a: F32, b: F32, lam: float, prior: F32 | None = None) -> F32:
     return np.linalg.solve(g, rhs).astype(np.float32)
 
 
-def token_weights(y: F32, how: str) -> F32:
-    """Row weights [N, 1] of a least-squares fit to targets y [N, d]: 1 (uniform), or 1 / ||y_t||
-    (relative: each token's squared error counted relative to its target's), floored at 1% of the
-    median norm so that a near-zero target does not take the fit."""
+def token_weights(y: F32, how: str) -> F32 | None:
+    """Row weights [N, 1] of a least-squares fit to targets y [N, d]: None (uniform: leave the rows
+    as they are), or 1 / ||y_t|| (relative: each token's squared error counted relative to its
+    target's), floored at 1% of the median norm so that a near-zero target does not take the fit."""
     if how == "uniform":
-        return np.ones((len(y), 1), dtype=np.float32)
+        return None
     n = np.linalg.norm(np.asarray(y, dtype=np.float32), axis=1)
     floor = 0.01 * float(np.median(n)) + 1e-12
     w: F32 = (1.0 / np.maximum(n, floor)).astype(np.float32)[:, None]
@@ -290,7 +290,9 @@ def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rn
     # outputs are ~100x the others' (Qwen2.5 layer 3: 16 of 8192 tokens hold 97% of the squared
     # output), while the next layer normalises each token; relative weights fit the error per token
     rw = token_weights(y, cfg.fit_weight)
-    down = _ridge(feats * rw, y * rw, cfg.refit_ridge, prior.T).T if cfg.refit else prior
+    feats = feats.astype(np.float32, copy=False)
+    a, b = (feats, y) if rw is None else (feats * rw, y * rw)
+    down = _ridge(a, b, cfg.refit_ridge, prior.T).T if cfg.refit else prior
 
     y_moe = feats @ down.T
     rel = float(np.mean(np.linalg.norm(y - y_moe, axis=1) / (np.linalg.norm(y, axis=1) + 1e-8)))
@@ -421,9 +423,11 @@ def refit_down(
             parts.append(_silu(xb @ layer.gate[e].T) * (xb @ layer.up[e].T) * wfull[:, e : e + 1])
         yb = np.asarray(y[i : i + 2048], dtype=np.float32)
         rw = token_weights(yb, fit_weight)
-        f = np.concatenate(parts, axis=1) * rw
+        f = np.concatenate(parts, axis=1)
+        if rw is not None:
+            f, yb = f * rw, yb * rw
         g += f.T @ f
-        rhs += f.T @ (yb * rw)
+        rhs += f.T @ yb
     prior = np.concatenate([layer.down_sh] + [layer.down[e] for e in range(E)], axis=1).T  # [ff, d]
     scale = float(np.mean(np.diag(g))) or 1.0
     g[np.diag_indices_from(g)] += ridge * scale
