@@ -1,0 +1,71 @@
+"""Where the squared FFN output of a dense qwen2 model sits over its calibration tokens, and what
+moefy's relative token weights (MoefyConfig.fit_weight) do to a layer's held-out FFN error
+(bench/results/moefy-fitweight.md). Reads the dense activations a `moetier moefy --work-dir W` run
+cached (W/<key>/dense/ffn_norm-<layer>.npy: the fitted tokens, then the held-out ones).
+
+    python bench/fitweight_probe.py --dense qwen2.5-coder-0.5b.gguf --acts W/<key>/dense \\
+        --norm-layers 1,3,12,22 --fit-layers 3,22 --out bench/results/moefy-fitweight-layers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from moetier.tools import moefy as mf
+from moetier.tools.distill import rel_error
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dense", required=True, help="dense qwen2 GGUF")
+    p.add_argument("--acts", required=True, help="directory of the cached dense ffn_norm-<layer>.npy")
+    p.add_argument("--norm-layers", default="1,3,12,22", help="layers whose output norms are reported")
+    p.add_argument("--norm-tokens", type=int, default=8192, help="tokens the norm report covers")
+    p.add_argument("--fit-layers", default="3,22", help="layers planned with each fit weight")
+    p.add_argument("--out", required=True, help="JSON output path")
+    a = p.parse_args()
+    cfg0 = mf.MoefyConfig()
+    t = {x.name: x for x in gguf.GGUFReader(a.dense).tensors}
+
+    def load(il: int) -> tuple[np.ndarray, tuple[mf.F32, mf.F32, mf.F32]]:
+        x = np.load(Path(a.acts) / f"ffn_norm-{il}.npy", mmap_mode="r")
+        w = tuple(mf._tensor_f32(t[f"blk.{il}.ffn_{k}.weight"]) for k in ("gate", "up", "down"))
+        return x, w  # type: ignore[return-value]
+
+    out: dict[str, object] = {"dense": a.dense, "acts": a.acts, "norms": [], "fits": []}
+    for il in (int(v) for v in a.norm_layers.split(",")):
+        x, w = load(il)
+        n = np.linalg.norm(mf.dense_ffn(np.asarray(x[: a.norm_tokens]), *w), axis=1)
+        sq = np.sort(n**2)[::-1]
+        row = {
+            "layer": il,
+            "tokens": len(n),
+            "median": float(np.median(n)),
+            "q999": float(np.quantile(n, 0.999)),
+            "max": float(n.max()),
+            "top16_share_of_sum_sq": float(sq[:16].sum() / sq.sum()),
+        }
+        out["norms"].append(row)  # type: ignore[attr-defined]
+        print(json.dumps(row), flush=True)
+    for il in (int(v) for v in a.fit_layers.split(",")):
+        x, w = load(il)
+        xf, xh = np.asarray(x[: cfg0.calib_tokens]), np.asarray(x[cfg0.calib_tokens :])
+        yh = mf.dense_ffn(xh, *w)
+        for how in mf.FIT_WEIGHTS:
+            cfg = mf.MoefyConfig(fit_weight=how)
+            pl = mf.plan_layer(xf, *w, cfg, np.random.default_rng([cfg.seed, il]))
+            layer = mf.layer_from_plan(pl, w[0], w[1])
+            held = rel_error(layer, xh, yh, cfg.n_expert_used, *mf.ARCHS[cfg.arch])
+            row = {"layer": il, "fit_weight": how, "fitted": pl.rel_error, "held_out": held, "held_tokens": len(xh)}
+            out["fits"].append(row)  # type: ignore[attr-defined]
+            print(json.dumps(row), flush=True)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
