@@ -536,18 +536,35 @@ class moetier_pack_dir {
 static void moetier_pack_impl(const std::string &         model_path,
                               const std::string &         out_dir,
                               const moetier_pack_params & params) {
-    const ggml_type low_type = moetier_type_from_name(params.low_type ? params.low_type : "");
-    if (low_type == GGML_TYPE_COUNT) {
-        throw std::runtime_error(format("unknown low-precision type '%s'; use a ggml type name such as q4_0, q8_0, f16",
-                                        params.low_type ? params.low_type : "(null)"));
+    // low_type is one ggml type, or a list "q2_K,q4_0": each projection takes the first type whose
+    // block size divides its rows (K-quants pack 256 values, and an expert's FFN width need not be a
+    // multiple of 256: moefy's 224-wide experts, Qwen1.5-MoE's 1408)
+    const std::string      low_spec = params.low_type ? params.low_type : "";
+    std::vector<ggml_type> low_types;
+    for (size_t start = 0;;) {
+        const size_t      comma = low_spec.find(',', start);
+        const std::string name = low_spec.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        const ggml_type   lt   = moetier_type_from_name(name);
+        if (lt == GGML_TYPE_COUNT) {
+            throw std::runtime_error(
+                format("unknown low-precision type '%s'; use a ggml type name such as q4_0, q8_0, f16, or a list such "
+                       "as q2_K,q4_0",
+                       name.c_str()));
+        }
+        if (ggml_quantize_requires_imatrix(lt)) {
+            throw std::runtime_error(format(
+                "low-precision type %s needs an importance matrix; choose e.g. q4_0 or q4_k", ggml_type_name(lt)));
+        }
+        if (ggml_get_type_traits(lt)->from_float_ref == nullptr && lt != GGML_TYPE_F32) {
+            throw std::runtime_error(format("low-precision type %s cannot be quantized to", ggml_type_name(lt)));
+        }
+        low_types.push_back(lt);
+        if (comma == std::string::npos) {
+            break;
+        }
+        start = comma + 1;
     }
-    if (ggml_quantize_requires_imatrix(low_type)) {
-        throw std::runtime_error(format("low-precision type %s needs an importance matrix; choose e.g. q4_0 or q4_k",
-                                        ggml_type_name(low_type)));
-    }
-    if (ggml_get_type_traits(low_type)->from_float_ref == nullptr && low_type != GGML_TYPE_F32) {
-        throw std::runtime_error(format("low-precision type %s cannot be quantized to", ggml_type_name(low_type)));
-    }
+    const ggml_type low_type = low_types[0];  // the manifest's store-wide name; each projection has its own
 
     moetier_gguf_meta            meta(model_path);
     const moetier_model_identity id = moetier_model_identity_compute(model_path);
@@ -560,6 +577,7 @@ static void moetier_pack_impl(const std::string &         model_path,
         std::string         tensor;
         const ggml_tensor * t;
         uint64_t            offset;  // of expert 0 in the GGUF
+        ggml_type           low;     // type of its low-precision copy
     };
 
     std::map<int32_t, std::vector<src_proj>> layers;
@@ -575,12 +593,25 @@ static void moetier_pack_impl(const std::string &         model_path,
         if (ggml_n_dims(t) != 3) {
             throw std::runtime_error(format("%s: tensor %s is not 3-D", model_path.c_str(), name));
         }
-        if (t->ne[0] % ggml_blck_size(low_type) != 0) {
-            throw std::runtime_error(
-                format("%s: tensor %s rows of %" PRId64 " values are not a multiple of the %s block size %" PRId64,
-                       model_path.c_str(), name, t->ne[0], ggml_type_name(low_type), ggml_blck_size(low_type)));
+        ggml_type low = GGML_TYPE_COUNT;
+        for (const ggml_type lt : low_types) {
+            if (t->ne[0] % ggml_blck_size(lt) == 0) {
+                low = lt;
+                break;
+            }
         }
-        layers[il].push_back({ proj, name, t, data_off + gguf_get_tensor_offset(meta.gguf.get(), i) });
+        if (low == GGML_TYPE_COUNT) {
+            std::string blocks;
+            for (const ggml_type lt : low_types) {
+                blocks += format("%s%s block size %" PRId64, blocks.empty() ? "the " : ", nor of the ",
+                                 ggml_type_name(lt), ggml_blck_size(lt));
+            }
+            throw std::runtime_error(
+                format("%s: tensor %s rows of %" PRId64 " values are not a multiple of %s%s", model_path.c_str(), name,
+                       t->ne[0], blocks.c_str(),
+                       low_types.size() == 1 ? "; give a fallback type, e.g. --low-type q2_K,q4_0" : ""));
+        }
+        layers[il].push_back({ proj, name, t, data_off + gguf_get_tensor_offset(meta.gguf.get(), i), low });
     }
     if (layers.empty()) {
         throw std::runtime_error(
@@ -614,14 +645,14 @@ static void moetier_pack_impl(const std::string &         model_path,
                     format("%s: layer %d expert tensors disagree on the number of experts", model_path.c_str(), il));
             }
             const uint64_t bytes_high = sp.t->nb[2];
-            const uint64_t bytes_low  = ggml_row_size(low_type, sp.t->ne[0]) * sp.t->ne[1];
+            const uint64_t bytes_low  = ggml_row_size(sp.low, sp.t->ne[0]) * sp.t->ne[1];
             json           jp         = {
                 { "name",          sp.name                      },
                 { "tensor",        sp.tensor                    },
                 { "ne",            { sp.t->ne[0], sp.t->ne[1] } },
                 { "type_high",     ggml_type_name(sp.t->type)   },
                 { "bytes_high",    bytes_high                   },
-                { "type_low",      ggml_type_name(low_type)     },
+                { "type_low",      ggml_type_name(sp.low)       },
                 { "bytes_low",     bytes_low                    },
                 { "offset_high",   json::array()                },
                 { "offset_low",    json::array()                },
@@ -639,7 +670,7 @@ static void moetier_pack_impl(const std::string &         model_path,
             for (size_t k = 0; k < projs.size(); ++k) {
                 job & jb   = jobs[jobs.size() - projs.size() + k];
                 jb.off_low = pos;
-                pos += moetier_align_up(ggml_row_size(low_type, projs[k].t->ne[0]) * projs[k].t->ne[1]);
+                pos += moetier_align_up(ggml_row_size(projs[k].low, projs[k].t->ne[0]) * projs[k].t->ne[1]);
             }
         }
     }
@@ -667,6 +698,7 @@ static void moetier_pack_impl(const std::string &         model_path,
         const uint64_t      bytes_high = t->nb[2];
         const int64_t       n_per_row  = t->ne[0];
         const int64_t       n_rows     = t->ne[1];
+        const ggml_type     low_type   = jb.sp->low;
         const uint64_t      bytes_low  = ggml_row_size(low_type, n_per_row) * n_rows;
 
         high.assign(moetier_align_up(bytes_high), 0);

@@ -335,7 +335,9 @@ MOETIER_API uint64_t moetier_model_read_retries(const struct llama_model * model
 typedef bool (*moetier_progress_callback)(uint64_t done, uint64_t total, void * user_data);
 
 struct moetier_pack_params {
-    const char *              low_type;  // ggml type name of the low-precision copy, e.g. "q4_0"
+    // ggml type name of the low-precision copy, e.g. "q4_0", or a list "q2_K,q4_0": each projection
+    // takes the first type whose block size divides its rows
+    const char *              low_type;
     moetier_progress_callback progress_callback;
     void *                    progress_callback_user_data;
 };

@@ -56,3 +56,29 @@ def test_repack_replaces_atomically(tiny_model: ModelFactory, tmp_path: Path) ->
     assert first != second
     assert not list(out.glob("*.tmp")), "temporary files are renamed or removed"
     Model(path, store=out, cache=CacheConfig.exact(budget="16M")).generate("x", max_tokens=2)
+
+
+def test_low_type_list_falls_back_per_projection(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """q4_K packs 256 values per block: the gate and up rows (n_embd 256) take it, the down rows (64
+    wide) fall back to q4_0; the engine reads and computes each low projection in its own type."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_embd=256)
+    store = pack(path, tmp_path / "store", PackConfig(low_type="q4_K,q4_0"), progress=False)
+    m = json.loads((store / "manifest.json").read_text())
+    assert m["low_type"] == "q4_K"
+    types = {p["name"]: p["type_low"] for layer in m["layers"] for p in layer["projections"]}
+    assert types == {"gate": "q4_K", "up": "q4_K", "down": "q4_0"}
+    # q4_K: 144 bytes per 256 values; q4_0: 18 per 32
+    low_row = {"gate": 144, "up": 144, "down": 2 * 18}
+    for layer in m["layers"]:
+        for p in layer["projections"]:
+            assert p["bytes_low"] == low_row[p["name"]] * p["ne"][1]
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)[:1]
+    # t1 = 0, t2 = 1: each token's top-1 in high precision, the other expert in low
+    low = Model(path, store=store, cache=CacheConfig(budget="64M", t1=0.0, t2=1.0, low_frac=0.5, prefetch=0))
+    ref, got = stock.logits(tokens), low.logits(tokens)
+    s = low.stats()
+    assert s.n_loads_low > 0 and s.n_bytes_low == s.n_loads_low * sum(
+        low_row[p["name"]] * p["ne"][1] for p in m["layers"][0]["projections"]
+    )
+    assert not np.array_equal(got, ref) and np.corrcoef(got, ref)[0, 1] > 0.99

@@ -234,5 +234,9 @@ class PackConfig:
 
     low_type: str = field(
         default=str(_core.pack_defaults()["low_type"]),
-        metadata={"help": "ggml type of the low-precision copy of each expert, e.g. q4_0, q4_k, q8_0"},
+        metadata={
+            "help": "ggml type of the low-precision copy of each expert, e.g. q4_0, q4_k, q8_0; or a list, e.g. "
+            "q2_K,q4_0: each projection takes the first type whose block size divides its rows (K-quants "
+            "need rows of a multiple of 256 values)"
+        },
     )
