@@ -698,15 +698,15 @@ static void moetier_pack_impl(const std::string &         model_path,
         const uint64_t      bytes_high = t->nb[2];
         const int64_t       n_per_row  = t->ne[0];
         const int64_t       n_rows     = t->ne[1];
-        const ggml_type     low_type   = jb.sp->low;
-        const uint64_t      bytes_low  = ggml_row_size(low_type, n_per_row) * n_rows;
+        const ggml_type     proj_low   = jb.sp->low;
+        const uint64_t      bytes_low  = ggml_row_size(proj_low, n_per_row) * n_rows;
 
         high.assign(moetier_align_up(bytes_high), 0);
         if (!src.read(high.data(), jb.sp->offset + (uint64_t) jb.expert * bytes_high, bytes_high, bounce, err)) {
             throw std::runtime_error(err);
         }
         low.assign(moetier_align_up(bytes_low), 0);
-        if (low_type == t->type) {
+        if (proj_low == t->type) {
             memcpy(low.data(), high.data(), bytes_high);
         } else {
             f32.resize((size_t) (n_per_row * n_rows));
@@ -719,7 +719,7 @@ static void moetier_pack_impl(const std::string &         model_path,
                 throw std::runtime_error(format("%s: tensor %s of type %s cannot be dequantized", model_path.c_str(),
                                                 t->name, ggml_type_name(t->type)));
             }
-            ggml_quantize_chunk(low_type, f32.data(), low.data(), 0, n_rows, n_per_row, nullptr);
+            ggml_quantize_chunk(proj_low, f32.data(), low.data(), 0, n_rows, n_per_row, nullptr);
         }
         out.write_at(high.data(), high.size(), jb.off_high);
         out.write_at(low.data(), low.size(), jb.off_low);
