@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+import diskstat
+
 MiB = 1 << 20
 
 
@@ -81,9 +83,10 @@ class Session:
             if tag in tags:
                 return tag, json.loads(body) if body else {}
 
-    def generate(self, rid: int, prompt: str, n: int) -> dict[str, Any]:
+    def generate(self, rid: int, prompt: str, n: int, device: str | None = None) -> dict[str, Any]:
         """One request; the peer's BMOE_DONE fields plus the disk bytes and faults of the child
-        during it, and the decode-only share of them (after the first token)."""
+        during it, the decode-only share of them (after the first token), and what the device
+        (diskstat) read and how busy it was in the decode steps."""
         assert self.proc.stdin is not None
         pid = self.proc.pid
         io0, f0 = proc_field(pid, "io", "read_bytes"), major_faults(pid)
@@ -91,6 +94,7 @@ class Session:
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         first_io: int | None = None
+        first_dev: diskstat.DiskCounters | None = None
         steps: list[dict[str, Any]] = []
         while True:
             tag, body = self._until("BMOE_PROGRESS", "BMOE_DONE", "BMOE_ERROR")
@@ -99,11 +103,13 @@ class Session:
             if tag == "BMOE_PROGRESS":
                 if first_io is None:
                     first_io = proc_field(pid, "io", "read_bytes")
+                    first_dev = diskstat.counters(device)
                 steps.append(body)
                 continue
             io1 = proc_field(pid, "io", "read_bytes")
             body["disk_read_bytes"] = io1 - io0
             body["decode_disk_read_bytes"] = io1 - (first_io if first_io is not None else io1)
+            body["decode_device"] = diskstat.delta(diskstat.counters(device), first_dev)
             body["major_faults"] = major_faults(pid) - f0
             # the peer's per-step expert reads: step 1 carries the prompt's pass, the rest decode
             body["decode_read_bytes"] = int(sum(s.get("read_mb", 0.0) for s in steps[1:]) * MiB)
@@ -174,8 +180,9 @@ def main() -> None:
         s.generate(0, prompts[0], 4)
     runs = []
     disk = faults = 0
+    device = diskstat.device_of(a.model)
     for i, text in enumerate(prompts, start=1):
-        d = s.generate(i, text, a.n)
+        d = s.generate(i, text, a.n, device)
         disk += d["disk_read_bytes"]
         faults += d["major_faults"]
         n = int(d["tokens"])
@@ -196,6 +203,7 @@ def main() -> None:
                 "decode_cache_bytes_read": d["decode_read_bytes"],
                 "decode_prefetch_bytes_read": 0,
                 "decode_disk_read_bytes": d["decode_disk_read_bytes"],
+                "decode_device": d["decode_device"],
                 "disk_read_bytes": d["disk_read_bytes"],
                 "read_s": float(d["io_s_tok"]) * n,
                 "stall_s_per_token": float(d["stall_s_tok"]),

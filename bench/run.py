@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +224,18 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             return None  # not split at the first token (upstream's llama-completion)
         return sum(run.get(k, 0) for run in r["runs"] for k in keys) / n
 
+    def decode_rate(r: dict[str, Any], get: Callable[[dict[str, Any]], float | None]) -> float | None:
+        # a quantity of the decode steps over their seconds (not per token times the median rate)
+        vals = [get(run) for run in r["runs"]]
+        secs = sum(run.get("decode_s", 0.0) for run in r["runs"])
+        return sum(v for v in vals if v is not None) / secs if secs and all(v is not None for v in vals) else None
+
+    def own_reads(run: dict[str, Any]) -> float | None:
+        return run.get("decode_disk_read_bytes")
+
+    def device(key: str) -> Callable[[dict[str, Any]], float | None]:
+        return lambda run: run.get("decode_device", {}).get(key)
+
     tokens = sum(run["tokens"] + run["prompt_tokens"] for run in ok[-1]["runs"])
     lookups = sum(run["n_lookups"] for run in ok[-1]["runs"])
     hits = sum(run["n_hits"] for run in ok[-1]["runs"])
@@ -244,6 +257,11 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         # the decode steps' wait for expert reads; the rest of a step (1 / decode_tok_s) is compute
         "decode_stall_s_per_token": median_or_none([decode_per_token(r, "decode_read_s") for r in ok]),
         "decode_disk_read_per_token": median_or_none([decode_per_token(r, "decode_disk_read_bytes") for r in ok]),
+        # bytes per second of decode the process read, and the whole device's rate and busy share
+        # (diskstat: time with a request in flight) over the same steps
+        "decode_disk_read_bps": median_or_none([decode_rate(r, own_reads) for r in ok]),
+        "decode_device_read_bps": median_or_none([decode_rate(r, device("read_bytes")) for r in ok]),
+        "decode_device_busy": median_or_none([decode_rate(r, device("busy_s")) for r in ok]),
         "disk_read_per_token": statistics.median(r["disk_read_bytes"] / tokens for r in ok),
         "major_faults_per_token": statistics.median(r["major_faults"] / tokens for r in ok),
         "rss_anon_bytes": max(r["rss_anon_bytes"] for r in ok),
@@ -501,6 +519,10 @@ def last_texts(s: dict[str, Any]) -> list[str | None] | None:
     return by_repeat[-1] if by_repeat else None
 
 
+def busy_fmt(busy: float | None) -> str:
+    return "-" if busy is None else f"{100 * busy:.0f}%"
+
+
 def agree_fmt(a: dict[str, float]) -> str:
     return f"{a['median']:.2f} ({a['min']:.2f}-{a['max']:.2f})"
 
@@ -511,8 +533,9 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     ram = runs["stock-ram"]
     rows = [
         "| config | cap MiB | decode tok/s (min-max) | vs capped stock | vs in-RAM | prefill tok/s | TTFT s "
-        "| hit rate | decode disk MB/token | decode disk MB/s | peak MiB | same tokens as stock in RAM |",
-        "|" + "---|" * 12,
+        "| hit rate | decode disk MB/token | decode disk MB/s | disk busy (device MB/s) | peak MiB "
+        "| same tokens as stock in RAM |",
+        "|" + "---|" * 13,
     ]
     variants = report.get("variants", ["moetier"])
     pcts = sorted({int(k.rsplit("-", 1)[1]) for k in runs if k.startswith("stock-capped-")})
@@ -522,7 +545,7 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     for name in [n for n in names if n in runs]:
         s = runs[name]
         if "error" in s:
-            rows.append(f"| {name} | | failed: {s['error']} | | | | | | | | | |")
+            rows.append(f"| {name} | | failed: {s['error']} | | | | | | | | | | |")
             continue
         base = runs.get("stock-capped-" + name.rsplit("-", 1)[-1], {}) if not name.startswith("stock") else {}
         d = s["decode_tok_s"]
@@ -544,13 +567,16 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         hit = "" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
         dec_disk = s.get("decode_disk_read_per_token") or 0.0
         dec_mb = f"{dec_disk / 1e6:.2f}" if dec_disk else "-"
-        dec_rate = f"{dec_disk * d['median'] / 1e6:.0f}" if dec_disk else "-"
+        rate = s.get("decode_disk_read_bps") or (dec_disk * d["median"] if dec_disk else 0.0)  # older files
+        dec_rate = f"{rate / 1e6:.0f}" if rate else "-"
+        busy, dev_rate = s.get("decode_device_busy"), s.get("decode_device_read_bps")
+        dev = f"{busy_fmt(busy)} ({dev_rate / 1e6:.0f})" if busy is not None and dev_rate is not None else "-"
         rows.append(
             f"| {name} | {(s['cap_bytes'] or 0) / MiB:.0f} "
             f"| {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {vs_cap} "
             f"| {d['median'] / ram['decode_tok_s']['median']:.2f}x | {s['prefill_tok_s']['median']:.1f} "
             f"| {s['ttft_s']['median']:.2f} | {hit} "
-            f"| {dec_mb} | {dec_rate} "
+            f"| {dec_mb} | {dec_rate} | {dev} "
             f"| {max(s['peak_rss_bytes'], s['cgroup_peak_bytes']) / MiB:.0f} | {same} |"
         )
         if dec_disk > 0:
@@ -576,7 +602,8 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
             *pf_rows,
         ]
     t_rows = [
-        f"| {name} | {1e3 / d:.1f} | {1e3 * st:.1f} | {1e3 / d - 1e3 * st:.1f} |"
+        f"| {name} | {1e3 / d:.1f} | {1e3 * st:.1f} | {1e3 / d - 1e3 * st:.1f} "
+        f"| {busy_fmt(runs[name].get('decode_device_busy'))} |"
         for name in names
         if name in runs
         and (st := runs[name].get("decode_stall_s_per_token")) is not None
@@ -586,10 +613,11 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         rows += [
             "",
             "where a decode step's time goes (medians over repeats): the load ops (expert reads the compute "
-            "threads do, or wait for on the io_uring and the prefetch lanes), and the rest (compute):",
+            "threads do, or wait for on the io_uring and the prefetch lanes), and the rest (compute); the share "
+            "of the decode time the disk had a read in flight (near 100%: the disk is the limit):",
             "",
-            "| config | ms / token | waiting for reads | the rest |",
-            "|" + "---|" * 4,
+            "| config | ms / token | waiting for reads | the rest | disk busy |",
+            "|" + "---|" * 5,
             *t_rows,
         ]
     exact = ("stock-ram", "stock-ram-norepack")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import diskstat
 from moetier import CacheConfig, ContextConfig, Model
 
 # CacheConfig fields that take whole numbers (the rest are floats)
@@ -105,12 +106,20 @@ def main() -> None:
         m.generate(prompts[0], max_tokens=4)  # warm-up: first-touch costs are not the steady state
     runs = []
     io0, faults0 = disk_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    # the device the experts come from: its own counters say how busy the decode steps kept it
+    device = diskstat.device_of(a.store or a.model)
     for text in prompts:
         # counters at the first token: what the decode steps alone read is the rest
         first: dict[str, int] = {}
         pf_first: dict[str, Any] = {}
+        dev_first: list[diskstat.DiskCounters | None] = []
 
-        def at_first_token(first: dict[str, int] = first, pf_first: dict[str, Any] = pf_first) -> None:
+        def at_first_token(
+            first: dict[str, int] = first,
+            pf_first: dict[str, Any] = pf_first,
+            dev_first: list[diskstat.DiskCounters | None] = dev_first,
+        ) -> None:
+            dev_first.append(diskstat.counters(device))
             first["disk"] = disk_read_bytes()
             first["cache"] = m.stats().n_bytes_read
             first["prefetch"] = m.prefetch_stats().bytes_read
@@ -120,9 +129,12 @@ def main() -> None:
         disk0 = disk_read_bytes()
         r = m.generate(text, max_tokens=a.n, on_first_token=at_first_token)
         disk1 = disk_read_bytes()
+        dev1 = diskstat.counters(device)
         runs.append(
             {
                 "decode_disk_read_bytes": disk1 - first.get("disk", disk1),
+                # the whole device during the decode steps (other processes' reads included)
+                "decode_device": diskstat.delta(dev1, dev_first[0] if dev_first else dev1),
                 "decode_cache_bytes_read": r.stats.n_bytes_read - first.get("cache", r.stats.n_bytes_read),
                 "decode_prefetch_bytes_read": m.prefetch_stats().bytes_read - first.get("prefetch", 0),
                 # the prefetch counters of the decode steps alone (each generation resets them)

@@ -4,6 +4,8 @@ counters, ratios against the capped stock run; and one end-to-end run on a tiny 
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from conftest import ModelFactory
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import cgroup
+import diskstat
 import frontier
 import peer_worker
 import run
@@ -76,6 +79,48 @@ def test_decode_stall_is_the_decode_steps_wait_per_step() -> None:
     s = run.summarize(reps)
     assert s["decode_stall_s_per_token"] == pytest.approx(2 * 0.8 / 8)  # 2 prompts x 4 decode steps
     assert run.summarize([_worker([10.0], 3, 4, 300)])["decode_stall_s_per_token"] is None
+
+
+def test_decode_rates_are_the_decode_steps_bytes_over_their_seconds() -> None:
+    """The process's and the device's read rates and the device's busy share over the decode steps:
+    summed over prompts, divided by their decode seconds, median over repeats; absent where a run
+    has no device counters (a file system without a block device, upstream)."""
+    reps = [_worker([10.0, 10.0], 3, 4, 300) for _ in range(3)]
+    for r, (mb, busy) in zip(reps, ((100, 0.5), (300, 0.9), (200, 0.7)), strict=True):
+        for run_ in r["runs"]:  # type: ignore[attr-defined]
+            run_["decode_s"] = 2.0
+            run_["decode_disk_read_bytes"] = mb * 10**6
+            run_["decode_device"] = {"read_bytes": 2 * mb * 10**6, "busy_s": 2.0 * busy}
+    s = run.summarize(reps)
+    assert s["decode_disk_read_bps"] == pytest.approx(100e6)  # median repeat: 2 x 200 MB over 2 x 2 s
+    assert s["decode_device_read_bps"] == pytest.approx(200e6)
+    assert s["decode_device_busy"] == pytest.approx(0.7)
+    bare = run.summarize([_worker([10.0], 3, 4, 300)])
+    assert bare["decode_device_busy"] is None and bare["decode_device_read_bps"] is None
+
+
+def test_diskstat_sees_a_direct_read_on_the_device_of_its_file(tmp_path: Path) -> None:
+    """The device under a file is the whole disk /proc/diskstats counts; an O_DIRECT read of the file
+    (past the page cache) shows up in its read bytes."""
+    dev = diskstat.device_of(tmp_path)
+    if dev is None:
+        pytest.skip(f"{tmp_path} is on a file system without a block device")
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(8 << 20))
+    os.sync()
+    c0 = diskstat.counters(dev)
+    fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 8 << 20)
+    try:
+        assert os.preadv(fd, [buf], 0) == 8 << 20
+    finally:
+        os.close(fd)
+        buf.close()
+    c1 = diskstat.counters(dev)
+    assert c0 is not None and c1 is not None
+    d = diskstat.delta(c1, c0)
+    assert d["read_bytes"] >= 8 << 20 and d["busy_s"] >= 0
+    assert diskstat.counters(None) is None and diskstat.delta(None, c0) == {}
 
 
 def test_summarize_all_failed() -> None:
@@ -172,6 +217,10 @@ def test_end_to_end_tiny(tiny_model: ModelFactory, tmp_path: Path) -> None:
     # decode alone: what the cache read after the first token, and the disk saw at least that
     assert m25["decode_steps"] == 3 * len(run.DEFAULT_PROMPTS) and m25["decode_bytes_per_token"] > 0
     assert m25["decode_disk_read_per_token"] >= m25["decode_bytes_per_token"] * 0.99
+    if diskstat.device_of(path) is not None:
+        # the device served at least what the process read, and was busy part of the decode time
+        assert m25["decode_device_read_bps"] >= m25["decode_disk_read_bps"] * 0.99 > 0
+        assert 0 < m25["decode_device_busy"] <= 1.01
     # every capped run was inside its group: the group's peak counts it
     for name in ("stock-capped-25", "moetier-25", "stock-capped-100", "moetier-100"):
         assert rep["runs"][name]["cgroup_peak_bytes"] > 0, name

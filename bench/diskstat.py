@@ -1,0 +1,44 @@
+"""The block device under a file and its kernel counters (/proc/diskstats): bytes it read and time it
+was busy, whoever asked. Beside a process's own I/O counter they show whether the disk was the limit
+of a decode step (busy near all of the time) and the rate it served at, measured, not probed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+
+class DiskCounters(NamedTuple):
+    read_bytes: int  # sectors read x 512
+    busy_ms: int  # time with at least one request in flight (io_ticks)
+
+
+def device_of(path: str | Path) -> str | None:
+    """The whole disk (not the partition) that holds path, as /proc/diskstats names it; None where the
+    file system has no block device (tmpfs, overlay)."""
+    st = os.stat(path)
+    sys_dir = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if not sys_dir.exists():
+        return None
+    real = sys_dir.resolve()
+    return real.parent.name if (real / "partition").exists() else real.name
+
+
+def counters(device: str | None) -> DiskCounters | None:
+    """The device's counters now; None for no device."""
+    if device is None:
+        return None
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if len(f) > 12 and f[2] == device:
+            return DiskCounters(int(f[5]) * 512, int(f[12]))
+    return None
+
+
+def delta(now: DiskCounters | None, then: DiskCounters | None) -> dict[str, float]:
+    """What the device read and how long it was busy between two readings, for a worker's JSON
+    (empty without a device)."""
+    if now is None or then is None:
+        return {}
+    return {"read_bytes": now.read_bytes - then.read_bytes, "busy_s": (now.busy_ms - then.busy_ms) / 1e3}
