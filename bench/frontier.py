@@ -71,8 +71,18 @@ def main() -> None:
     p.add_argument("--run", required=True, help="bench/run.py result (.json) with the lossy configurations")
     p.add_argument("--text", action="append", required=True, help="held-out text (repeat for several)")
     p.add_argument("--points", required=True, help="NAME=moetier;NAME=stock:FLAGS;... (NAME: a config of the run)")
-    p.add_argument("--lossless", default="exact-prefetch-25", help="our exact configuration of the run")
-    p.add_argument("--peer-lossless", default="peer-overlap-25", help="the peer's best lossless configuration")
+    p.add_argument(
+        "--lossless",
+        default=None,
+        help="our exact configuration of the run (default: the fastest of ours that left nothing out, "
+        "at the points' budget)",
+    )
+    p.add_argument(
+        "--peer-lossless",
+        default=None,
+        help="the peer's lossless configuration to compare with (default: its fastest that dropped nothing, "
+        "at the points' budget)",
+    )
     p.add_argument("--ctx", type=int, default=512, help="perplexity context (default: 512)")
     p.add_argument("--chunks", type=int, default=2, help="chunks of ctx tokens per text (default: 2)")
     p.add_argument("--threads", type=int, default=2, help="threads (default: 2)")
@@ -82,6 +92,9 @@ def main() -> None:
     report = json.loads(Path(a.run).read_text())
     model = Path(report["model"])
     texts = [Path(t) for t in a.text]
+    names = [n for n, _, _ in parse_points(a.points)]
+    lossless = pick_lossless(report, a.run, a.lossless, names, peer=False)
+    peer_lossless = pick_lossless(report, a.run, a.peer_lossless, names, peer=True)
 
     def ppl(flags: list[str]) -> dict[str, float]:
         return {t.stem: perplexity(model, t, a.ctx, a.chunks, a.threads, flags) for t in texts}
@@ -103,21 +116,53 @@ def main() -> None:
     doc |= {"exact": base, "points": points}
     out = Path(a.out)
     out.with_name(out.name + ".json").write_text(json.dumps(doc, indent=1))
-    md = table(report, doc, a.lossless, a.peer_lossless)
+    md = table(report, doc, lossless, peer_lossless)
     out.with_name(out.name + ".md").write_text(md)
     print(md)
-    plot(report, doc, out.with_name(out.name + ".png"), a.lossless, a.peer_lossless)
+    plot(report, doc, out.with_name(out.name + ".png"), lossless, peer_lossless)
 
 
-def speed(report: dict[str, Any], name: str) -> float | None:
+def pick_lossless(report: dict[str, Any], run_path: str, name: str | None, points: list[str], peer: bool) -> str | None:
+    """The configuration the lossy points are set against: the one named (it must be in the run), or
+    the fastest lossless one of ours (peer=False: nothing skipped, no low loads) or of the peer's
+    (nothing dropped) at the budget the points share; None where the run has none (the peer not run)."""
+    runs = report["runs"]
+    if name is not None:
+        if name not in runs or "error" in runs[name]:
+            msg = f"{run_path}: no configuration {name!r} ran (configurations: {', '.join(runs)})"
+            raise SystemExit(msg)
+        return name
+    budgets = {n.rsplit("-", 1)[-1] for n in points}
+    budget = budgets.pop() if len(budgets) == 1 else None
+
+    def lossless(n: str) -> bool:
+        lossy = runs[n].get("lossy") or {}
+        return not any(lossy.get(k) for k in ("skipped", "loads_low", "dropped"))
+
+    cands = [
+        n
+        for n, r in runs.items()
+        if "error" not in r
+        and "decode_tok_s" in r
+        and (budget is None or n.endswith("-" + budget))
+        and n.startswith("peer") == peer
+        and not n.startswith(("stock", "upstream"))
+        and lossless(n)
+    ]
+    return max(cands, key=lambda n: float(runs[n]["decode_tok_s"]["median"]), default=None)
+
+
+def speed(report: dict[str, Any], name: str | None) -> float | None:
     run = report["runs"].get(name)
     return float(run["decode_tok_s"]["median"]) if run and "decode_tok_s" in run else None
 
 
-def rows_of(report: dict[str, Any], doc: dict[str, Any], lossless: str, peer: str) -> list[dict[str, Any]]:
+def rows_of(
+    report: dict[str, Any], doc: dict[str, Any], lossless: str | None, peer: str | None
+) -> list[dict[str, Any]]:
     """One row per configuration of the run that is ours or the peer's (lossless and lossy) or a
     point with a perplexity."""
-    names = [lossless, *doc["points"]]
+    names = [n for n in (lossless, *doc["points"]) if n is not None]
     names += [n for n in report["runs"] if n.startswith("peer") and n not in names]
     out = []
     for n in names:
@@ -127,7 +172,7 @@ def rows_of(report: dict[str, Any], doc: dict[str, Any], lossless: str, peer: st
             {
                 "name": n,
                 "tok_s": speed(report, n),
-                "vs_peer": (speed(report, n) or 0) / (speed(report, peer) or float("nan")),
+                "vs_peer": (speed(report, n) or 0) / p if (p := speed(report, peer)) else None,
                 "vs_exact": pt["vs_exact"]
                 if pt
                 else (dict.fromkeys(doc["exact"]["decode"], 1.0) if n in (lossless, peer) else None),
@@ -138,9 +183,11 @@ def rows_of(report: dict[str, Any], doc: dict[str, Any], lossless: str, peer: st
     return out
 
 
-def table(report: dict[str, Any], doc: dict[str, Any], lossless: str, peer: str) -> str:
+def table(report: dict[str, Any], doc: dict[str, Any], lossless: str | None, peer: str | None) -> str:
     stems = list(doc["exact"]["decode"])
-    head = "| config | decode tok/s | vs peer lossless | " + " | ".join(f"ppl {s} vs exact" for s in stems)
+    head = f"| config | decode tok/s | vs {peer or 'the peer (not run)'} | " + " | ".join(
+        f"ppl {s} vs exact" for s in stems
+    )
     head += " | agreement with stock | left out |"
     lines = [
         f"model `{Path(doc['model']).name}`, run `{Path(doc['run']).name}`; perplexity on {doc['chunks']} x "
@@ -164,11 +211,12 @@ def table(report: dict[str, Any], doc: dict[str, Any], lossless: str, peer: str)
         )
         agree = "-" if r["agreement"] is None else f"{r['agreement']:.2f}"
         tok = "-" if r["tok_s"] is None else f"{r['tok_s']:.2f}"
-        lines.append(f"| {r['name']} | {tok} | {r['vs_peer']:.2f}x | " + " | ".join(ppl) + f" | {agree} | {left} |")
+        vs = "-" if r["vs_peer"] is None else f"{r['vs_peer']:.2f}x"
+        lines.append(f"| {r['name']} | {tok} | {vs} | " + " | ".join(ppl) + f" | {agree} | {left} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict[str, Any], doc: dict[str, Any], out: Path, lossless: str, peer: str) -> None:
+def plot(report: dict[str, Any], doc: dict[str, Any], out: Path, lossless: str | None, peer: str | None) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in rows_of(report, doc, lossless, peer):

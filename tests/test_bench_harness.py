@@ -502,6 +502,47 @@ def test_frontier_runs_a_configuration_with_the_cache_of_its_run() -> None:
         frontier.parse_points("c-25=peer:--x")
 
 
+def test_frontier_sets_points_against_the_runs_own_lossless_configurations() -> None:
+    """Without names, the lossy points are set against the fastest exact configuration of ours and the
+    fastest lossless one of the peer's at the points' budget; a name the run lacks is an error naming
+    the run; with no peer in the run the column says so instead of a NaN."""
+
+    def cfg(tok_s: float, **lossy: float) -> dict[str, object]:
+        return {"decode_tok_s": {"median": tok_s}, "lossy": lossy}
+
+    runs = {
+        "stock-capped-25": cfg(0.5),
+        "lru-high-25": cfg(6.0, skipped=0.0, loads_low=0.0),
+        "exact-25": cfg(7.0, skipped=0.0, loads_low=0.0),
+        "exact-50": cfg(12.0, skipped=0.0, loads_low=0.0),
+        "mixed-25": cfg(8.0, skipped=0.0, loads_low=0.4),
+        "peer-25": cfg(0.7, dropped=0.0),
+        "peer-drop-25": cfg(0.9, dropped=0.2),
+        "upstream-norepack-25": cfg(0.6),
+    }
+    report = {"runs": runs}
+    assert frontier.pick_lossless(report, "r.json", None, ["mixed-25"], peer=False) == "exact-25"
+    assert frontier.pick_lossless(report, "r.json", None, ["mixed-25"], peer=True) == "peer-25"
+    assert frontier.pick_lossless(report, "r.json", "lru-high-25", ["mixed-25"], peer=False) == "lru-high-25"
+    with pytest.raises(SystemExit, match=r"r.json: no configuration 'exact-prefetch-25' ran"):
+        frontier.pick_lossless(report, "r.json", "exact-prefetch-25", ["mixed-25"], peer=False)
+    doc = {
+        "model": "m.gguf",
+        "run": "r.json",
+        "ctx": 512,
+        "chunks": 2,
+        "exact": {"decode": {"a": 10.0}, "batch": {"a": 10.0}},
+        "points": {"mixed-25": {"vs_exact": {"a": 1.01}}},
+    }
+    md = frontier.table(report, doc, "exact-25", "peer-25")
+    assert "| vs peer-25 |" in md and "| exact-25 | 7.00 | 10.00x | +0.00% |" in md
+    assert "| mixed-25 | 8.00 | 11.43x | +1.00% |" in md and "nan" not in md
+    bare = {"runs": {k: v for k, v in runs.items() if not k.startswith("peer")}}
+    assert frontier.pick_lossless(bare, "r.json", None, ["mixed-25"], peer=True) is None
+    md = frontier.table(bare, doc, "exact-25", None)
+    assert "| vs the peer (not run) |" in md and "| mixed-25 | 8.00 | - | +1.00% |" in md
+
+
 def test_variant_store_0_reads_the_gguf() -> None:
     assert run.store_flag("t1=1,t2=1", "S") == ("S", "t1=1,t2=1")
     assert run.store_flag("t1=1,store=0,t2=1", "S") == (None, "t1=1,t2=1")
