@@ -3,6 +3,7 @@ counters, ratios against the capped stock run; and one end-to-end run on a tiny 
 
 from __future__ import annotations
 
+import argparse
 import json
 import mmap
 import os
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import cgroup
 import diskstat
 import frontier
+import io_cost
 import peer_worker
 import run
 import upstream_worker
@@ -121,6 +123,19 @@ def test_diskstat_sees_a_direct_read_on_the_device_of_its_file(tmp_path: Path) -
     d = diskstat.delta(c1, c0)
     assert d["read_bytes"] >= 8 << 20 and d["busy_s"] >= 0
     assert diskstat.counters(None) is None and diskstat.delta(None, c0) == {}
+
+
+def test_io_cost_reader_reads_at_its_pace_and_costs_are_per_mb(tmp_path: Path) -> None:
+    """The I/O cost bench's reader (a child process, O_DIRECT) reads at the rate it is set to, stops on
+    its file, and the CPU time it cost is counted per MB read."""
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(16 << 20))
+    a = argparse.Namespace(file=str(f), block_kib=64, depth=2, seconds=1.0)
+    got = io_cost.cost_alone(a, "20")
+    assert got["mb_s"] == pytest.approx(20, rel=0.3)
+    assert set(got["core_ms_per_mb"]) == {"user", "system", "irq", "softirq", "steal"}
+    assert all(v >= 0 for v in got["core_ms_per_mb"].values())
+    assert io_cost.parse_rate("max") == 0.0 and io_cost.parse_rate("150") == 150.0
 
 
 def test_summarize_all_failed() -> None:
