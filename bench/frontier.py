@@ -133,7 +133,10 @@ def pick_lossless(report: dict[str, Any], run_path: str, name: str | None, point
             raise SystemExit(msg)
         return name
     budgets = {n.rsplit("-", 1)[-1] for n in points}
-    budget = budgets.pop() if len(budgets) == 1 else None
+    if len(budgets) != 1:
+        msg = f"{run_path}: the points are at several budgets ({', '.join(sorted(budgets))}): name --lossless"
+        raise SystemExit(msg)
+    budget = budgets.pop()
 
     def lossless(n: str) -> bool:
         lossy = runs[n].get("lossy") or {}
@@ -144,7 +147,7 @@ def pick_lossless(report: dict[str, Any], run_path: str, name: str | None, point
         for n, r in runs.items()
         if "error" not in r
         and "decode_tok_s" in r
-        and (budget is None or n.endswith("-" + budget))
+        and n.endswith("-" + budget)
         and n.startswith("peer") == peer
         and not n.startswith(("stock", "upstream"))
         and lossless(n)

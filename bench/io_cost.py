@@ -40,11 +40,22 @@ def reader_main(path: str, mbps: float, block: int, depth: int, stop_file: str) 
     """The reader process: `depth` threads, O_DIRECT random reads of `block` bytes, all together paced
     to mbps MB/s (0: as fast as the disk goes), until stop_file exists; prints the bytes and seconds."""
     size = os.path.getsize(path)
+    if block % 4096 or size < block + 4096:
+        msg = f"{path}: {size} bytes; reads of {block} bytes need a multiple of 4096 and a larger file"
+        raise SystemExit(msg)
     done = [0] * depth
     t0 = time.perf_counter()
     per = mbps * 1e6 / depth if mbps > 0 else 0.0
 
+    errors: list[str] = []
+
     def run(i: int) -> None:
+        try:
+            read_until_stopped(i)
+        except OSError as e:  # O_DIRECT refused, a short file: the run must fail, not report 0 MB/s
+            errors.append(f"{path}: {e}")
+
+    def read_until_stopped(i: int) -> None:
         buf = mmap.mmap(-1, block)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         rng = random.Random(i)
@@ -65,6 +76,8 @@ def reader_main(path: str, mbps: float, block: int, depth: int, stop_file: str) 
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise SystemExit(errors[0])
     print(json.dumps({"bytes": sum(done), "seconds": time.perf_counter() - t0}))
 
 
@@ -76,15 +89,15 @@ class Reader:
         self.stop.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--reader", str(mbps), "--file", a.file]
         cmd += ["--block-kib", str(a.block_kib), "--depth", str(a.depth), "--stop-file", str(self.stop)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(0.5)  # its threads are reading before the measurement starts
 
     def close(self) -> dict[str, float]:
         self.stop.touch()
-        out, _ = self.proc.communicate(timeout=60)
+        out, err = self.proc.communicate(timeout=60)
         self.stop.unlink(missing_ok=True)
         if self.proc.returncode != 0:
-            msg = f"reader exited {self.proc.returncode}"
+            msg = f"reader exited {self.proc.returncode}: {err.strip()}"
             raise RuntimeError(msg)
         res: dict[str, float] = json.loads(out)
         return res
@@ -96,8 +109,8 @@ def parse_rate(text: str) -> float:
 
 def cost_alone(a: argparse.Namespace, rate: str) -> dict[str, Any]:
     """CPU time per kind while only the reader runs, per MB read (ms of one core per MB)."""
-    before = cpu_times()
     r = Reader(a, parse_rate(rate), "alone")
+    before = cpu_times()  # after the reader's start: its start-up is not a cost of reading
     t0 = time.perf_counter()
     time.sleep(a.seconds)
     after = cpu_times()
@@ -115,8 +128,10 @@ def decode_with(a: argparse.Namespace, rate: str) -> dict[str, Any]:
     r = Reader(a, parse_rate(rate), "decode") if rate != "0" else None
     cmd = [sys.executable, str(Path(__file__).with_name("worker.py")), "--model", a.model, "--prompts", a.prompts]
     cmd += ["-n", str(a.n), "--threads", str(a.threads), "--ctx", "1024", "--no-repack"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    got = r.close() if r else {"bytes": 0, "seconds": 1.0}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    finally:  # a failed decode must not leave the reader reading
+        got = r.close() if r else {"bytes": 0, "seconds": 1.0}
     runs = json.loads(out.stdout)["runs"]
     steps = sum(x["tokens"] - 1 for x in runs)
     return {
@@ -170,7 +185,7 @@ def write(
         f"`{Path(a.prompts).name}`; {a.repeats} interleaved repeats (medians); {os.cpu_count()} cores, "
         f"load {os.getloadavg()[0]:.2f}",
         "",
-        "| reader MB/s (set) | alone: MB/s | core ms per MB: system | softirq+irq | steal | all | "
+        "| reader MB/s (set) | alone: MB/s | core ms per MB: system | softirq+irq | steal | kernel+steal | "
         "decode: reader MB/s | decode ms / token | over no reader |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

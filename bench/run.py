@@ -231,7 +231,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         return sum(v for v in vals if v is not None) / secs if secs and all(v is not None for v in vals) else None
 
     def own_reads(run: dict[str, Any]) -> float | None:
-        return run.get("decode_disk_read_bytes")
+        v = run.get("decode_disk_read_bytes")
+        return None if v is None else float(v)
 
     def device(key: str) -> Callable[[dict[str, Any]], float | None]:
         return lambda run: run.get("decode_device", {}).get(key)
