@@ -4,7 +4,12 @@ of a decode step (busy near all of the time) and the rate it served at, measured
 
 from __future__ import annotations
 
+import mmap
 import os
+import random
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,3 +47,45 @@ def delta(now: DiskCounters | None, then: DiskCounters | None) -> dict[str, floa
     if now is None or then is None:
         return {}
     return {"read_bytes": now.read_bytes - then.read_bytes, "busy_s": (now.busy_ms - then.busy_ms) / 1e3}
+
+
+def direct_reads(path: str | Path, block: int, depth: int, going: Callable[[], bool], mbps: float = 0.0) -> int:
+    """O_DIRECT reads of `block` bytes (a multiple of 4096) at random aligned offsets of path, `depth`
+    threads (os.preadv lets the GIL go), all together paced to mbps MB/s (0: as fast as the disk
+    goes), while going() holds: the bytes read. A thread's OSError (O_DIRECT refused) is raised."""
+    size = os.path.getsize(path)
+    if block % 4096 or size < block + 4096:
+        msg = f"{path}: {size} bytes; reads of {block} bytes need a multiple of 4096 and a larger file"
+        raise ValueError(msg)
+    done = [0] * depth
+    errors: list[OSError] = []
+    per = mbps * 1e6 / depth if mbps > 0 else 0.0
+    t0 = time.perf_counter()
+
+    def reader(i: int) -> None:
+        try:
+            buf = mmap.mmap(-1, block)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            errors.append(e)
+            return
+        rng = random.Random(i)
+        try:
+            while going():
+                done[i] += os.preadv(fd, [buf], rng.randrange(0, (size - block) // 4096) * 4096)
+                if per > 0 and (wait := t0 + done[i] / per - time.perf_counter()) > 0:
+                    time.sleep(wait)
+        except OSError as e:
+            errors.append(e)
+        finally:
+            os.close(fd)
+            buf.close()
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(depth)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sum(done)

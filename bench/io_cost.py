@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
-import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import diskstat
 
 STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
@@ -37,48 +36,17 @@ def cpu_times() -> dict[str, int]:
 
 
 def reader_main(path: str, mbps: float, block: int, depth: int, stop_file: str) -> None:
-    """The reader process: `depth` threads, O_DIRECT random reads of `block` bytes, all together paced
-    to mbps MB/s (0: as fast as the disk goes), until stop_file exists; prints the bytes and seconds."""
-    size = os.path.getsize(path)
-    if block % 4096 or size < block + 4096:
-        msg = f"{path}: {size} bytes; reads of {block} bytes need a multiple of 4096 and a larger file"
-        raise SystemExit(msg)
-    done = [0] * depth
+    """The reader process: diskstat.direct_reads paced to mbps MB/s (0: unpaced) until stop_file
+    exists; prints the bytes and seconds. A reader that cannot read fails, naming the file."""
     t0 = time.perf_counter()
-    per = mbps * 1e6 / depth if mbps > 0 else 0.0
-
-    errors: list[str] = []
-
-    def run(i: int) -> None:
-        try:
-            read_until_stopped(i)
-        except OSError as e:  # O_DIRECT refused, a short file: the run must fail, not report 0 MB/s
-            errors.append(f"{path}: {e}")
-
-    def read_until_stopped(i: int) -> None:
-        buf = mmap.mmap(-1, block)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        rng = random.Random(i)
-        try:
-            while not os.path.exists(stop_file):
-                off = rng.randrange(0, (size - block) // 4096) * 4096
-                done[i] += os.preadv(fd, [buf], off)
-                if per > 0:
-                    wait = t0 + done[i] / per - time.perf_counter()
-                    if wait > 0:
-                        time.sleep(wait)
-        finally:
-            os.close(fd)
-            buf.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(depth)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise SystemExit(errors[0])
-    print(json.dumps({"bytes": sum(done), "seconds": time.perf_counter() - t0}))
+    try:
+        got = diskstat.direct_reads(path, block, depth, lambda: not os.path.exists(stop_file), mbps)
+    except ValueError as e:  # names the file
+        raise SystemExit(str(e)) from e
+    except OSError as e:
+        msg = f"{path}: {e}"
+        raise SystemExit(msg) from e
+    print(json.dumps({"bytes": got, "seconds": time.perf_counter() - t0}))
 
 
 class Reader:

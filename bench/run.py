@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import diskstat
 import moetier
 from cgroup import MemoryCap, available
 from moetier import CacheConfig, Model, MoetierError
@@ -77,34 +78,12 @@ def embedding_bytes(path: Path) -> int:
 
 def disk_bandwidth(path: Path, chunk: int, seconds: float = 2.0, depth: int = 1) -> float:
     """O_DIRECT random reads of `chunk` bytes (rounded to 4096) from path, `depth` of them in flight at
-    once (one thread each: os.preadv lets the GIL go): bytes per second."""
-    import mmap
-    import random
-    import threading
-
-    chunk = max(4096, (chunk + 4095) // 4096 * 4096)
-    size = path.stat().st_size
-    done = [0] * depth
+    once (diskstat.direct_reads): bytes per second."""
+    # no larger than the file allows (a tiny test model)
+    block = min(max(4096, (chunk + 4095) // 4096 * 4096), max(4096, (path.stat().st_size - 4096) // 4096 * 4096))
     t0 = time.perf_counter()
-
-    def reader(i: int) -> None:
-        buf = mmap.mmap(-1, chunk)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        rng = random.Random(i)
-        try:
-            while time.perf_counter() - t0 < seconds:
-                off = rng.randrange(0, max(1, size - chunk)) // 4096 * 4096
-                done[i] += os.preadv(fd, [buf], off)
-        finally:
-            os.close(fd)
-            buf.close()
-
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(depth)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(done) / (time.perf_counter() - t0)
+    done = diskstat.direct_reads(path, block, depth, lambda: time.perf_counter() - t0 < seconds)
+    return done / (time.perf_counter() - t0)
 
 
 DISK_DEPTHS = (1, 2, 4, 8)  # the engine reads with io_uring / io threads at depths up to the top-k

@@ -148,6 +148,20 @@ def test_io_cost_reader_reads_at_its_pace_and_costs_are_per_mb(tmp_path: Path) -
         io_cost.cost_alone(argparse.Namespace(file=str(short), block_kib=64, depth=1, seconds=0.2), "max")
 
 
+def test_direct_reads_raise_a_readers_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that fails in one of the reader threads (fault injected) fails the measurement instead
+    of leaving the bytes of the others as the result."""
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(1 << 20))
+
+    def broken(fd: int, bufs: list[mmap.mmap], off: int) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", broken)
+    with pytest.raises(OSError, match="Input/output error"):
+        diskstat.direct_reads(f, 65536, 2, lambda: True)
+
+
 def test_summarize_all_failed() -> None:
     assert run.summarize([{"error": "boom"}]) == {"error": "boom"}
 
