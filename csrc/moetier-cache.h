@@ -118,8 +118,13 @@ class moetier_cache {
     // whether resolve needs the gate weights: the rule can pick low or skip
     bool uses_weights() const { return rule.t2 < 1.0f || (rule.t1 < 1.0f && has_low()); }
 
-    // the prefetcher's input for the layer after il's load, nullptr if none
-    ggml_tensor * router_stack(int32_t il) const { return prefetcher ? prefetcher->router_stack(il) : nullptr; }
+    // the prefetcher's input for the layer after il's load, nullptr if none, or if every expert of
+    // the group has a high slot: a high copy serves every need and, with no room short, none is
+    // evicted, so a prediction has nothing to read and its nodes would only cost time per token
+    ggml_tensor * router_stack(int32_t il) const {
+        return prefetcher && !sets[MOETIER_PRECISION_HIGH]->holds_every_expert() ? prefetcher->router_stack(il) :
+                                                                                   nullptr;
+    }
 
     uint64_t pool_bytes() const { return sets[0]->mem_bytes() + sets[1]->mem_bytes(); }
 

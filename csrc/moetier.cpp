@@ -53,6 +53,7 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     for (const auto & c : m->caches) {
         info->n_slots += c->n_slots(MOETIER_PRECISION_HIGH);
         info->n_slots_low += c->n_slots(MOETIER_PRECISION_LOW);
+        info->n_held += c->slots(MOETIER_PRECISION_HIGH).n_experts_held();
         info->cache_bytes += c->pool_bytes();
     }
     return 0;

@@ -207,6 +207,7 @@ struct moetier_cache_info {
     int32_t  n_groups;          // slot pool groups (layers whose experts share types and shapes)
     int32_t  n_slots;           // high-precision slots over all groups
     int32_t  n_slots_low;       // low-precision slots over all groups
+    int32_t  n_held;            // high-precision slots holding an expert now (its read may be in flight)
     uint64_t expert_bytes_low;  // bytes of all served experts' low versions (0 without a store)
     uint64_t cache_bytes;       // bytes held by the slot pools
     uint64_t expert_bytes;      // bytes of all served experts (what stock llama.cpp loads)

@@ -101,6 +101,27 @@ def test_no_prefetch_no_counters(model_and_store: tuple[Path, Path]) -> None:
     assert p.n_issued == 0 and not any(p.n_pred)
 
 
+def test_no_prefetch_nodes_once_every_expert_is_cached(model_and_store: tuple[Path, Path]) -> None:
+    """A cache with a high slot for every expert never evicts: once all are in, a graph built then
+    has no prefetch nodes (they would cost time per token for nothing), and the output stays stock's."""
+    path, store = model_and_store
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    m = Model(path, store=store, cache=CacheConfig.exact("64M", prefetch=2))
+    info = m.cache_info()
+    assert info["n_slots"] >= info["n_layers"] * info["n_expert"], info
+    m.generate(tokens, max_tokens=4)
+    first = _pred_counts(m)
+    assert sum(first[0]) > 0  # the prompt's graph was built with nothing cached: it predicted
+    # a short prompt may leave experts unread: read every one, so the next graphs are built with all in
+    for t in range(0, len(tokens) - 8, 8):
+        m.generate(tokens[t : t + 8], max_tokens=1)
+    assert m.cache_info()["n_held"] == info["n_layers"] * info["n_expert"]
+    before, misses = _pred_counts(m), m.stats().n_misses
+    assert m.generate(tokens, max_tokens=12).tokens == stock.generate(tokens, max_tokens=12).tokens
+    assert _pred_counts(m) == before and m.stats().n_misses == misses
+
+
 def test_prefetch_reads_per_layer_at_most_in_flight(model_and_store: tuple[Path, Path]) -> None:
     """A walk starts at most io_threads reads (one per prefetch lane, surest prediction first): more
     would sit in the queue holding slots they evicted cached experts for."""
@@ -118,6 +139,12 @@ def test_prefetch_reads_per_layer_at_most_in_flight(model_and_store: tuple[Path,
         _settled(m, 1)
         issued[lanes] = m.prefetch_stats().n_issued
     assert issued[1] <= n_walks < issued[4], issued
+
+
+def _half(path: Path) -> int:
+    """A budget of half the tiny model's experts (three of its six layers): with every expert
+    cached the graphs predict nothing (test_no_prefetch_nodes_once_every_expert_is_cached)."""
+    return 3 * int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
 
 
 def _pred_counts(m: Model) -> tuple[tuple[int, ...], ...]:
@@ -153,7 +180,7 @@ def test_fitted_predictor_of_the_routers_predicts_as_the_stacked_gate(model_copy
     tokens = stock.tokenize(LONG_PROMPT)
     runs = {}
     for fitted in (True, False):
-        m = Model(model_copy, cache=CacheConfig.exact(budget="64M", prefetch=1, fitted_prefetch=fitted))
+        m = Model(model_copy, cache=CacheConfig.exact(budget=_half(model_copy), prefetch=1, fitted_prefetch=fitted))
         assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
         runs[fitted] = _pred_counts(m)
         want = f"fitted predictor {path} ({len(maps)} of {len(maps)} maps)" if fitted else "stacked routers"
@@ -182,7 +209,8 @@ def test_fitted_predictor_is_fitted_and_exact(model_copy: Path, tmp_path: Path) 
     tokens = stock.tokenize(LONG_PROMPT)
     top1 = {}
     for fitted in (True, False):
-        m = Model(model_copy, store=store, cache=CacheConfig.exact(budget="64M", prefetch=2, fitted_prefetch=fitted))
+        cfg = CacheConfig.exact(budget=_half(model_copy), prefetch=2, fitted_prefetch=fitted)
+        m = Model(model_copy, store=store, cache=cfg)
         np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)
         assert m.generate(tokens, max_tokens=32).tokens == stock.generate(tokens, max_tokens=32).tokens
         n_pred, n_top1, _, _ = _pred_counts(m)

@@ -199,6 +199,7 @@ py::dict cache_info(const llama_model * model) {
     d["n_groups"]         = info.n_groups;
     d["n_slots"]          = info.n_slots;
     d["n_slots_low"]      = info.n_slots_low;
+    d["n_held"]           = info.n_held;
     d["expert_bytes_low"] = info.expert_bytes_low;
     d["cache_bytes"]      = info.cache_bytes;
     d["expert_bytes"]     = info.expert_bytes;
