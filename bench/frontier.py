@@ -69,8 +69,13 @@ def parse_points(text: str) -> list[tuple[str, str, list[str]]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="bench/run.py result (.json) with the lossy configurations")
-    p.add_argument("--text", action="append", required=True, help="held-out text (repeat for several)")
-    p.add_argument("--points", required=True, help="NAME=moetier;NAME=stock:FLAGS;... (NAME: a config of the run)")
+    p.add_argument("--text", action="append", help="held-out text (repeat for several)")
+    p.add_argument("--points", help="NAME=moetier;NAME=stock:FLAGS;... (NAME: a config of the run)")
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="no perplexity runs: the table and plot again from OUT.json of an earlier run (its texts and points)",
+    )
     p.add_argument(
         "--lossless",
         default=None,
@@ -90,6 +95,20 @@ def main() -> None:
     a = p.parse_args()
 
     report = json.loads(Path(a.run).read_text())
+    out = Path(a.out)
+    if a.render:
+        doc = json.loads(out.with_name(out.name + ".json").read_text())
+        names = list(doc["points"])
+        render(
+            report,
+            doc,
+            out,
+            pick_lossless(report, a.run, a.lossless, names, peer=False),
+            pick_lossless(report, a.run, a.peer_lossless, names, peer=True),
+        )
+        return
+    if not a.text or not a.points:
+        p.error("--text and --points are required (unless --render)")
     model = Path(report["model"])
     texts = [Path(t) for t in a.text]
     names = [n for n, _, _ in parse_points(a.points)]
@@ -114,8 +133,13 @@ def main() -> None:
         sys.stderr.write(f"{name}: {p_}\n")
     doc = {"run": a.run, "model": str(model), "texts": [str(t) for t in texts], "ctx": a.ctx, "chunks": a.chunks}
     doc |= {"exact": base, "points": points}
-    out = Path(a.out)
     out.with_name(out.name + ".json").write_text(json.dumps(doc, indent=1))
+    render(report, doc, out, lossless, peer_lossless)
+
+
+def render(
+    report: dict[str, Any], doc: dict[str, Any], out: Path, lossless: str | None, peer_lossless: str | None
+) -> None:
     md = table(report, doc, lossless, peer_lossless)
     out.with_name(out.name + ".md").write_text(md)
     print(md)
@@ -140,7 +164,9 @@ def pick_lossless(report: dict[str, Any], run_path: str, name: str | None, point
 
     def lossless(n: str) -> bool:
         lossy = runs[n].get("lossy") or {}
-        return not any(lossy.get(k) for k in ("skipped", "loads_low", "dropped"))
+        # the peer's reduced top-k drops nothing it routes: it routes fewer
+        fewer = any("--n-expert-used" in a for a in runs[n].get("args") or [])
+        return not fewer and not any(lossy.get(k) for k in ("skipped", "loads_low", "dropped"))
 
     cands = [
         n
@@ -166,7 +192,8 @@ def rows_of(
     """One row per configuration of the run that is ours or the peer's (lossless and lossy) or a
     point with a perplexity."""
     names = [n for n in (lossless, *doc["points"]) if n is not None]
-    names += [n for n in report["runs"] if n.startswith("peer") and n not in names]
+    budget = "-" + next(iter(doc["points"])).rsplit("-", 1)[-1] if doc["points"] else ""
+    names += [n for n in report["runs"] if n.startswith("peer") and n.endswith(budget) and n not in names]
     out = []
     for n in names:
         run = report["runs"].get(n, {})

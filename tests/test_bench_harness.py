@@ -558,6 +558,9 @@ def test_frontier_sets_points_against_the_runs_own_lossless_configurations() -> 
         "mixed-25": cfg(8.0, skipped=0.0, loads_low=0.4),
         "peer-25": cfg(0.7, dropped=0.0),
         "peer-drop-25": cfg(0.9, dropped=0.2),
+        # reduced top-k drops nothing it routes, and is lossy: never the peer's lossless point
+        "peer-k4-25": {**cfg(1.5, dropped=0.0), "args": ["--peer-args=--moe-stream --n-expert-used 4"]},
+        "peer-50": cfg(2.0, dropped=0.0),
         "upstream-norepack-25": cfg(0.6),
     }
     report = {"runs": runs}
@@ -577,6 +580,8 @@ def test_frontier_sets_points_against_the_runs_own_lossless_configurations() -> 
     md = frontier.table(report, doc, "exact-25", "peer-25")
     assert "| vs peer-25 |" in md and "| exact-25 | 7.00 | 10.00x | +0.00% |" in md
     assert "| mixed-25 | 8.00 | 11.43x | +1.00% |" in md and "nan" not in md
+    # the peer's rows are the points' budget's only
+    assert "| peer-k4-25 |" in md and "peer-50" not in md
     with pytest.raises(SystemExit, match="several budgets"):
         frontier.pick_lossless(report, "r.json", None, ["mixed-25", "mixed-50"], peer=False)
     bare = {"runs": {k: v for k, v in runs.items() if not k.startswith("peer")}}
