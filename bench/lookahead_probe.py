@@ -143,7 +143,7 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=25.0, help="budget in %% of the experts' bytes")
     p.add_argument("--depths", default="0,1,3", help="lookahead distances to try, comma-separated")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache/moetier/traces", help="where traces are kept")
-    p.add_argument("--out", required=True, help="OUT.json")
+    p.add_argument("--out", required=True, help="output prefix: writes OUT.json")
     a = p.parse_args()
 
     def trace(c: str, split: str) -> Path:
@@ -189,7 +189,7 @@ def main() -> int:
         "engine_misses_per_token": engine,
         "rows": rows,
     }
-    Path(a.out).with_suffix(".json").write_text(json.dumps(rep, indent=1) + "\n")
+    Path(a.out + ".json").write_text(json.dumps(rep, indent=1) + "\n")
     return 0
 
 
