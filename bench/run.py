@@ -255,6 +255,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         # counters, prompt included, per token of prompt and generation)
         "prefetch": prefetch_summary(*decode_prefetch(ok[-1], decode_steps(ok[-1]))),
         "errors": [r["error"] for r in results if "error" in r],
+        # what the cache got: with budget=auto, the size it chose and why (moetier's workers only)
+        "cache_bytes": (ok[-1].get("cache_info") or {}).get("cache_bytes"),
+        "budget_note": ok[-1].get("budget_note") or None,
     }
 
 
@@ -628,6 +631,14 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
             "| config | decode tok/s | agreement with stock | skipped / dropped | loads in low precision |",
             "|" + "---|" * 5,
             *q_rows,
+        ]
+    notes = [f"- {name}: {s['budget_note']}" for name, s in runs.items() if s.get("budget_note")]
+    if notes:
+        rows += [
+            "",
+            "how each cache budget was set (the load's note, last repeat; `budget=auto` says what it subtracted):",
+            "",
+            *notes,
         ]
     by_depth = report.get("disk_odirect_by_depth") or {"1": bound_bytes}
     depths = ", ".join(f"QD{d} {v / 1e6:.0f}" for d, v in by_depth.items())

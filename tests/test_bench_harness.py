@@ -68,6 +68,15 @@ def test_summarize_medians_and_counters() -> None:
     assert s["bytes_read_per_token"] == pytest.approx(600 / 30)  # 2 prompts x (10 + 5) tokens
     assert s["disk_read_per_token"] == pytest.approx(900 / 30)  # the median repeat
     assert s["errors"] == ["timeout after 5 s"]
+    # the workers say what cache they got (budget=auto chooses its size): kept, not dropped
+    assert s["cache_bytes"] is None and s["budget_note"] is None
+    w = {
+        **_worker([10.0], 3, 4, 300),
+        "cache_info": {"cache_bytes": 123},
+        "budget_note": "expert cache auto: 1 MiB = ...",
+    }
+    s = run.summarize([w])
+    assert s["cache_bytes"] == 123 and s["budget_note"].startswith("expert cache auto")
 
 
 def test_decode_stall_is_the_decode_steps_wait_per_step() -> None:
