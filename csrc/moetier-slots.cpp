@@ -90,7 +90,6 @@ void moetier_slots::drop(int32_t s) noexcept {
     }
     slot_of[k.layer][k.expert] = -1;
     --held[k.layer];
-    --n_held;
     keys[s] = moetier_key{};
     free_slots.push_back(s);
 }
@@ -140,12 +139,10 @@ int32_t moetier_slots::take(const moetier_key & key, const moetier_policy_ctx & 
         const moetier_key old          = keys[s];
         slot_of[old.layer][old.expert] = -1;
         --held[old.layer];
-        --n_held;
     }
     keys[s]                        = key;
     slot_of[key.layer][key.expert] = s;
     ++held[key.layer];
-    ++n_held;
     policy->on_load(s, key, prec_ == MOETIER_PRECISION_HIGH, pctx);
     return s;
 }

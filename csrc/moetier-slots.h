@@ -58,10 +58,10 @@ class moetier_slots {
     const moetier_key & key(int32_t s) const { return keys[s]; }
 
     // slots holding an expert (its read may be in flight)
-    int32_t n_experts_held() const { return (int32_t) n_held; }
+    int32_t n_experts_held() const { return n_slots() - (int32_t) free_slots.size(); }
 
     // every expert of every layer of the pool has a slot
-    bool holds_every_expert() const { return n_held == (int64_t) n_layers * n_expert; }
+    bool holds_every_expert() const { return (int64_t) n_experts_held() == (int64_t) n_layers * n_expert; }
 
     // A slot for key: a never used one, else the policy's victim among the evictable slots (the old
     // expert is forgotten). The policy is told of the load. -1 if no slot is evictable.
@@ -110,15 +110,14 @@ class moetier_slots {
     std::vector<ggml_tensor *> tensors;  // [proj]
 
     // bookkeeping
-    std::vector<moetier_key>          keys;          // [n_slots] what each slot holds
-    std::vector<std::vector<int32_t>> slot_of;       // [model layer][expert] slot holding it, -1 if none
-    std::vector<int32_t>              held;          // [model layer] slots holding that layer's experts
-    int64_t                           n_held   = 0;  // sum of held
+    std::vector<moetier_key>          keys;        // [n_slots] what each slot holds
+    std::vector<std::vector<int32_t>> slot_of;     // [model layer][expert] slot holding it, -1 if none
+    std::vector<int32_t>              held;        // [model layer] slots holding that layer's experts
     int32_t                           n_layers = 0;
-    std::vector<int32_t>              free_slots;    // never used yet (or dropped)
-    std::vector<uint8_t>              pinned;        // [n_slots]
-    std::vector<int32_t>              readers;       // [n_slots]
-    std::vector<uint8_t>              holds;         // [n_slots]
+    std::vector<int32_t>              free_slots;  // never used yet (or dropped)
+    std::vector<uint8_t>              pinned;      // [n_slots]
+    std::vector<int32_t>              readers;     // [n_slots]
+    std::vector<uint8_t>              holds;       // [n_slots]
 
     // scratch of take()
     std::vector<uint8_t> mask;  // [n_slots] 1 = not a candidate
