@@ -13,6 +13,10 @@ token will use there is kept to its use (v = d), one it will not use has its nex
 later. A perfect predictor at distance D bounds what any predictor-aware eviction (the stacked
 gate, DuoServe's) can add.
 
+--predict stacked|linear-post: the same rule told a real predictor's guess instead of the truth
+(the predictors of bench/predictors.py, at distances 1..D), on routing and activations the stock
+model produces on the held-out texts (every row of that replay, Belady's too, runs on those ids).
+
     python bench/lookahead_probe.py --model M.gguf --budget 25 --out bench/results/lookahead-0.5b
 """
 
@@ -71,8 +75,19 @@ def reuse_table(traces: list[I32], n_expert: int) -> NDArray[np.float64]:
     return used / chances
 
 
-def simulate(ids: I32, n_expert: int, n_slots: int, q_table: NDArray[np.float64], mode: str, depth: int = 0) -> float:
-    """Misses per token of one decode-order replay (one pass per token). mode: belady | rule."""
+def simulate(
+    ids: I32,
+    n_expert: int,
+    n_slots: int,
+    q_table: NDArray[np.float64],
+    mode: str,
+    depth: int = 0,
+    guess: dict[int, NDArray[np.bool_]] | None = None,
+    soft: bool = False,
+) -> float:
+    """Misses per token of one decode-order replay (one pass per token). mode: belady | rule.
+    guess[d][t, l, e]: a predictor at layer l - d says token t uses expert e at layer l (None: the
+    truth is told). soft: what is told only keeps the slots it names; the others keep the rule's value."""
     n, n_layers, k = ids.shape
     r = ranks(ids, n_expert)
     future: list[list[list[int]]] = [[[] for _ in range(n_expert)] for _ in range(n_layers)]
@@ -119,10 +134,16 @@ def simulate(ids: I32, n_expert: int, n_slots: int, q_table: NDArray[np.float64]
                         ahead = np.nonzero((key_l > il) & (key_l <= il + depth))[0]
                         if len(ahead):
                             la, ea = key_l[ahead], key_e[ahead]
-                            used_now = r[t, la, ea] < k
+                            if guess is None:
+                                used_now = r[t, la, ea] < k
+                            else:
+                                used_now = np.array(
+                                    [guess[int(x - il)][t, x, y] for x, y in zip(la, ea, strict=True)], dtype=bool
+                                )
                             age2 = np.clip(t + 1 - last_pass[la, ea], 1, MAX_AGE)
                             q2 = np.clip(q_table[last_rank[la, ea], age2], 1e-4, 1.0)
-                            v[ahead] = np.where(used_now, d[ahead], d[ahead] + n_layers + n_layers * (1 - q2) / q2)
+                            later = v[ahead] if soft else d[ahead] + n_layers + n_layers * (1 - q2) / q2
+                            v[ahead] = np.where(used_now, d[ahead], later)
                     v[pinned] = -np.inf
                     s = int(np.argmax(v))
                     where[key_l[s], key_e[s]] = -1
@@ -134,6 +155,39 @@ def simulate(ids: I32, n_expert: int, n_slots: int, q_table: NDArray[np.float64]
     return misses / n
 
 
+def predicted(a: argparse.Namespace, depths: list[int], n_expert: int) -> tuple[I32, dict[int, NDArray[np.bool_]]]:
+    """The held-out texts' routing from a stock run ([tokens, layers, k], rank order) and a
+    predictor's guesses guess[d][t, l, e] (made at layer l - d) for every d in depths."""
+    import predictors as pr  # bench/predictors.py: the same predictors its report card judges
+    from corpora import default_cache
+
+    texts = default_cache() / "corpora"
+    layers, _ = pr.moe_layers(a.model)
+    k = pr.experts_used(a.model)
+    use = a.use if a.use > 0 else a.tokens
+    held = pr.activations(a.model, [texts / f"{c}.eval.txt" for c in a.corpora], use, layers)
+    cal = (
+        pr.activations(a.model, [texts / f"{c}.calib.txt" for c in a.corpora], a.tokens, layers)
+        if a.predict == "linear-post"
+        else None
+    )
+    w_router = pr.routers(a.model, layers)
+    ids = np.stack([pr.topk(x, k) for x in held["ffn_moe_logits"]], axis=1).astype(np.int32)
+    n, n_layers, _ = ids.shape
+    guess: dict[int, NDArray[np.bool_]] = {}
+    for d in range(1, max(depths) + 1):
+        g = np.zeros((n, n_layers, n_expert), bool)
+        for dst in range(d, n_layers):
+            x = held["ffn_norm"][dst - d]
+            if cal is None:
+                scores = x @ w_router[dst].T
+            else:
+                scores = pr.apply(pr.ridge(cal["ffn_norm"][dst - d], cal["ffn_moe_logits"][dst], a.ridge), x)
+            np.put_along_axis(g[:, dst], pr.topk(scores, k), True, axis=1)
+        guess[d] = g
+    return ids, guess
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=Path, help="MoE GGUF the traces were recorded on")
@@ -143,6 +197,14 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=25.0, help="budget in %% of the experts' bytes")
     p.add_argument("--depths", default="0,1,3", help="lookahead distances to try, comma-separated")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache/moetier/traces", help="where traces are kept")
+    p.add_argument(
+        "--predict",
+        default=None,
+        choices=["stacked", "linear-post"],
+        help="also run the rule told this predictor's guesses at the --depths (bench/predictors.py's); every "
+        "row then replays the stock model's routing of the held-out texts, from the same run as the guesses",
+    )
+    p.add_argument("--ridge", type=float, default=1e-3, help="ridge of the linear-post predictor")
     p.add_argument("--out", required=True, help="output prefix: writes OUT.json")
     a = p.parse_args()
 
@@ -159,6 +221,10 @@ def main() -> int:
     q_table = reuse_table([sorted_ids(trace(c, "calib")) for c in a.corpora], n_expert)
     geo = rp.geometry(a.model, None, rp.probe(a.model, None), a.budget, 1.0, 1.0, 0.0)
     ids = np.concatenate(held)
+    depths = [int(x) for x in a.depths.split(",")]
+    guess: dict[int, NDArray[np.bool_]] | None = None
+    if a.predict:
+        ids, guess = predicted(a, depths, n_expert)
 
     # the engine's own replay of the same tokens, for scale: its LRU, reuse-rank and Belady
     def cut(t: Trace) -> Trace:
@@ -174,11 +240,17 @@ def main() -> int:
     }
     sys.stdout.write(f"engine replay, misses/token: {engine}\n")
     rows = []
-    for mode, depth in [("belady", 0)] + [("rule", int(x)) for x in a.depths.split(",")]:
+    runs = [("belady", 0, False, False)] + [("rule", d, False, False) for d in depths]
+    runs += [("rule", d, False, True) for d in depths if d > 0]
+    if guess is not None:
+        runs += [("rule", d, True, soft) for d in depths if d > 0 for soft in (False, True)]
+    for mode, depth, guessed, soft in runs:
         t0 = time.monotonic()
-        m = simulate(ids, n_expert, int(geo["n_slots"]), q_table, mode, depth)
-        rows.append({"mode": mode, "lookahead": depth, "misses_per_token": m, "seconds": time.monotonic() - t0})
-        sys.stdout.write(f"{mode} lookahead {depth}: {m:.2f} misses/token\n")
+        m = simulate(ids, n_expert, int(geo["n_slots"]), q_table, mode, depth, guess if guessed else None, soft)
+        told = (a.predict if guessed else "truth") + (", keeps only" if soft else "")
+        row = {"mode": mode, "lookahead": depth, "told": told, "misses_per_token": m}
+        rows.append(row | {"seconds": time.monotonic() - t0})
+        sys.stdout.write(f"{mode} lookahead {depth} ({told}): {m:.2f} misses/token\n")
     rep = {
         "model": str(a.model),
         "budget_pct": a.budget,
@@ -187,6 +259,7 @@ def main() -> int:
         "held_out": [str(trace(c, "eval")) for c in a.corpora],
         "table_from": [str(trace(c, "calib")) for c in a.corpora],
         "engine_misses_per_token": engine,
+        "replayed": f"the stock model's routing of the held-out texts ({a.predict} guesses)" if a.predict else "traces",
         "rows": rows,
     }
     Path(a.out + ".json").write_text(json.dumps(rep, indent=1) + "\n")

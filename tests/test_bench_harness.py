@@ -603,3 +603,29 @@ def test_variant_store_0_reads_the_gguf() -> None:
     assert run.store_flag("t1=1,t2=1", "S") == ("S", "t1=1,t2=1")
     assert run.store_flag("t1=1,store=0,t2=1", "S") == (None, "t1=1,t2=1")
     assert run.store_flag("prefetch=0", None) == (None, "prefetch=0")
+
+
+def test_requant_takes_a_type_list_per_tensor(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """bench/requant.py --type q3_K,q4_0: rows of 256 values get q3_K, down rows of 32 fall back
+    to q4_0, and every other tensor is copied byte for byte; a list none of whose blocks fits a
+    tensor's rows is refused, naming it."""
+    import gguf
+
+    import requant
+
+    src = tiny_model("qwen2moe", n_embd=256, n_ff_exp=32, seed=7)
+    dst = tmp_path / "q3k.gguf"
+    requant.requant(src, dst, "q3_K,q4_0")
+    before = {t.name: t for t in gguf.GGUFReader(src).tensors}
+    after = {t.name: t for t in gguf.GGUFReader(dst).tensors}
+    assert before.keys() == after.keys()
+    for name, t in after.items():
+        if requant.EXPERT.search(name):
+            want = gguf.GGMLQuantizationType.Q4_0 if "down" in name else gguf.GGMLQuantizationType.Q3_K
+            assert t.tensor_type == want, name
+        else:
+            assert t.tensor_type == before[name].tensor_type
+            assert bytes(t.data) == bytes(before[name].data), name
+    with pytest.raises(SystemExit, match="ffn_down_exps.*rows of 32 values"):
+        requant.requant(src, tmp_path / "bad.gguf", "q3_K")
+    assert not list(tmp_path.glob("bad.gguf*"))
