@@ -626,6 +626,6 @@ def test_requant_takes_a_type_list_per_tensor(tiny_model: ModelFactory, tmp_path
         else:
             assert t.tensor_type == before[name].tensor_type
             assert bytes(t.data) == bytes(before[name].data), name
-    with pytest.raises(SystemExit, match="ffn_down_exps.*rows of 32 values"):
+    with pytest.raises(SystemExit, match=r"ffn_down_exps.*rows of 32 values"):
         requant.requant(src, tmp_path / "bad.gguf", "q3_K")
     assert not list(tmp_path.glob("bad.gguf*"))
