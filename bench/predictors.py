@@ -16,6 +16,11 @@ Every predictor names k experts (the model's top-k). Reported per predictor and 
 top-k match, and wasted reads per useful one if all k were prefetched. Activations come from the
 stock model run through llama.cpp (moetier._core.trace.collect).
 
+What bounds top-1: where layer l+d's router gives its top two experts nearly equal logits, a small
+error in the predicted logits swaps them. So the top-1 of the predictors that output logits
+(stacked, linear-post, linear-pre) is also reported by the true top-1/top-2 logit margin, in
+quintiles of each target layer's own margins (the narrowest fifth first).
+
     python bench/predictors.py --model M.gguf --corpora fortunes linux-doc py-library --tokens 2048 \
         --out bench/results/predictors-1.5b
 """
@@ -39,6 +44,8 @@ from moetier.tools.mlp import MLP, FitConfig, fit
 
 F32 = npt.NDArray[np.float32]
 DISTANCES = (1, 2, 3)
+MARGIN_BINS = 5
+LOGIT_PREDICTORS = ("stacked", "linear-post", "linear-pre")
 
 
 def activations(model: Path, texts: list[Path], tokens: int, layers: list[int]) -> dict[str, list[F32]]:
@@ -93,6 +100,14 @@ def metrics(pred: npt.NDArray[np.int64], true: npt.NDArray[np.int64]) -> dict[st
         "exact": float(np.mean(hits == k)),
         "wasted_per_useful": float((pred.size - useful) / max(1, useful)),
     }
+
+
+def margin_bins(logits: F32, bins: int = MARGIN_BINS) -> npt.NDArray[np.int64]:
+    """Per token, the quintile (0 = narrowest) of its top-1/top-2 logit margin among this layer's tokens."""
+    top2 = -np.sort(-logits, axis=1)[:, :2]
+    margin = top2[:, 0] - top2[:, 1]
+    rank = np.argsort(np.argsort(margin, kind="stable"), kind="stable")
+    return np.asarray(rank * bins // len(margin), dtype=np.int64)
 
 
 def ridge(x: F32, y: F32, lam: float) -> F32:
@@ -180,11 +195,16 @@ def main() -> int:
     sys.stderr.write(f"duoserve mlp: {time.time() - t1:.0f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}\n")
     del x_all, y_all, xs, ys
     rows: list[dict[str, Any]] = []
+    by_margin: list[dict[str, Any]] = []
     for d in DISTANCES:
         acc: dict[str, list[dict[str, float]]] = {}
+        right = {name: np.zeros(MARGIN_BINS) for name in LOGIT_PREDICTORS}
+        seen = np.zeros(MARGIN_BINS)
         for l_src in range(n_layers - d):
             l_dst = l_src + d
             tr = true[l_dst]
+            bins = margin_bins(held["ffn_moe_logits"][l_dst])
+            seen += np.bincount(bins, minlength=MARGIN_BINS)
 
             def linear(kind: str, l_src: int = l_src, l_dst: int = l_dst) -> npt.NDArray[np.int64]:
                 w = ridge(cal[kind][l_src], cal["ffn_moe_logits"][l_dst], a.ridge)
@@ -201,8 +221,14 @@ def main() -> int:
             }
             for name, pr in preds.items():
                 acc.setdefault(name, []).append(metrics(np.asarray(pr), tr))
+            for name in LOGIT_PREDICTORS:
+                hit = np.asarray(preds[name])[:, 0] == tr[:, 0]
+                right[name] += np.bincount(bins, weights=hit, minlength=MARGIN_BINS)
         for name, ms in acc.items():
             rows.append({"predictor": name, "distance": d, **{m: float(np.mean([x[m] for x in ms])) for m in ms[0]}})
+        for name in LOGIT_PREDICTORS:
+            share = (right[name] / seen).tolist()
+            by_margin.append({"predictor": name, "distance": d, "top1_by_margin_quintile": share})
     rep = {
         "model": str(a.model),
         "corpora": a.corpora,
@@ -212,6 +238,7 @@ def main() -> int:
         "ridge": a.ridge,
         "duoserve_loss": losses,
         "rows": rows,
+        "top1_by_margin": by_margin,
     }
     md = [
         f"Expert predictors on {a.model.name}, held-out {', '.join(a.corpora)} ({len(true[0])} tokens), top-{k} of "
@@ -224,6 +251,20 @@ def main() -> int:
         md.append(
             f"| {r['predictor']} | {r['distance']} | {100 * r['top1']:.1f}% | {100 * r['overlap']:.1f}% "
             f"| {100 * r['exact']:.1f}% | {r['wasted_per_useful']:.2f} |"
+        )
+    md += [
+        "",
+        "Top-1 by the true top-1/top-2 logit margin of the target layer, in quintiles of each layer's",
+        "own margins (narrowest first):",
+        "",
+        "| predictor | distance | " + " | ".join(f"q{i + 1}" for i in range(MARGIN_BINS)) + " |",
+        "|---|---|" + "---|" * MARGIN_BINS,
+    ]
+    for r in by_margin:
+        md.append(
+            f"| {r['predictor']} | {r['distance']} | "
+            + " | ".join(f"{100 * v:.1f}%" for v in r["top1_by_margin_quintile"])
+            + " |"
         )
     Path(a.out + ".json").write_text(json.dumps(rep, indent=1) + "\n")
     Path(a.out + ".md").write_text("\n".join(md) + "\n")
