@@ -512,6 +512,31 @@ def test_memory_cap_limits_and_joins() -> None:
     assert not cap.path.exists()
 
 
+def test_memory_cap_binds_on_page_cache(tmp_path: Path) -> None:
+    """The cap counts page cache, as the capped runs need: a child that reads a file four times the
+    cap through the page cache fills the group to its limit and no further (the group reclaims), and
+    is not killed."""
+    if not cgroup.available():
+        pytest.skip("cgroup v1 memory controller not writable")
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(128 << 20))
+    os.sync()
+    # drop the written pages: page cache is charged to the group that reads it in first
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cap = cgroup.MemoryCap(f"moetier-test-bind-{id(object())}", 32 << 20)
+    try:
+        r = subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, preexec_fn=cap.preexec, check=False)
+        assert r.returncode == 0
+        # cat's own memory is ~1 MiB: a group that filled its limit counted the file's pages
+        assert (32 << 20) * 3 // 4 <= cap.max_usage() <= 32 << 20, cap.max_usage()
+    finally:
+        cap.close()
+
+
 def test_frontier_runs_a_configuration_with_the_cache_of_its_run() -> None:
     """A moetier point's perplexity uses its run's budget, store, policy and options, decoded token by
     token, without a warm start, the model option repack=0 as --no-repack; a stock point its flags."""

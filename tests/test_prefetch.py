@@ -65,8 +65,13 @@ def test_prefetch_with_mixed_precision(model_and_store: tuple[Path, Path]) -> No
     tokens = stock.tokenize(LONG_PROMPT)
     lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
     m = Model(path, store=store, cache=CacheConfig(budget=3 * lo, t1=0.3, t2=1.0, low_frac=0.3, prefetch=2))
-    got = m.logits(tokens)
-    assert np.corrcoef(got, stock.logits(tokens))[0, 1] > 0.99
+    want = stock.logits(tokens)
+    err = float(np.abs(m.logits(tokens) - want).max())
+    # the same selections skipped (t2 = t1) instead of read in low precision: low pools that gave
+    # zeros, or prefetch reads that left a layer its old weights, would come out this far
+    skip = Model(path, store=store, cache=CacheConfig(budget=3 * lo, t1=0.3, t2=0.3, prefetch=0))
+    err_skip = float(np.abs(skip.logits(tokens) - want).max())
+    assert 0.0 < err < 0.25 * err_skip, (err, err_skip)
     m.generate(tokens, max_tokens=16)
     _settled(m, 2)
     assert m.stats().n_loads_low > 0
