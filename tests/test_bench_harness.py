@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import pytest
 
 from conftest import ModelFactory
@@ -23,6 +24,7 @@ import diskstat
 import frontier
 import io_cost
 import peer_worker
+import predictors
 import run
 import upstream_worker
 import worker
@@ -535,6 +537,17 @@ def test_memory_cap_binds_on_page_cache(tmp_path: Path) -> None:
         assert (32 << 20) * 3 // 4 <= cap.max_usage() <= 32 << 20, cap.max_usage()
     finally:
         cap.close()
+
+
+def test_margin_bins_rank_each_token_by_its_top_two_logit_gap() -> None:
+    """predictors.py's top-1 by margin: each token falls in the quintile of its top-1/top-2 logit
+    gap among its layer's tokens, narrowest first, whatever the logits' scale or column order."""
+    gaps = np.array([2.0, 0.1, 5.0, 0.5, 0.01, 3.0, 0.2, 1.0, 4.0, 0.05])
+    logits = np.stack([np.zeros(10), gaps, -np.ones(10)], 1)[:, [2, 0, 1]].astype(np.float32)
+    bins = predictors.margin_bins(logits)
+    assert bins.tolist() == [3, 1, 4, 2, 0, 3, 1, 2, 4, 0]
+    assert np.bincount(bins).tolist() == [2, 2, 2, 2, 2]
+    assert (predictors.margin_bins(100 * logits) == bins).all()
 
 
 def test_frontier_runs_a_configuration_with_the_cache_of_its_run() -> None:
