@@ -31,7 +31,7 @@ from moetier import CacheConfig, Model
 from worker import parse_opts
 
 # the competitor: reads PATH with O_DIRECT, 1 MiB at a time from start to end and again, until
-# SIGTERM; then prints its MB/s
+# SIGTERM; then prints the bytes it read and the seconds it took
 READER = """
 import mmap, os, signal, sys, time
 fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECT)
@@ -45,16 +45,18 @@ while not stop:
     n, off = n + r, off + (1 << 20)
     if r < (1 << 20) or off >= size:
         off = 0
-print(n / (time.perf_counter() - t0) / 1e6)
+print(n, time.perf_counter() - t0)
 """
 
 
 class Competitor:
-    """A process that streams a file with O_DIRECT until stopped; stop() returns its MB/s."""
+    """A process that streams a file with O_DIRECT until stopped; stop() returns its MB/s and keeps
+    the bytes it read."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.proc: subprocess.Popen[str] | None = None
+        self.bytes_read = 0
 
     def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", READER, self.path], stdout=subprocess.PIPE, text=True)
@@ -64,7 +66,9 @@ class Competitor:
         self.proc.send_signal(signal.SIGTERM)
         out, _ = self.proc.communicate(timeout=30)
         self.proc = None
-        return float(out.strip())
+        n, secs = out.split()
+        self.bytes_read = int(n)
+        return int(n) / float(secs) / 1e6
 
 
 def decode(m: Model, prompts: list[str], n: int) -> dict[str, float]:

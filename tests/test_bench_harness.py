@@ -9,6 +9,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -20,6 +21,7 @@ from conftest import ModelFactory
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import cgroup
+import contention_probe
 import diskstat
 import frontier
 import io_cost
@@ -667,3 +669,19 @@ def test_requant_takes_a_type_list_per_tensor(tiny_model: ModelFactory, tmp_path
     with pytest.raises(SystemExit, match=r"ffn_down_exps.*rows of 32 values"):
         requant.requant(src, tmp_path / "bad.gguf", "q3_K")
     assert not list(tmp_path.glob("bad.gguf*"))
+
+
+def test_contention_competitor_streams_a_file_with_o_direct_until_stopped(tmp_path: Path) -> None:
+    """The competitor of bench/contention_probe.py reads its file over and over (past the end it starts
+    again) until stopped, and reports the rate it read at; a file it cannot open is an error, not 0."""
+    f = tmp_path / "big.bin"
+    f.write_bytes(os.urandom(3 << 20) + b"x" * 1000)  # a short last block
+    c = contention_probe.Competitor(str(f))
+    c.start()
+    time.sleep(1.0)
+    rate = c.stop()
+    assert c.bytes_read > 3 * f.stat().st_size and rate > 0  # three passes and more in a second
+    bad = contention_probe.Competitor(str(tmp_path / "missing.bin"))
+    bad.start()
+    with pytest.raises(ValueError):
+        bad.stop()
