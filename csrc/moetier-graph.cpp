@@ -3,6 +3,7 @@
 // product), and, once the graph is built, the node order that lets the nodes which do not need a
 // layer's experts run while its reads do.
 
+#include "ggml-backend.h"
 #include "ggml.h"
 #include "llama-model.h"
 #include "moetier-cache.h"
@@ -242,5 +243,28 @@ void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexc
     } catch (...) {
         // out of memory in the sets: the order was not touched (nodes are written only at the end
         // of a window, without allocating), so the graph stays valid
+    }
+}
+
+//
+// backend placement
+//
+
+void moetier_hook_graph_sched(const llama_model &  model,
+                              ggml_backend_sched * sched,
+                              ggml_backend *       backend_cpu,
+                              ggml_cgraph *        gf) noexcept {
+    if (model.moetier == nullptr || sched == nullptr || backend_cpu == nullptr || gf == nullptr ||
+        ggml_backend_sched_get_n_backends(sched) < 2) {
+        return;
+    }
+    static const char    pool_prefix[] = "moetier_pool_";
+    ggml_tensor ** const nodes         = ggml_graph_nodes(gf);
+    const int            n             = ggml_graph_n_nodes(gf);
+    for (int i = 0; i < n; ++i) {
+        ggml_tensor * t = nodes[i];
+        if (t->op == GGML_OP_MUL_MAT_ID && strncmp(t->src[0]->name, pool_prefix, sizeof(pool_prefix) - 1) == 0) {
+            ggml_backend_sched_set_tensor_backend(sched, t, backend_cpu);
+        }
     }
 }

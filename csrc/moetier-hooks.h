@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+struct ggml_backend;
+struct ggml_backend_sched;
 struct ggml_cgraph;
 struct ggml_context;
 struct ggml_tensor;
@@ -85,3 +87,15 @@ ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
 // reads of a served layer start at its routing, so the nodes that do not need its experts (a
 // shared expert, the stacked routers) are moved ahead of its load op to compute while they run
 void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexcept;
+
+// llama_context, after a graph is built and before the scheduler splits it: the mul_mat_ids over the
+// cache's pools run on the CPU backend. Another backend cannot run them: the pools' slots are padded
+// for O_DIRECT reads, which CUDA's quantized matmul refuses (it asserts a contiguous src0) and its
+// f16 path turns into NaN (measured on an H100), and it leaves the row of a negative slot id (a
+// skipped expert, the other precision's rows) unwritten where the CPU gives a zero row (patch 0003).
+// The scheduler would move them there with op offload (a batch of 32 tokens or more) or next to
+// offloaded layers. sched, backend_cpu: the context's; nothing to do with one backend.
+void moetier_hook_graph_sched(const llama_model &  model,
+                              ggml_backend_sched * sched,
+                              ggml_backend *       backend_cpu,
+                              ggml_cgraph *        gf) noexcept;
