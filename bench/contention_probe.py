@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moetier import CacheConfig, Model
-from worker import parse_opts
+import probe
+from moetier import Model
 
 # the competitor: reads PATH with O_DIRECT, 1 MiB at a time from start to end and again, until
 # SIGTERM; then prints the bytes it read and the seconds it took
@@ -105,20 +105,12 @@ def decode(m: Model, prompts: list[str], n: int) -> dict[str, float]:
 
 def main() -> None:
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("--model", required=True, help="GGUF MoE model")
-    a.add_argument("--store", default=None, help="expert store")
-    a.add_argument("--budget", required=True, help="expert cache budget (bytes or e.g. 80M)")
-    a.add_argument("--prompts", required=True, help="JSON list of prompts")
+    probe.add_model_args(a, repeats=2)
     a.add_argument("--competitor-file", required=True, help="large file on the same disk that the competitor reads")
-    a.add_argument("--config", action="append", required=True, help="NAME=OPTS (CacheConfig k=v,...); repeatable")
     a.add_argument("-n", type=int, default=32, help="tokens generated per prompt")
-    a.add_argument("--repeats", type=int, default=2, help="rounds over configurations and conditions")
-    a.add_argument("--threads", type=int, default=2, help="compute threads")
-    a.add_argument("--ctx", type=int, default=1024, help="context length")
-    a.add_argument("--out", required=True, help="output prefix: OUT.json and OUT.md")
     ns = a.parse_args()
-    prompts = json.loads(Path(ns.prompts).read_text())
-    configs = {name: parse_opts(opts) for name, _, opts in (c.partition("=") for c in ns.config)}
+    prompts = probe.prompts(ns)
+    configs = probe.configs(ns)
     load0 = os.getloadavg()[0]
     comp = Competitor(ns.competitor_file)
     runs: dict[str, list[dict[str, float]]] = {}
@@ -126,16 +118,8 @@ def main() -> None:
         for name, opts in configs.items():
             for contended in (False, True):
                 key = f"{name}{'+reader' if contended else ''}"
-                m = Model(
-                    ns.model,
-                    store=ns.store,
-                    cache=CacheConfig(budget=ns.budget, **opts[0]),
-                    n_ctx=ns.ctx,
-                    n_threads=ns.threads,
-                    repack=opts[1],
-                )
+                m = probe.open_model(ns, opts)
                 try:
-                    m.generate("def f(x):", max_tokens=2)  # warm-up
                     if contended:
                         comp.start()
                     row = decode(m, prompts, ns.n)

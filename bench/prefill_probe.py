@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moetier import CacheConfig, Model
-from worker import parse_opts
+import probe
+from moetier import Model
 
 
 def one(model: Model, prompts: list[str]) -> list[dict[str, float]]:
@@ -43,32 +43,16 @@ def one(model: Model, prompts: list[str]) -> list[dict[str, float]]:
 
 def main() -> None:
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("--model", required=True, help="GGUF MoE model")
-    a.add_argument("--store", default=None, help="expert store")
-    a.add_argument("--budget", required=True, help="expert cache budget, e.g. 80M")
-    a.add_argument("--prompts", required=True, help="JSON list of prompts")
-    a.add_argument("--config", action="append", required=True, help="NAME=OPTS (CacheConfig k=v,...); repeatable")
-    a.add_argument("--repeats", type=int, default=3, help="rounds over the configurations")
-    a.add_argument("--threads", type=int, default=2, help="compute threads")
-    a.add_argument("--ctx", type=int, default=1024, help="context length")
-    a.add_argument("--out", required=True, help="output prefix: OUT.json and OUT.md")
+    probe.add_model_args(a, repeats=3)
     ns = a.parse_args()
-    prompts = json.loads(Path(ns.prompts).read_text())
-    configs: dict[str, tuple[dict[str, Any], bool] | None] = {"stock-ram": None}
-    for c in ns.config:
-        name, _, opts = c.partition("=")
-        configs[name] = parse_opts(opts)
+    prompts = probe.prompts(ns)
+    configs: dict[str, tuple[dict[str, Any], bool] | None] = {"stock-ram": None, **probe.configs(ns)}
     load0 = os.getloadavg()[0]
     runs: dict[str, list[list[dict[str, float]]]] = {k: [] for k in configs}
     for rep in range(ns.repeats):
         for name, opts in configs.items():
-            cache = None if opts is None else CacheConfig(budget=ns.budget, **opts[0])
-            store = None if opts is None else ns.store
-            # stock without repacking: the cache's slots are not repacked, so that is the same compute
-            repack = False if opts is None else opts[1]
-            m = Model(ns.model, store=store, cache=cache, n_ctx=ns.ctx, n_threads=ns.threads, repack=repack)
+            m = probe.open_model(ns, opts)
             try:
-                m.generate("def f(x):", max_tokens=2)  # warm-up: first-touch of buffers, threads
                 rows = one(m, prompts)
             finally:
                 m.close()
