@@ -191,6 +191,27 @@ def test_relative_fit_weights_keep_a_few_massive_tokens_from_taking_the_refit() 
         MoefyConfig(fit_weight="huber")
 
 
+def test_cluster_features_each_split_the_routed_neurons_into_equal_experts() -> None:
+    from moetier.tools.moefy import plan_layer
+
+    rng = np.random.default_rng(3)
+    d, ff, n = 32, 512, 2048
+    wg, wu = ((rng.standard_normal((ff, d)) / np.sqrt(d)).astype(np.float32) for _ in range(2))
+    wd = (rng.standard_normal((d, ff)) / np.sqrt(ff)).astype(np.float32)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    splits = {}
+    for how in ("abs", "token", "binary"):
+        pl = plan_layer(
+            x, wg, wu, wd, MoefyConfig(n_expert=4, n_expert_used=2, cluster_features=how), np.random.default_rng(0)
+        )
+        cover = np.concatenate([pl.shared, pl.groups.ravel()])
+        assert pl.groups.shape == (4, 64) and np.array_equal(np.sort(cover), np.arange(ff)), how
+        splits[how] = {frozenset(g.tolist()) for g in pl.groups}
+    assert splits["abs"] != splits["binary"], "the features decide the clusters"
+    with pytest.raises(ConfigError, match="cluster_features"):
+        MoefyConfig(cluster_features="signed")
+
+
 def test_correction_round_brings_the_logits_toward_dense(dense: Path, tmp_path: Path) -> None:
     base = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, down_type="f16")
     plain, corrected = tmp_path / "plain.gguf", tmp_path / "corr.gguf"

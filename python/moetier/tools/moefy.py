@@ -51,6 +51,7 @@ ARCHS = {"ernie4_5-moe": (True, 1.0), "qwen2moe": (False, 0.5)}
 QWEN2MOE_SHEXP_GATE = 1e-4
 # how the refit weighs calibration tokens (MoefyConfig.fit_weight)
 FIT_WEIGHTS = ("relative", "uniform")
+CLUSTER_FEATURES = ("abs", "token", "binary")
 # calibration tokens past the fitted ones on which each layer's error is reported
 HELD_OUT_TOKENS = 2048
 # checked besides the held-out tail of each calibration text: the converted model's logits must be finite
@@ -91,7 +92,12 @@ class MoefyConfig:
     router_ridge: float = field(default=1.0, metadata={"help": "ridge strength of the router fit"})
     router_scale: float = field(
         default=1.0,
-        metadata={"help": "multiplies the router logits (inverse temperature); 0 = flat weights 1/E (no importance)"},
+        metadata={
+            "help": "multiplies the router logits (inverse temperature); 0 = flat weights 1/E (no importance). "
+            "Flatter weights fit the dense FFN better (0.25 on the 1.5B: perplexity 1.0-1.7 percent lower on "
+            "six held-out texts) but carry less importance for HOBBIT's rule (top-1 share of the selected "
+            "weight 0.13 against 0.16; flat: 0.125): bench/results/moefy-router-scale.md"
+        },
     )
     refit: bool = field(default=True, metadata={"help": "refit the down projections for the sparse routing"})
     refit_ridge: float = field(default=1.0, metadata={"help": "ridge strength of the down-projection refit"})
@@ -101,6 +107,16 @@ class MoefyConfig:
             "help": "how the refit weighs tokens: uniform (plain least squares, where a few tokens with massive "
             "activations outweigh the rest) or relative (each token's error relative to its dense FFN output; "
             "no perplexity gain on the 0.5B: bench/results/moefy-fitweight.md)"
+        },
+    )
+    cluster_features: str = field(
+        default="abs",
+        metadata={
+            "help": "what groups routed neurons into experts: abs (each neuron's |activation| over the calibration "
+            "tokens), token (the same with each token's row first scaled to unit sum, so that a few tokens with "
+            "massive activations do not decide the clusters) or binary (1 where the neuron is in the token's "
+            "top half of routed |activations|); neither alternative lowered a 1.5B layer's held-out FFN error "
+            "(bench/results/moefy-router-scale.md)"
         },
     )
     correct_rounds: int = field(
@@ -148,6 +164,9 @@ class MoefyConfig:
             raise ConfigError(msg)
         if self.fit_weight not in FIT_WEIGHTS:
             msg = f"moefy.fit_weight: {self.fit_weight!r} must be one of {', '.join(FIT_WEIGHTS)}"
+            raise ConfigError(msg)
+        if self.cluster_features not in CLUSTER_FEATURES:
+            msg = f"moefy.cluster_features: {self.cluster_features!r} must be one of {', '.join(CLUSTER_FEATURES)}"
             raise ConfigError(msg)
         if self.down_type not in ("q8_0", "f16"):
             msg = f"moefy.down_type: {self.down_type!r} must be q8_0 or f16"
@@ -254,7 +273,12 @@ def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rn
     routed = np.sort(order[n_sh:])
 
     # co-activation features: each routed neuron's |activation| over the calibration tokens
-    act = np.abs(h[:, routed]).T  # [n_routed, N]
+    act = np.abs(h[:, routed])  # [N, n_routed]
+    if cfg.cluster_features == "token":
+        act = act / (act.sum(axis=1, keepdims=True) + 1e-8)
+    elif cfg.cluster_features == "binary":
+        act = (act >= np.median(act, axis=1, keepdims=True)).astype(np.float32)
+    act = act.T
     act = act / (np.linalg.norm(act, axis=1, keepdims=True) + 1e-8)
     groups = routed[_balanced_kmeans(act.astype(np.float32), E, ff_e, rng)]
 
