@@ -208,6 +208,11 @@ def test_cluster_features_each_split_the_routed_neurons_into_equal_experts() -> 
         assert pl.groups.shape == (4, 64) and np.array_equal(np.sort(cover), np.arange(ff)), how
         splits[how] = {frozenset(g.tolist()) for g in pl.groups}
     assert splits["abs"] != splits["binary"], "the features decide the clusters"
+    # conversions cached before the knob existed (the demo's model, plan layers) keep their names
+    from moetier.tools.moefy import cache_key, key_fields
+
+    assert "cluster_features" not in key_fields(MoefyConfig())
+    assert cache_key(key_fields(MoefyConfig())) != cache_key(key_fields(MoefyConfig(cluster_features="token")))
     with pytest.raises(ConfigError, match="cluster_features"):
         MoefyConfig(cluster_features="signed")
 

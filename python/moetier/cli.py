@@ -299,7 +299,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     from .model import Model
     from .tools import models
     from .tools.distill import DistillConfig
-    from .tools.moefy import MoefyConfig, builtin_calibration_text, cache_key, generated_prose, moefy
+    from .tools.moefy import MoefyConfig, builtin_calibration_text, cache_key, generated_prose, key_fields, moefy
 
     def note(s: str) -> None:
         sys.stderr.write(s + "\n")
@@ -314,7 +314,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     dcfg = DistillConfig(epochs=ns.distill_epochs)
     # named by what the conversion depends on (its configs and this recipe: generated prose beside the
     # built-in text), so a changed conversion is made again, not reused
-    key = cache_key("generated prose + builtin text", dataclasses.asdict(cfg), dataclasses.asdict(dcfg))[:8]
+    key = cache_key("generated prose + builtin text", key_fields(cfg), dataclasses.asdict(dcfg))[:8]
     moe = src.with_name(f"{src.stem}-moe-demo-{key}.gguf")
     if not moe.exists():
         note(

@@ -115,8 +115,8 @@ class MoefyConfig:
             "help": "what groups routed neurons into experts: abs (each neuron's |activation| over the calibration "
             "tokens), token (the same with each token's row first scaled to unit sum, so that a few tokens with "
             "massive activations do not decide the clusters) or binary (1 where the neuron is in the token's "
-            "top half of routed |activations|); neither alternative lowered a 1.5B layer's held-out FFN error "
-            "(bench/results/moefy-router-scale.md)"
+            "top half of routed |activations|); on two 1.5B layers each alternative lowered the held-out FFN "
+            "error of one and raised the other's (bench/results/moefy-router-scale.md)"
         },
     )
     correct_rounds: int = field(
@@ -422,7 +422,17 @@ class MoefyResult:
 
 def _plan_fields(cfg: MoefyConfig) -> dict[str, Any]:
     """The fields the training-free plan depends on (its cache key): not the correction rounds."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("correct_rounds", "correct_share")}
+    return {k: v for k, v in key_fields(cfg).items() if k not in ("correct_rounds", "correct_share")}
+
+
+# fields added after conversions were cached under keys of the config: at the value that does what
+# the code did before them they stay out of the key, so those conversions are still found
+_KEY_LATER_FIELDS = {"cluster_features": "abs"}
+
+
+def key_fields(cfg: MoefyConfig) -> dict[str, Any]:
+    """The config as cached conversion work and artifacts are named by (cache_key)."""
+    return {k: v for k, v in asdict(cfg).items() if _KEY_LATER_FIELDS.get(k, object()) != v}
 
 
 def refit_down(
@@ -602,10 +612,11 @@ def moefy(
         st = src.stat()
         work = base / cache_key(src.name, st.st_size, st.st_mtime_ns, np.asarray(tokens + held, np.int32).tobytes())
         # rounds left out: a run with more rounds resumes from a run with fewer
-        lkey = cache_key(asdict(cfg), {k: v for k, v in asdict(dcfg).items() if k != "rounds"} if dcfg else None)
+        lkey = cache_key(key_fields(cfg), {k: v for k, v in asdict(dcfg).items() if k != "rounds"} if dcfg else None)
         # round 1 does not depend on the residual share either
         lkey1 = cache_key(
-            asdict(cfg), {k: v for k, v in asdict(dcfg).items() if k not in ("rounds", "residual")} if dcfg else None
+            key_fields(cfg),
+            {k: v for k, v in asdict(dcfg).items() if k not in ("rounds", "residual")} if dcfg else None,
         )
     t0 = time.monotonic()
     if dcfg is not None and cfg.correct_rounds > 0:
@@ -661,9 +672,9 @@ def moefy(
         assert work is not None
         t0 = time.monotonic()
         # a run with more rounds resumes from one with fewer
-        layers_dir = work / f"correct-{cache_key({**asdict(cfg), 'correct_rounds': None})}"
+        layers_dir = work / f"correct-{cache_key({**key_fields(cfg), 'correct_rounds': None})}"
         # round 1 runs the plan's model: its activations do not depend on the share; later rounds do
-        akey = cache_key(_plan_fields(cfg)) if rnd == 1 else cache_key({**asdict(cfg), "correct_rounds": None})
+        akey = cache_key(_plan_fields(cfg)) if rnd == 1 else cache_key({**key_fields(cfg), "correct_rounds": None})
         acts_dir = work / f"correct-acts-{akey}-r{rnd}"
         kinds: tuple[str, ...] = ("ffn_norm", "ffn_inp")
         tmp_model = work / f"correct-acts-{akey}-r{rnd}.gguf"
