@@ -95,8 +95,9 @@ class MoefyConfig:
         metadata={
             "help": "multiplies the router logits (inverse temperature); 0 = flat weights 1/E (no importance). "
             "Flatter weights fit the dense FFN better (0.25 on the 1.5B: perplexity 1.0-1.7 percent lower on "
-            "six held-out texts) but carry less importance for HOBBIT's rule (top-1 share of the selected "
-            "weight 0.13 against 0.16; flat: 0.125): bench/results/moefy-router-scale.md"
+            "six held-out texts) but are less peaked than a real MoE's (top-1 share of the selected weight 0.13 "
+            "against 0.16; flat: 0.125); HOBBIT's mixed precision cost no more on them (one text): "
+            "bench/results/moefy-router-scale.md"
         },
     )
     refit: bool = field(default=True, metadata={"help": "refit the down projections for the sparse routing"})
