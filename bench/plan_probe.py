@@ -7,7 +7,7 @@ Reads the dense activations a `moetier moefy --work-dir W` run cached
 (W/<key>/dense/ffn_norm-<layer>.npy: the fitted tokens, then the held-out ones).
 
     python bench/plan_probe.py --dense qwen2.5-coder-1.5b.gguf --acts W/<key>/dense --layers 3,20 \\
-        --base shared_frac=0.6 --vary router_scale=1,0.25,0.05 --out bench/results/moefy-router-scale.json
+        --base shared_frac=0.6 --vary router_scale=1,0.25,0.05 --out bench/results/moefy-router-scale-probe.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ def _typed(name: str, text: str) -> Any:
         raise SystemExit(msg)
     kind = str(kinds[name])
     if kind == "bool":
+        if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            msg = f"--base/--vary: {name}={text!r} is not a bool (true/false)"
+            raise SystemExit(msg)
         return text.lower() in ("1", "true", "yes")
+    if kind not in ("int", "float", "str"):
+        msg = f"--base/--vary: {name} has type {kind}, which this probe does not parse"
+        raise SystemExit(msg)
     return int(text) if kind == "int" else float(text) if kind == "float" else text
 
 
@@ -64,6 +70,10 @@ def main() -> None:
     a = p.parse_args()
     base = mf.MoefyConfig(**{k: _typed(k, v) for k, v in (s.split("=", 1) for s in a.base)})
     vname, vvals = a.vary.split("=", 1)
+    if vname == "calib_tokens":
+        # the fitted / held-out split of the cached activations is base.calib_tokens
+        msg = "--vary calib_tokens: set it with --base; the cached activations are split there"
+        raise SystemExit(msg)
     values = [_typed(vname, v) for v in vvals.split(",")]
     t = {x.name: x for x in gguf.GGUFReader(a.dense).tensors}
     out: dict[str, Any] = {"dense": a.dense, "acts": a.acts, "base": a.base, "vary": a.vary, "rows": []}

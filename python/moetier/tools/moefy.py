@@ -94,7 +94,7 @@ class MoefyConfig:
         default=1.0,
         metadata={
             "help": "multiplies the router logits (inverse temperature); 0 = flat weights 1/E (no importance). "
-            "Flatter weights fit the dense FFN better (0.25 on the 1.5B: perplexity 1.0-1.7 percent lower on "
+            "Flatter weights fit the dense FFN better (0.25 on the 1.5B: perplexity 0.9-1.7 percent lower on "
             "six held-out texts) but are less peaked than a real MoE's (top-1 share of the selected weight 0.13 "
             "against 0.16; flat: 0.125); HOBBIT's mixed precision cost no more on them (one text): "
             "bench/results/moefy-router-scale.md"
