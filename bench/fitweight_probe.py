@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 
 from moetier.tools import moefy as mf
-from moetier.tools.distill import rel_error
+from plan_probe import plan_rows
 
 
 def main() -> None:
@@ -52,18 +52,9 @@ def main() -> None:
         }
         out["norms"].append(row)  # type: ignore[attr-defined]
         print(json.dumps(row), flush=True)
-    for il in (int(v) for v in a.fit_layers.split(",")):
-        x, w = load(il)
-        xf, xh = np.asarray(x[: cfg0.calib_tokens]), np.asarray(x[cfg0.calib_tokens :])
-        yh = mf.dense_ffn(xh, *w)
-        for how in mf.FIT_WEIGHTS:
-            cfg = mf.MoefyConfig(fit_weight=how)
-            pl = mf.plan_layer(xf, *w, cfg, np.random.default_rng([cfg.seed, il]))
-            layer = mf.layer_from_plan(pl, w[0], w[1])
-            held = rel_error(layer, xh, yh, cfg.n_expert_used, *mf.ARCHS[cfg.arch])
-            row = {"layer": il, "fit_weight": how, "fitted": pl.rel_error, "held_out": held, "held_tokens": len(xh)}
-            out["fits"].append(row)  # type: ignore[attr-defined]
-            print(json.dumps(row), flush=True)
+    # the fits: plan_probe's rows (a superset of the columns this probe wrote before)
+    layers = [int(v) for v in a.fit_layers.split(",")]
+    out["fits"] = plan_rows(a.dense, a.acts, layers, cfg0, "fit_weight", list(mf.FIT_WEIGHTS))
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 
 from moetier.tools import moefy as mf
-from moetier.tools.distill import rel_error, route
+from moetier.tools.distill import rel_error, relative_error, route
 
 
 def _typed(name: str, text: str) -> Any:
@@ -55,8 +55,45 @@ def _selection_loss(
     errs = []
     for top in (route(layer, x, k, True)[0], np.argsort(-np.linalg.norm(z, axis=2), axis=1)[:, :k]):
         out = base + np.take_along_axis(z, top[:, :, None], axis=1).sum(axis=1)
-        errs.append(float(np.mean(np.linalg.norm(out - y, axis=1) / (np.linalg.norm(y, axis=1) + 1e-8))))
+        errs.append(relative_error(out, y))
     return errs[0], errs[1]
+
+
+def plan_rows(
+    dense: str, acts: str, layers: list[int], base: mf.MoefyConfig, name: str, values: list[Any]
+) -> list[dict[str, Any]]:
+    """One row per layer and value of the field `name`: the plan's errors, top-1 share and selection loss."""
+    t = {x.name: x for x in gguf.GGUFReader(dense).tensors}
+    rows: list[dict[str, Any]] = []
+    for il in layers:
+        x = np.load(Path(acts) / f"ffn_norm-{il}.npy", mmap_mode="r")
+        w = tuple(mf._tensor_f32(t[f"blk.{il}.ffn_{k}.weight"]) for k in ("gate", "up", "down"))
+        xf, xh = np.asarray(x[: base.calib_tokens]), np.asarray(x[base.calib_tokens :])
+        yh = mf.dense_ffn(xh, *w)
+        for v in values:
+            cfg = replace(base, **{name: v})
+            renorm, sh_gate = mf.ARCHS[cfg.arch]
+            t0 = time.monotonic()
+            pl = mf.plan_layer(xf, *w, cfg, np.random.default_rng([cfg.seed, il]))
+            layer = mf.layer_from_plan(pl, w[0], w[1])
+            held = rel_error(layer, xh, yh, cfg.n_expert_used, renorm, sh_gate)
+            _, wk, _ = route(layer, xh, cfg.n_expert_used, renorm)
+            top1 = np.sort(wk, axis=1)[:, -1] / wk.sum(axis=1)
+            sel_router, sel_oracle = _selection_loss(pl, layer, xh, yh, *w, cfg.n_expert_used)
+            row = {
+                "layer": il,
+                name: v,
+                "fitted": pl.rel_error,
+                "held_out": held,
+                "held_tokens": len(xh),
+                "top1_share": float(top1.mean()),
+                "selection_router": sel_router,
+                "selection_oracle": sel_oracle,
+                "seconds": time.monotonic() - t0,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -75,36 +112,8 @@ def main() -> None:
         msg = "--vary calib_tokens: set it with --base; the cached activations are split there"
         raise SystemExit(msg)
     values = [_typed(vname, v) for v in vvals.split(",")]
-    t = {x.name: x for x in gguf.GGUFReader(a.dense).tensors}
-    out: dict[str, Any] = {"dense": a.dense, "acts": a.acts, "base": a.base, "vary": a.vary, "rows": []}
-    for il in (int(v) for v in a.layers.split(",")):
-        x = np.load(Path(a.acts) / f"ffn_norm-{il}.npy", mmap_mode="r")
-        w = tuple(mf._tensor_f32(t[f"blk.{il}.ffn_{k}.weight"]) for k in ("gate", "up", "down"))
-        xf, xh = np.asarray(x[: base.calib_tokens]), np.asarray(x[base.calib_tokens :])
-        yh = mf.dense_ffn(xh, *w)
-        for v in values:
-            cfg = replace(base, **{vname: v})
-            renorm, sh_gate = mf.ARCHS[cfg.arch]
-            t0 = time.monotonic()
-            pl = mf.plan_layer(xf, *w, cfg, np.random.default_rng([cfg.seed, il]))
-            layer = mf.layer_from_plan(pl, w[0], w[1])
-            held = rel_error(layer, xh, yh, cfg.n_expert_used, renorm, sh_gate)
-            _, wk, _ = route(layer, xh, cfg.n_expert_used, renorm)
-            top1 = np.sort(wk, axis=1)[:, -1] / wk.sum(axis=1)
-            sel_router, sel_oracle = _selection_loss(pl, layer, xh, yh, *w, cfg.n_expert_used)
-            row = {
-                "layer": il,
-                vname: v,
-                "fitted": pl.rel_error,
-                "held_out": held,
-                "held_tokens": len(xh),
-                "top1_share": float(top1.mean()),
-                "selection_router": sel_router,
-                "selection_oracle": sel_oracle,
-                "seconds": time.monotonic() - t0,
-            }
-            out["rows"].append(row)
-            print(json.dumps(row), flush=True)
+    out: dict[str, Any] = {"dense": a.dense, "acts": a.acts, "base": a.base, "vary": a.vary}
+    out["rows"] = plan_rows(a.dense, a.acts, [int(v) for v in a.layers.split(",")], base, vname, values)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
 
 

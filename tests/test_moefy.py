@@ -207,7 +207,7 @@ def test_cluster_features_each_split_the_routed_neurons_into_equal_experts() -> 
         cover = np.concatenate([pl.shared, pl.groups.ravel()])
         assert pl.groups.shape == (4, 64) and np.array_equal(np.sort(cover), np.arange(ff)), how
         splits[how] = {frozenset(g.tolist()) for g in pl.groups}
-    assert splits["abs"] != splits["binary"], "the features decide the clusters"
+    assert splits["abs"] != splits["binary"] and splits["abs"] != splits["token"], "the features decide the clusters"
     # conversions cached before the knob existed (the demo's model, plan layers) keep their names
     from moetier.tools.moefy import cache_key, key_fields
 

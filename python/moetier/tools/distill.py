@@ -143,12 +143,17 @@ def forward(layer: MoeLayer, x: F32, k: int, renorm: bool, sh_gate: float = 1.0)
     return y
 
 
+def relative_error(out: F32, y: F32) -> float:
+    """Mean over tokens (rows) of ||out - y|| / ||y||."""
+    return float(np.mean(np.linalg.norm(out - y, axis=1) / (np.linalg.norm(y, axis=1) + 1e-8)))
+
+
 def rel_error(layer: MoeLayer, x: F32, y: F32, k: int, renorm: bool, sh_gate: float = 1.0) -> float:
     """Mean over tokens of ||y_moe - y|| / ||y||."""
     out = np.empty_like(y)
     for i in range(0, len(x), 2048):
         out[i : i + 2048] = forward(layer, x[i : i + 2048], k, renorm, sh_gate)
-    return float(np.mean(np.linalg.norm(out - y, axis=1) / (np.linalg.norm(y, axis=1) + 1e-8)))
+    return relative_error(out, y)
 
 
 def loss_and_grads(

@@ -42,7 +42,7 @@ import numpy.typing as npt
 from tqdm import tqdm
 
 from ..errors import ConfigError, ModelError
-from .distill import DistillConfig, DistillResult, MoeLayer, distill_layer, rel_error, route
+from .distill import DistillConfig, DistillResult, MoeLayer, distill_layer, rel_error, relative_error, route
 
 F32 = npt.NDArray[np.float32]
 # target architectures: whether llama.cpp renormalises the top-k weights, and the shared expert's gate
@@ -320,7 +320,7 @@ def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rn
     down = _ridge(a, b, cfg.refit_ridge, prior.T).T if cfg.refit else prior
 
     y_moe = feats @ down.T
-    rel = float(np.mean(np.linalg.norm(y - y_moe, axis=1) / (np.linalg.norm(y, axis=1) + 1e-8)))
+    rel = relative_error(y_moe, y)
     down_shared = down[:, :n_sh]
     down_experts = np.stack([down[:, n_sh + e * ff_e : n_sh + (e + 1) * ff_e] for e in range(E)])
     return LayerPlan(shared, groups, router.astype(np.float32), down_shared, down_experts, rel)
