@@ -236,3 +236,85 @@ def test_correction_round_brings_the_logits_toward_dense(dense: Path, tmp_path: 
     assert again.read_bytes() == corrected.read_bytes()
     with pytest.raises(ConfigError, match="correct_share"):
         MoefyConfig(correct_share=1.5)
+
+
+def _kept_energy(pl: object, x: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray, k: int) -> float:
+    """Share of the routed neurons' output energy (each token's relative to its total) in the experts
+    the plan's router selects."""
+    from moetier.tools.moefy import LayerPlan, _silu
+
+    assert isinstance(pl, LayerPlan)
+    h = _silu(x @ wg.T) * (x @ wu.T)
+    routed = np.sort(pl.groups.ravel())
+    energy = np.square(h[:, routed]) * np.square(np.linalg.norm(wd[:, routed], axis=0))
+    energy /= energy.sum(axis=1, keepdims=True)
+    top = np.argsort(-(x @ pl.router.T), axis=1)[:, :k]
+    where = np.searchsorted(routed, pl.groups)  # [E, ff_e] columns of energy
+    kept = sum(energy[np.nonzero(top == e)[0]][:, where[e]].sum() for e in range(pl.groups.shape[0]))
+    return float(kept / energy.sum())
+
+
+def test_split_rounds_move_neurons_to_the_experts_their_tokens_select() -> None:
+    from moetier.tools.moefy import cache_key, key_fields, plan_layer
+
+    rng = np.random.default_rng(5)
+    d, ff, n = 32, 512, 2048
+    wg, wu = ((rng.standard_normal((ff, d)) / np.sqrt(d)).astype(np.float32) for _ in range(2))
+    wd = (rng.standard_normal((d, ff)) / np.sqrt(ff)).astype(np.float32)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    kept, splits = {}, {}
+    for rounds in (0, 2):
+        cfg = MoefyConfig(n_expert=4, n_expert_used=2, split_rounds=rounds)
+        pl = plan_layer(x, wg, wu, wd, cfg, np.random.default_rng(0))
+        cover = np.concatenate([pl.shared, pl.groups.ravel()])
+        assert pl.groups.shape == (4, 64) and np.array_equal(np.sort(cover), np.arange(ff)), rounds
+        kept[rounds], splits[rounds] = _kept_energy(pl, x, wg, wu, wd, 2), {frozenset(g.tolist()) for g in pl.groups}
+    assert splits[0] != splits[2]
+    assert kept[2] > kept[0] + 0.01, kept
+    # the default stays out of the cache keys (conversions cached before the knob keep their names)
+    assert "split_rounds" not in key_fields(MoefyConfig())
+    assert cache_key(key_fields(MoefyConfig())) != cache_key(key_fields(MoefyConfig(split_rounds=1)))
+    with pytest.raises(ConfigError, match="split_rounds"):
+        MoefyConfig(split_rounds=-1)
+
+
+def test_dense_lead_keeps_the_first_layers_dense(dense: Path, tmp_path: Path) -> None:
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, dense_lead=1)
+    out = tmp_path / "moe.gguf"
+    res = moefy(dense, out, CALIB, cfg, progress=False)
+    assert res.errors[0] == 0.0 and res.errors[1] > 0.0 and "layer 0 dense" in res.summary()
+    r = gguf.GGUFReader(out)
+    assert int(r.fields["ernie4_5-moe.leading_dense_block_count"].parts[-1][0]) == 1
+    t = {x.name: x for x in r.tensors}
+    src = {x.name: x for x in gguf.GGUFReader(dense).tensors}
+    for p in ("gate", "up", "down"):
+        assert np.array_equal(
+            np.asarray(t[f"blk.0.ffn_{p}.weight"].data), np.asarray(src[f"blk.0.ffn_{p}.weight"].data)
+        )
+        assert f"blk.0.ffn_{p}_exps.weight" not in t and f"blk.1.ffn_{p}_exps.weight" in t
+        assert f"blk.1.ffn_{p}.weight" not in t
+    # the cache serves the MoE layers and leaves the dense one alone: the same tokens as stock
+    m = Model(out, cache=CacheConfig.exact(budget="16M"))
+    g = m.generate(LONG_PROMPT, max_tokens=16)
+    assert g.tokens == Model(out).generate(LONG_PROMPT, max_tokens=16).tokens
+    assert g.stats.n_misses >= 2
+    with pytest.raises(ConfigError, match="dense_lead"):
+        MoefyConfig(dense_lead=1, arch="qwen2moe")
+    with pytest.raises(ConfigError, match="dense_lead"):
+        moefy(dense, tmp_path / "none.gguf", CALIB, MoefyConfig(calib_tokens=1024, dense_lead=2), progress=False)
+
+
+def test_moefy_cli_writes_a_report_and_takes_the_split_knobs(dense: Path, tmp_path: Path) -> None:
+    import json
+
+    from moetier.cli import main
+
+    calib, out, rep = tmp_path / "calib.txt", tmp_path / "moe.gguf", tmp_path / "report.json"
+    calib.write_text(CALIB)
+    args = ["moefy", str(dense), "-o", str(out), "--calib", str(calib), "--n-expert", "4", "--n-expert-used", "2"]
+    args += ["--calib-tokens", "1024", "--dense-lead", "1", "--split-rounds", "1", "--report", str(rep), "-q"]
+    assert main(args) == 0
+    r = json.loads(rep.read_text())
+    assert r["config"]["dense_lead"] == 1 and r["config"]["split_rounds"] == 1 and r["output"] == str(out)
+    assert r["errors"][0] == 0.0 and 0.0 < r["errors"][1] < 0.5 and r["dense_lead"] == 1
+    assert r["seconds"]["total"] > 0

@@ -199,6 +199,12 @@ def cmd_moefy(ns: argparse.Namespace) -> int:
         progress=False if ns.quiet else None,
     )
     sys.stderr.write(f"moetier: wrote {ns.output}: {cfg.n_expert} experts, top-{cfg.n_expert_used}; {res.summary()}\n")
+    if ns.report:
+        import json
+        from dataclasses import asdict
+
+        report = {"model": ns.model, "output": ns.output, "calib": ns.calib, "config": asdict(cfg), **asdict(res)}
+        Path(ns.report).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
@@ -496,6 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--calib", nargs="+", required=True, help="calibration text file(s): real text, not the eval set")
     f.add_argument("-t", "--threads", type=int, default=None, help="threads for the calibration run")
     f.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    f.add_argument(
+        "--report",
+        default=None,
+        help="JSON file for the conversion's record: config, per-layer FFN errors (fitted and held-out), seconds",
+    )
     f.add_argument(
         "--work-dir",
         default=None,
