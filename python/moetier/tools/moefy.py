@@ -138,7 +138,8 @@ class MoefyConfig:
         default=0,
         metadata={
             "help": "leading layers kept dense (ernie4_5-moe only), as DeepSeek-V2/V3, Kimi K2 and GLM-4.5 keep "
-            "their first layers: an early layer's error passes through every later one"
+            "their first layers. On the 1.5B with --split-rounds 2, layer 0 dense moved perplexity by under 0.7 "
+            "percent either way on six held-out texts (bench/results/moefy-split-rounds.md)"
         },
     )
     split_rounds: int = field(
@@ -146,7 +147,10 @@ class MoefyConfig:
         metadata={
             "help": "rounds that move routed neurons between experts toward what the router selects: fit the "
             "router to the split, then give each neuron (equal expert sizes) to the expert whose selected tokens "
-            "hold most of its output energy"
+            "hold most of its output energy. 2 on the 1.5B (with --shared-frac 0.6 --router-scale 0.25): held-out "
+            "FFN error 4-13 percent lower on every layer, perplexity 1.6-4.8 percent lower on six held-out texts "
+            "(Python tutorial 1.28x -> 1.23x dense), +10 percent conversion time; routing less balanced (expert-layers "
+            "picked by under 5 percent of tokens: 31 of 448 against 4): bench/results/moefy-split-rounds.md"
         },
     )
     down_type: str = field(default="q8_0", metadata={"help": "type of the re-split down projections: q8_0 or f16"})
@@ -250,7 +254,7 @@ def _balanced_assign(score: npt.NDArray[Any], size: int) -> npt.NDArray[np.int64
 def _swap_improve(score: npt.NDArray[Any], assign: npt.NDArray[np.int64], sweeps: int = 20) -> npt.NDArray[np.int64]:
     """A balanced assignment (rows of score [n, k] to columns) improved by exchanges between each pair
     of columns until none gains: the greedy one leaves much on the table where rows prefer the same
-    columns (a 1.5B layer's neuron-to-expert energies: 44% of the optimal gain over the clustering;
+    columns (layer 3 of the 1.5B, neuron-to-expert energies: 43% of the optimal gain over the clustering;
     with exchanges 99%, as scipy's linear_sum_assignment measured)."""
     assign = assign.copy()
     k = score.shape[1]
@@ -490,7 +494,6 @@ class MoefyResult:
         held = f"; held-out ({self.n_held_out_tokens} tokens) mean {sum(h) / len(h):.3f}, max {max(h):.3f}" if h else ""
         return (
             f"FFN error mean {sum(e) / len(e):.3f}, max {max(e):.3f} (training-free {sum(p) / len(p):.3f}){held}; "
-            f"{self.n_calib_tokens} calibration tokens; {t}"
             f"{self.n_calib_tokens} calibration tokens; {t}{dense}"
         )
 
