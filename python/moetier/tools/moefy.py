@@ -148,8 +148,8 @@ class MoefyConfig:
             "help": "rounds that move routed neurons between experts toward what the router selects: fit the "
             "router to the split, then give each neuron (equal expert sizes) to the expert whose selected tokens "
             "hold most of its output energy. 2 on the 1.5B (with --shared-frac 0.6 --router-scale 0.25): held-out "
-            "FFN error 4-13 percent lower on every layer, perplexity 1.6-4.8 percent lower on six held-out texts "
-            "(Python tutorial 1.28x -> 1.23x dense), +10 percent conversion time; routing less balanced (expert-layers "
+            "FFN error 3.7-13 percent lower on every layer, perplexity 1.6-4.8 percent lower on six held-out texts "
+            "(Python tutorial 1.28x -> 1.23x dense), +11 percent conversion time; routing less balanced (expert-layers "
             "picked by under 5 percent of tokens: 31 of 448 against 4): bench/results/moefy-split-rounds.md"
         },
     )
@@ -757,7 +757,10 @@ def moefy(
         # a run with more rounds resumes from one with fewer
         layers_dir = work / f"correct-{cache_key({**key_fields(cfg), 'correct_rounds': None})}"
         # round 1 runs the plan's model: its activations do not depend on the share; later rounds do
-        akey = cache_key(_plan_fields(cfg)) if rnd == 1 else cache_key({**key_fields(cfg), "correct_rounds": None})
+        # (with dense layers the model differs from the plan's: their count joins the key)
+        lead = [{"dense_lead": cfg.dense_lead}] if cfg.dense_lead else []
+        later = cache_key({**key_fields(cfg), "correct_rounds": None})
+        akey = cache_key(_plan_fields(cfg), *lead) if rnd == 1 else later
         acts_dir = work / f"correct-acts-{akey}-r{rnd}"
         kinds: tuple[str, ...] = ("ffn_norm", "ffn_inp")
         tmp_model = work / f"correct-acts-{akey}-r{rnd}.gguf"
