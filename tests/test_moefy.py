@@ -191,14 +191,20 @@ def test_relative_fit_weights_keep_a_few_massive_tokens_from_taking_the_refit() 
         MoefyConfig(fit_weight="huber")
 
 
-def test_cluster_features_each_split_the_routed_neurons_into_equal_experts() -> None:
-    from moetier.tools.moefy import plan_layer
-
-    rng = np.random.default_rng(3)
+def _random_ffn(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """FFN inputs x [2048, 32] and a random SwiGLU FFN of 512 neurons: gate, up [512, 32], down [32, 512]."""
+    rng = np.random.default_rng(seed)
     d, ff, n = 32, 512, 2048
     wg, wu = ((rng.standard_normal((ff, d)) / np.sqrt(d)).astype(np.float32) for _ in range(2))
     wd = (rng.standard_normal((d, ff)) / np.sqrt(ff)).astype(np.float32)
-    x = rng.standard_normal((n, d)).astype(np.float32)
+    return rng.standard_normal((n, d)).astype(np.float32), wg, wu, wd
+
+
+def test_cluster_features_each_split_the_routed_neurons_into_equal_experts() -> None:
+    from moetier.tools.moefy import plan_layer
+
+    x, wg, wu, wd = _random_ffn(3)
+    ff = wg.shape[0]
     splits = {}
     for how in ("abs", "token", "binary"):
         pl = plan_layer(
@@ -257,11 +263,8 @@ def _kept_energy(pl: object, x: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: 
 def test_split_rounds_move_neurons_to_the_experts_their_tokens_select() -> None:
     from moetier.tools.moefy import cache_key, key_fields, plan_layer
 
-    rng = np.random.default_rng(5)
-    d, ff, n = 32, 512, 2048
-    wg, wu = ((rng.standard_normal((ff, d)) / np.sqrt(d)).astype(np.float32) for _ in range(2))
-    wd = (rng.standard_normal((d, ff)) / np.sqrt(ff)).astype(np.float32)
-    x = rng.standard_normal((n, d)).astype(np.float32)
+    x, wg, wu, wd = _random_ffn(5)
+    ff = wg.shape[0]
     kept, splits = {}, {}
     for rounds in (0, 2):
         cfg = MoefyConfig(n_expert=4, n_expert_used=2, split_rounds=rounds)

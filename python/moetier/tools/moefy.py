@@ -254,8 +254,7 @@ def _balanced_assign(score: npt.NDArray[Any], size: int) -> npt.NDArray[np.int64
 def _swap_improve(score: npt.NDArray[Any], assign: npt.NDArray[np.int64], sweeps: int = 20) -> npt.NDArray[np.int64]:
     """A balanced assignment (rows of score [n, k] to columns) improved by exchanges between each pair
     of columns until none gains: the greedy one leaves much on the table where rows prefer the same
-    columns (layer 3 of the 1.5B, neuron-to-expert energies: 43% of the optimal gain over the clustering;
-    with exchanges 99%, as scipy's linear_sum_assignment measured)."""
+    columns, as a 1.5B layer's neuron-to-expert energies do (on two columns the exchanges are exact)."""
     assign = assign.copy()
     k = score.shape[1]
     for _ in range(sweeps):
