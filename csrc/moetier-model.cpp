@@ -503,6 +503,28 @@ void moetier_model::init_io() {
         io_threads);
 }
 
+// a layer's selection bias (exp_probs_b, [n_expert]) as floats, or empty where it has none
+static std::vector<float> moetier_selection_bias(const ggml_tensor * t) {
+    std::vector<float> out;
+    if (t == nullptr) {
+        return out;
+    }
+    std::vector<uint8_t> raw(ggml_nbytes(t));
+    ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    out.resize(ggml_nelements(t));
+    if (t->type == GGML_TYPE_F32) {
+        memcpy(out.data(), raw.data(), out.size() * sizeof(float));
+    } else {
+        const auto * traits = ggml_get_type_traits(t->type);
+        if (traits->to_float == nullptr) {
+            throw std::runtime_error(format("the selection bias %s has type %s, which cannot be read back", t->name,
+                                            ggml_type_name(t->type)));
+        }
+        traits->to_float(raw.data(), out.data(), (int64_t) out.size());
+    }
+    return out;
+}
+
 void moetier_model::init_prefetch(const llama_model & model) {
     if (prefetch > 0 && io_threads <= 0) {
         // prefetch is on by default: io_threads=0 alone turns it off, said once
@@ -537,7 +559,8 @@ void moetier_model::init_prefetch(const llama_model & model) {
                 continue;
             }
             moetier_prefetch_layer x;
-            x.layer = layers[i].get();
+            x.layer   = layers[i].get();
+            x.sigmoid = model.hparams.expert_gating_func == LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID;
             for (size_t k = i + 1; k < layers.size() && x.next.size() < (size_t) prefetch; ++k) {
                 if (layers[k]->cache != c.get()) {
                     break;
@@ -547,6 +570,7 @@ void moetier_model::init_prefetch(const llama_model & model) {
                 x.next.push_back(layers[k].get());
                 x.routers.push_back(w ? w : model.layers[layers[k]->il].ffn_gate_inp);
                 x.biases.push_back(w ? fitted->bias(x.layer->il, d) : nullptr);
+                x.probs_biases.push_back(moetier_selection_bias(model.layers[layers[k]->il].ffn_exp_probs_b));
                 n_fitted += w != nullptr;
                 n_maps += 1;
             }

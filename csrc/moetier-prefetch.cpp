@@ -46,6 +46,7 @@ moetier_prefetch_stacked::moetier_prefetch_stacked(const std::vector<moetier_pre
     pred_w.assign(n_expert, 0.0f);
     pred_rank.reserve(n_expert);
     pred_row.assign(n_expert, 0.0f);
+    pred_sel.assign(n_expert, 0.0f);
     if (n_stack == 0) {
         return;
     }
@@ -119,6 +120,16 @@ moetier_prefetch_stacked::moetier_prefetch_stacked(const std::vector<moetier_pre
             if (l.biases[j] != nullptr) {
                 st.bias[j].assign(l.biases[j], l.biases[j] + n_expert);
             }
+        }
+        st.sigmoid = l.sigmoid;
+        st.probs_bias.assign(l.next.size(), {});
+        for (size_t j = 0; j < l.next.size() && j < l.probs_biases.size(); ++j) {
+            if (!l.probs_biases[j].empty() && l.probs_biases[j].size() != (size_t) n_expert) {
+                throw std::runtime_error(
+                    format("prefetch: the selection bias of layer %d has %zu values for %d experts", l.next[j]->il,
+                           l.probs_biases[j].size(), n_expert));
+            }
+            st.probs_bias[j] = l.probs_biases[j];
         }
         for (const moetier_layer * t : l.next) {
             layer_state & ts = states[t->il];
@@ -343,11 +354,38 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
                 }
                 row = pred_row.data();
             }
-            const int32_t k   = moetier_top_k(row, E, n_used, top);
-            // the gate weights of the predicted experts: a softmax over them ranks like the model's
-            float         sum = 0.0f;
+            const float * sel = row;
+            if (!ls.probs_bias[j].empty() && ls.sigmoid) {
+                // the model chooses by its probabilities plus its selection bias (llama.cpp's exp_probs_b)
+                for (int32_t e = 0; e < E; ++e) {
+                    pred_sel[e] = 1.0f / (1.0f + std::exp(-row[e])) + ls.probs_bias[j][e];
+                }
+                sel = pred_sel.data();
+            } else if (!ls.probs_bias[j].empty()) {
+                float mx = row[0];
+                for (int32_t e = 1; e < E; ++e) {
+                    mx = std::max(mx, row[e]);
+                }
+                float z = 0.0f;
+                for (int32_t e = 0; e < E; ++e) {
+                    pred_sel[e] = std::exp(row[e] - mx);
+                    z += pred_sel[e];
+                }
+                for (int32_t e = 0; e < E; ++e) {
+                    pred_sel[e] = pred_sel[e] / z + ls.probs_bias[j][e];
+                }
+                sel = pred_sel.data();
+            }
+            const int32_t k   = moetier_top_k(sel, E, n_used, top);
+            // the gate weights of the predicted experts: a softmax over them (not over the biased
+            // choice) weighs like the model's
+            float         ref = row[top[0]];
+            for (int32_t i = 1; i < k; ++i) {
+                ref = std::max(ref, row[top[i]]);
+            }
+            float sum = 0.0f;
             for (int32_t i = 0; i < k; ++i) {
-                w[i] = std::exp(row[top[i]] - row[top[0]]);
+                w[i] = std::exp(row[top[i]] - ref);
                 sum += w[i];
             }
             for (int32_t i = 0; i < k; ++i) {

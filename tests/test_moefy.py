@@ -361,7 +361,74 @@ def test_correction_rounds_run_the_model_with_its_dense_layers(dense: Path, tmp_
     """Round 1 runs the planned model: with a dense layer it is another model than the all-MoE one, whose
     activations a shared work dir already holds."""
     work = tmp_path / "w"
-    for lead in (0, 1):
-        cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, correct_rounds=1, dense_lead=lead)
-        moefy(dense, tmp_path / f"moe{lead}.gguf", CALIB, cfg, progress=False, work_dir=work)
-    assert len(list(work.rglob("correct-acts-*-r1"))) == 2
+    for lead, balance in ((0, 0.0), (1, 0.0), (0, 1.0)):
+        cfg = MoefyConfig(
+            n_expert=4, n_expert_used=2, calib_tokens=1024, correct_rounds=1, dense_lead=lead, balance=balance
+        )
+        moefy(dense, tmp_path / f"moe{lead}-{balance}.gguf", CALIB, cfg, progress=False, work_dir=work)
+    # ... and with a balance too (its biased choice changes every later layer's inputs)
+    assert len(list(work.rglob("correct-acts-*-r1"))) == 3
+
+
+def test_selection_bias_reaches_its_target_frequencies() -> None:
+    from moetier.tools.moefy import fit_selection_bias, selection_freq
+
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(4096, 8)).astype(np.float32) + np.linspace(-1.5, 1.5, 8, dtype=np.float32)
+    p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    k = 3
+    f0 = selection_freq(p, k)
+    assert f0.min() < 0.15 and f0.max() > 0.7, "skewed: the last experts are the router's favourites"
+    for beta in (0.5, 1.0):
+        target = (1 - beta) * f0 + beta * k / 8
+        b = fit_selection_bias(p, k, target)
+        f = selection_freq(p, k, b)
+        assert np.abs(f - target).max() < 4 / 4096, (beta, f, target)
+        assert abs(float(b.mean())) < 1e-6
+
+
+def test_balance_writes_a_selection_bias_that_stock_the_cache_and_the_prefetch_follow(
+    dense: Path, tmp_path: Path
+) -> None:
+    from moetier.calibrate import CalibrateConfig, record_trace
+    from moetier.tools.moefy import _plan_fields, key_fields
+
+    base = dict(n_expert=4, n_expert_used=2, calib_tokens=1024)
+    freqs, errs = {}, {}
+    for beta in (0.0, 1.0):
+        out = tmp_path / f"moe{beta}.gguf"
+        res = moefy(dense, out, CALIB, MoefyConfig(**base, balance=beta), progress=False, work_dir=tmp_path / "w")
+        errs[beta] = res.errors_held_out
+        t = {x.name: x for x in gguf.GGUFReader(out).tensors}
+        assert ("blk.1.exp_probs_b.bias" in t) == (beta > 0)
+        tr = record_trace(out, CALIB, CalibrateConfig(tokens=1024, seq_len=512))
+        freqs[beta] = np.stack([np.bincount(tr.ids[:, i].ravel(), minlength=4) / len(tr.ids) for i in range(2)])
+        # the cache follows the biased choice exactly
+        m = Model(out, cache=CacheConfig.exact(budget="16M"))
+        assert m.generate(LONG_PROMPT, max_tokens=16).tokens == Model(out).generate(LONG_PROMPT, max_tokens=16).tokens
+    # llama.cpp's own choice on the calibration text is uniform (the fit is to the float64 softmax)
+    assert np.abs(freqs[1.0] - 0.5).max() < 0.02 < np.abs(freqs[0.0] - 0.5).max(), freqs
+    assert all(0.0 < e < 0.6 for e in errs[1.0])
+    # the plans are shared (the balance is a step after them); the default stays out of keys
+    assert _plan_fields(MoefyConfig(**base, balance=1.0)) == _plan_fields(MoefyConfig(**base))
+    assert len(list((tmp_path / "w").rglob("plan-*"))) == 1
+    assert "balance" not in key_fields(MoefyConfig()) and "balance" in key_fields(MoefyConfig(balance=0.5))
+    with pytest.raises(ConfigError, match="balance"):
+        MoefyConfig(balance=0.5, arch="qwen2moe")
+    with pytest.raises(ConfigError, match="balance"):
+        MoefyConfig(balance=1.5)
+
+    # the prefetcher chooses as the model does: with a bias that forces experts 0 and 1 in every
+    # layer, its stacked-router predictions of the whole top-k set are all right
+    forced = tmp_path / "forced.gguf"
+    forced.write_bytes((tmp_path / "moe1.0.gguf").read_bytes())
+    for x in gguf.GGUFReader(forced, "r+").tensors:
+        if x.name.endswith("exp_probs_b.bias"):
+            x.data[:] = np.array([10.0, 10.0, 0.0, 0.0], dtype=np.float32)
+    stock = Model(forced)
+    toks = stock.tokenize(LONG_PROMPT)
+    lo = int(Model(forced, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    m = Model(forced, cache=CacheConfig.exact(budget=lo * 3 // 2, prefetch=1))
+    assert m.generate(toks, max_tokens=24).tokens == stock.generate(toks, max_tokens=24).tokens
+    p = m.prefetch_stats()
+    assert p.n_pred[0] > 0 and p.n_allk[0] == p.n_pred[0], p

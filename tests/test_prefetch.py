@@ -323,3 +323,25 @@ def test_prefetch_stands_back_when_the_disk_is_behind(model_copy: Path, monkeypa
     assert m.generate(tokens, max_tokens=24).tokens == want
     p = m.prefetch_stats()
     assert p.n_busy > 0 and p.n_hits + p.n_claimed + p.n_cancelled + p.n_wasted == p.n_issued, p
+
+
+def test_stacked_prediction_chooses_with_the_selection_bias(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """GLM-4.5's and DeepSeek-V3's routing (sigmoid probabilities plus a per-expert bias for the top-k
+    choice only): the prefetcher predicts the choice the model makes. With a bias that forces experts
+    0-3 in every layer, every prediction of the whole top-k set is right (the logits alone get few
+    right), and the output stays stock's. moefy's softmax models: test_moefy's balance test."""
+    import shutil
+
+    import gguf
+
+    path = Path(shutil.copy(tiny_model("glm4moe", n_expert=16, n_expert_used=4, n_layer=4), tmp_path / "m.gguf"))
+    for t in gguf.GGUFReader(path, "r+").tensors:
+        if t.name.endswith("exp_probs_b.bias"):
+            t.data[:] = np.array([10.0] * 4 + [0.0] * 12, dtype=np.float32)
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    m = Model(path, cache=CacheConfig.exact(budget=2 * lo, prefetch=2))
+    assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
+    n_pred, _, n_allk, _ = _pred_counts(m)
+    assert n_pred[0] > 0 and n_pred[1] > 0 and n_allk[:2] == n_pred[:2], (n_pred, n_allk)

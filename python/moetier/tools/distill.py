@@ -98,6 +98,9 @@ class MoeLayer:
     gate: F32  # [E, ff_e, d]
     up: F32  # [E, ff_e, d]
     down: F32  # [E, d, ff_e]
+    # [E] added to the softmax for the top-k choice only, never to the weights (llama.cpp's
+    # exp_probs_b, DeepSeek-V3's balancing bias); not trained (arrays() leaves it out)
+    bias: F32 | None = None
 
     NAMES = ("router", "gate_sh", "up_sh", "down_sh", "gate", "up", "down")
 
@@ -105,7 +108,8 @@ class MoeLayer:
         return {n: getattr(self, n) for n in self.NAMES}
 
     def copy(self) -> MoeLayer:
-        return MoeLayer(**{n: a.copy() for n, a in self.arrays().items()})
+        bias = None if self.bias is None else self.bias.copy()
+        return MoeLayer(**{n: a.copy() for n, a in self.arrays().items()}, bias=bias)
 
 
 def _sigmoid(a: F32) -> F32:
@@ -115,11 +119,11 @@ def _sigmoid(a: F32) -> F32:
 
 def route(layer: MoeLayer, x: F32, k: int, renorm: bool) -> tuple[npt.NDArray[np.int64], F32, F32]:
     """llama.cpp's routing: (top-k ids [N, k], their weights [N, k], the softmax [N, E] or, with renorm,
-    the renormalised weights scattered over [N, E])."""
+    the renormalised weights scattered over [N, E]); the layer's bias, if any, moves the choice only."""
     logits = x @ layer.router.T
     p = np.exp(logits - logits.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
-    top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    top = np.argsort(-(logits if layer.bias is None else p + layer.bias), axis=1, kind="stable")[:, :k]
     w = np.take_along_axis(p, top, axis=1)
     if renorm:
         w = w / w.sum(axis=1, keepdims=True)

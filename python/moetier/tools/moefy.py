@@ -153,6 +153,16 @@ class MoefyConfig:
             "picked by under 5 percent of tokens: 31 of 448 against 4): bench/results/moefy-split-rounds.md"
         },
     )
+    balance: float = field(
+        default=0.0,
+        metadata={
+            "help": "per-expert selection bias (ernie4_5-moe's exp_probs_b, DeepSeek-V3's balancing bias: added to "
+            "the softmax for the top-k choice only, never to the gate weights), fitted so that each expert's "
+            "selection frequency on the calibration tokens moves this fraction of the way from the router's own "
+            "to the uniform k/E; the down projections are then refitted under the biased choice. 0: no bias "
+            "(published MoEs are trained with a balancing loss or bias; without one some experts go almost idle)"
+        },
+    )
     down_type: str = field(default="q8_0", metadata={"help": "type of the re-split down projections: q8_0 or f16"})
     seed: int = field(default=0, metadata={"help": "seed of the clustering"})
     arch: str = field(
@@ -193,6 +203,12 @@ class MoefyConfig:
             raise ConfigError(msg)
         if self.split_rounds < 0:
             msg = f"moefy.split_rounds: {self.split_rounds} must be >= 0"
+            raise ConfigError(msg)
+        if not 0.0 <= self.balance <= 1.0 or (self.balance > 0 and self.arch != "ernie4_5-moe"):
+            msg = (
+                f"moefy.balance: {self.balance} must be in [0, 1], and 0 for {self.arch} (llama.cpp reads no "
+                "selection bias there)"
+            )
             raise ConfigError(msg)
         if self.down_type not in ("q8_0", "f16"):
             msg = f"moefy.down_type: {self.down_type!r} must be q8_0 or f16"
@@ -500,12 +516,21 @@ class MoefyResult:
 def _plan_fields(cfg: MoefyConfig) -> dict[str, Any]:
     """The fields the training-free plan of a MoE layer depends on (its cache key): not the correction
     rounds, nor how many leading layers stay dense (each layer is planned on the dense model's inputs)."""
-    return {k: v for k, v in key_fields(cfg).items() if k not in ("correct_rounds", "correct_share", "dense_lead")}
+    return {
+        k: v
+        for k, v in key_fields(cfg).items()
+        if k not in ("correct_rounds", "correct_share", "dense_lead", "balance")
+    }
+
+
+def _balance_fields(cfg: MoefyConfig) -> dict[str, Any]:
+    """The fields a balanced layer depends on: its plan's and the balance."""
+    return {**_plan_fields(cfg), "balance": cfg.balance}
 
 
 # fields added after conversions were cached under keys of the config: at the value that does what
 # the code did before them they stay out of the key, so those conversions are still found
-_KEY_LATER_FIELDS: dict[str, Any] = {"cluster_features": "abs", "dense_lead": 0, "split_rounds": 0}
+_KEY_LATER_FIELDS: dict[str, Any] = {"cluster_features": "abs", "dense_lead": 0, "split_rounds": 0, "balance": 0.0}
 
 
 def key_fields(cfg: MoefyConfig) -> dict[str, Any]:
@@ -514,7 +539,15 @@ def key_fields(cfg: MoefyConfig) -> dict[str, Any]:
 
 
 def refit_down(
-    layer: MoeLayer, x: F32, y: F32, k: int, renorm: bool, sh_gate: float, ridge: float, fit_weight: str = "uniform"
+    layer: MoeLayer,
+    x: F32,
+    y: F32,
+    k: int,
+    renorm: bool,
+    sh_gate: float,
+    ridge: float,
+    fit_weight: str = "uniform",
+    gram: type[np.floating[Any]] = np.float64,
 ) -> MoeLayer:
     """The layer with its down projections (shared and routed) refitted in closed form so that its
     output on inputs x [N, d] approaches y [N, d] (tokens weighed as token_weights says): ridge toward
@@ -523,8 +556,8 @@ def refit_down(
     E, ff_e = layer.gate.shape[0], layer.gate.shape[1]
     n_sh = layer.gate_sh.shape[0]
     ff = n_sh + E * ff_e
-    g = np.zeros((ff, ff), dtype=np.float64)
-    rhs = np.zeros((ff, y.shape[1]), dtype=np.float64)
+    g = np.zeros((ff, ff), dtype=gram)
+    rhs = np.zeros((ff, y.shape[1]), dtype=gram)
     for i in range(0, len(x), 2048):
         xb = np.asarray(x[i : i + 2048], dtype=np.float32)
         top, w, _ = route(layer, xb, k, renorm)
@@ -543,11 +576,61 @@ def refit_down(
     prior = np.concatenate([layer.down_sh] + [layer.down[e] for e in range(E)], axis=1).T  # [ff, d]
     scale = float(np.mean(np.diag(g))) or 1.0
     g[np.diag_indices_from(g)] += ridge * scale
-    down = np.linalg.solve(g, rhs + ridge * scale * prior).T.astype(np.float32)  # [d, ff]
+    down = np.linalg.solve(g.astype(np.float64), rhs + ridge * scale * prior).T.astype(np.float32)  # [d, ff]
     out = layer.copy()
     out.down_sh = np.ascontiguousarray(down[:, :n_sh])
     out.down = np.stack([down[:, n_sh + e * ff_e : n_sh + (e + 1) * ff_e] for e in range(E)])
     return out
+
+
+def _softmax(logits: F32) -> F32:
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    out: F32 = (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
+    return out
+
+
+def selection_freq(p: F32, k: int, bias: F32 | None = None) -> npt.NDArray[np.float64]:
+    """[E] the share of tokens (rows of p [N, E]) whose top-k of p + bias holds each expert."""
+    top = np.argsort(-(p if bias is None else p + bias), axis=1, kind="stable")[:, :k]
+    out: npt.NDArray[np.float64] = np.bincount(top.ravel(), minlength=p.shape[1]) / len(p)
+    return out
+
+
+def fit_selection_bias(p: F32, k: int, target: npt.NDArray[np.float64], sweeps: int = 30) -> F32:
+    """[E] bias b such that the top-k of p + b selects expert e on a share target[e] of the tokens
+    (rows of p [N, E], sum(target) == k), by coordinate steps: with the others fixed, e is selected
+    exactly where p_e + b_e beats the k-th best of the others, so the b_e that gives target[e] is a
+    quantile of (that threshold - p_e)."""
+    n, E = p.shape
+    b = np.zeros(E, dtype=np.float64)
+    q = p.astype(np.float64)
+    for _ in range(sweeps):
+        for e in range(E):
+            others = np.delete(q + b, e, axis=1)
+            thr = -np.partition(-others, k - 1, axis=1)[:, k - 1]  # k-th largest of the others
+            need = thr - q[:, e]  # b_e above this selects e on the token
+            frac = float(np.clip(target[e], 0.0, 1.0))
+            b[e] = np.quantile(need, frac)
+        b -= b.mean()
+        if np.max(np.abs(selection_freq(p, k, b.astype(np.float32)) - target)) < 2.0 / n:
+            break
+    return b.astype(np.float32)
+
+
+def balance_layer(
+    layer: MoeLayer, x: F32, y: F32, cfg: MoefyConfig, renorm: bool, sh_gate: float
+) -> tuple[MoeLayer, float]:
+    """The layer with a selection bias that moves each expert's selection frequency on x [N, d]
+    cfg.balance of the way to k/E, and its down projections refitted (toward its current ones) so
+    that its output under the biased choice approaches y [N, d]; and its relative error on x."""
+    k, E = cfg.n_expert_used, cfg.n_expert
+    p = _softmax(x @ layer.router.T)
+    f0 = selection_freq(p, k)
+    out = layer.copy()
+    out.bias = fit_selection_bias(p, k, (1.0 - cfg.balance) * f0 + cfg.balance * k / E)
+    # float32 sums, as the plan's refit: half the time of float64 on these sizes
+    out = refit_down(out, x, y, k, renorm, sh_gate, cfg.refit_ridge, cfg.fit_weight, gram=np.float32)
+    return out, rel_error(out, x, y, k, renorm, sh_gate)
 
 
 def _correction_target(x: F32, dense: tuple[F32, F32, F32], l_out: F32, ffn_inp: F32, share: float) -> F32:
@@ -623,13 +706,16 @@ def _collect(
 def _save_layer(path: Path, layer: MoeLayer, err: float, **extra: npt.NDArray[Any]) -> None:
     tmp = path.with_name(path.name + ".tmp.npz")
     arrays: dict[str, Any] = {"err": np.float64(err), **layer.arrays(), **extra}
+    if layer.bias is not None:
+        arrays["bias"] = layer.bias
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
 
 
 def _load_layer(path: Path) -> tuple[MoeLayer, float]:
     with np.load(path) as z:
-        return MoeLayer(**{n: np.asarray(z[n]) for n in MoeLayer.NAMES}), float(z["err"])
+        bias = np.asarray(z["bias"]) if "bias" in z.files else None
+        return MoeLayer(**{n: np.asarray(z[n]) for n in MoeLayer.NAMES}, bias=bias), float(z["err"])
 
 
 def moefy(
@@ -736,6 +822,16 @@ def moefy(
             if plan_path is not None:
                 plan_path.parent.mkdir(parents=True, exist_ok=True)
                 _save_layer(plan_path, layer, err, shared=split[0], groups=split[1])
+        if cfg.balance > 0:
+            bal_path = work / f"balance-{cache_key(_balance_fields(cfg))}" / f"layer-{il}.npz" if work else None
+            if bal_path is not None and bal_path.exists():
+                layer, err = _load_layer(bal_path)
+            else:
+                x = np.asarray(xs[il])
+                layer, err = balance_layer(layer, x, dense_ffn(x, *dense_weights(il)), cfg, renorm, sh_gate)
+                if bal_path is not None:
+                    bal_path.parent.mkdir(parents=True, exist_ok=True)
+                    _save_layer(bal_path, layer, err)
         errors_plan.append(err)
         if len(held):
             w_gate, w_up, w_down = dense_weights(il)
@@ -756,8 +852,9 @@ def moefy(
         # a run with more rounds resumes from one with fewer
         layers_dir = work / f"correct-{cache_key({**key_fields(cfg), 'correct_rounds': None})}"
         # round 1 runs the plan's model: its activations do not depend on the share; later rounds do
-        # (with dense layers the model differs from the plan's: their count joins the key)
-        lead = [{"dense_lead": cfg.dense_lead}] if cfg.dense_lead else []
+        # (with dense layers or a balance the model differs from the plan's: they join the key)
+        lead: list[dict[str, Any]] = [{"dense_lead": cfg.dense_lead}] if cfg.dense_lead else []
+        lead += [{"balance": cfg.balance}] if cfg.balance else []
         later = cache_key({**key_fields(cfg), "correct_rounds": None})
         akey = cache_key(_plan_fields(cfg), *lead) if rnd == 1 else later
         acts_dir = work / f"correct-acts-{akey}-r{rnd}"
@@ -928,6 +1025,8 @@ def _write_moe(
         q, qt = _quantize(ly.down_sh, cfg.down_type)
         writer.add_tensor(f"blk.{il}.ffn_down_shexp.weight", q, raw_dtype=qt)
         writer.add_tensor(f"blk.{il}.ffn_gate_inp.weight", ly.router)
+        if ly.bias is not None:
+            writer.add_tensor(f"blk.{il}.exp_probs_b.bias", np.ascontiguousarray(ly.bias, dtype=np.float32))
         if cfg.arch == "qwen2moe":
             # shared gate sigmoid(z), computed as silu(z)/z: a tiny constant direction keeps z small,
             # so the gate is 1/2 (compensated in the refit), but z == 0 exactly gives NaN

@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["ARCHS", "EXPERT_TYPES", "MOE_ARCHS", "tiny_vocab", "write_tiny_model"]
 
-ARCHS = ("qwen2moe", "qwen3moe", "qwen2", "mixtral", "olmoe", "granitemoe", "phimoe", "deepseek", "dbrx")
+ARCHS = ("qwen2moe", "qwen3moe", "qwen2", "mixtral", "olmoe", "granitemoe", "phimoe", "deepseek", "dbrx", "glm4moe")
 MOE_ARCHS = tuple(a for a in ARCHS if a != "qwen2")
 # general.architecture where it differs from the name used here
 _GGUF_ARCH = {"mixtral": "llama"}
@@ -138,7 +138,9 @@ def write_tiny_model(
       logit/residual/embedding/attention scales), "phimoe" (norm and output
       biases, NeoX rope), "deepseek" (DeepSeek-V1: layer 0 is a dense FFN, the
       others have experts plus one always-on shared expert of n_ff_exp;
-      needs n_layer >= 2), "dbrx" (fused QKV, LayerNorm, clamped QKV);
+      needs n_layer >= 2), "dbrx" (fused QKV, LayerNorm, clamped QKV), "glm4moe"
+      (GLM-4.5: DeepSeek-V1's layout, with sigmoid probabilities and a per-expert
+      selection bias, blk.N.exp_probs_b.bias, of zeros: DeepSeek-V3's routing);
     - "qwen2" (dense; its FFN size is n_ff_exp and the expert arguments are ignored).
 
     Every dense FFN is n_ff_exp wide. expert_type ("f32", "f16", "q8_0")
@@ -161,8 +163,8 @@ def write_tiny_model(
     if moe and expert_type == "q8_0" and (n_embd % 32 or n_ff_exp % 32):
         msg = "q8_0 experts need n_embd and n_ff_exp to be multiples of 32"
         raise ValueError(msg)
-    if arch == "deepseek" and n_layer < 2:
-        msg = "deepseek needs n_layer >= 2 (layer 0 is dense)"
+    if arch in ("deepseek", "glm4moe") and n_layer < 2:
+        msg = f"{arch} needs n_layer >= 2 (layer 0 is dense)"
         raise ValueError(msg)
     if arch == "olmoe":
         n_head_kv = n_head  # its k norm weight is n_embd wide
@@ -196,7 +198,9 @@ def write_tiny_model(
         w.add_residual_scale(0.5)
         w.add_embedding_scale(2.0)
         w.add_attention_scale(1.0 / head_dim)
-    elif arch == "deepseek":
+    elif arch in ("deepseek", "glm4moe"):
+        if arch == "glm4moe":
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_leading_dense_block_count(1)
         w.add_expert_shared_count(1)
         w.add_expert_weights_scale(1.0)
@@ -272,16 +276,19 @@ def write_tiny_model(
         if arch == "phimoe":
             add(b + "attn_output.bias", (n_embd,), 0.1, f32)
         # dbrx normalizes the FFN input with attn_output_norm and has no ffn_norm
-        add(b + ("attn_output_norm" if arch == "dbrx" else "ffn_norm") + ".weight", (n_embd,), 0.1, f32, mean=1.0)
+        ffn_norm = {"dbrx": "attn_output_norm", "glm4moe": "post_attention_norm"}.get(arch, "ffn_norm")
+        add(b + ffn_norm + ".weight", (n_embd,), 0.1, f32, mean=1.0)
         if arch == "phimoe":
             add(b + "ffn_norm.bias", (n_embd,), 0.1, f32)
-        if not moe or (arch == "deepseek" and i == 0):
+        if not moe or (arch in ("deepseek", "glm4moe") and i == 0):
             add(b + "ffn_gate.weight", (n_ff, n_embd), s_in, f16)
             add(b + "ffn_up.weight", (n_ff, n_embd), s_in, f16)
             add(b + "ffn_down.weight", (n_embd, n_ff), 1.0 / np.sqrt(n_ff), f16)
             continue
         # router: logits with std ~3 so that routing is decisive and varies per token/layer
         add(b + "ffn_gate_inp.weight", (n_expert, n_embd), 3.0 * s_in, f32)
+        if arch == "glm4moe":
+            w.add_tensor(b + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
         add(b + "ffn_gate_exps.weight", (n_expert, n_ff_exp, n_embd), s_in, exp_t)
         add(b + "ffn_up_exps.weight", (n_expert, n_ff_exp, n_embd), s_in, exp_t)
         add(
@@ -300,7 +307,7 @@ def write_tiny_model(
                 1.0 / np.sqrt(n_ff_shexp),
                 f16,
             )
-        elif arch == "deepseek":
+        elif arch in ("deepseek", "glm4moe"):
             add(b + "ffn_gate_shexp.weight", (n_ff_exp, n_embd), s_in, f16)
             add(b + "ffn_up_shexp.weight", (n_ff_exp, n_embd), s_in, f16)
             add(b + "ffn_down_shexp.weight", (n_embd, n_ff_exp), 1.0 / np.sqrt(n_ff_exp), f16)
