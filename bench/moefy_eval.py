@@ -72,6 +72,12 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512, help="perplexity context (default: 512)")
     p.add_argument("--chunks", type=int, default=12, help="max chunks per text (default: 12)")
     p.add_argument("--threads", type=int, default=2, help="threads (default: 2)")
+    p.add_argument(
+        "--dense-from",
+        default=None,
+        help="take the dense model's perplexities from an earlier --out JSON of the same texts, ctx and chunks "
+        "(llama-perplexity on CPU is deterministic here) instead of measuring them again",
+    )
     p.add_argument("--out", default=None, help="JSON output path")
     a = p.parse_args()
 
@@ -81,8 +87,19 @@ def main() -> None:
         p.error(f"two texts have the same name (stem): {' '.join(a.text)}")
     dense = Path(a.dense)
     ppl: dict[str, dict[str, float]] = {"dense": {}}
-    for t in texts:
-        ppl["dense"][t.stem] = perplexity(dense, t, a.ctx, a.chunks, a.threads, [])
+    if a.dense_from:
+        prev = json.loads(Path(a.dense_from).read_text())
+        if prev["dense"] != str(dense):
+            p.error(f"{a.dense_from}: measured {prev['dense']}, not {dense}")
+        if sorted(prev["texts"]) != sorted(str(t) for t in texts):
+            p.error(f"{a.dense_from}: measured the texts {prev['texts']}, not {[str(t) for t in texts]}")
+        # files before --dense-from recorded no ctx/chunks: their commands (in the results' notes) said
+        if prev.get("ctx", a.ctx) != a.ctx or prev.get("chunks", a.chunks) != a.chunks:
+            p.error(f"{a.dense_from}: measured with ctx {prev.get('ctx')} and {prev.get('chunks')} chunks")
+        ppl["dense"] = {t.stem: float(prev["ppl"]["dense"][t.stem]) for t in texts}
+    else:
+        for t in texts:
+            ppl["dense"][t.stem] = perplexity(dense, t, a.ctx, a.chunks, a.threads, [])
     routing: dict[str, Any] = {}
     for mp in (Path(m) for m in a.moe):
         arch, _, k0 = moe_meta(mp)
@@ -112,7 +129,16 @@ def main() -> None:
     if a.out:
         Path(a.out).write_text(
             json.dumps(
-                {"dense": str(dense), "texts": [str(t) for t in texts], "ppl": ppl, "routing": routing}, indent=1
+                {
+                    "dense": str(dense),
+                    "dense_from": a.dense_from,
+                    "ctx": a.ctx,
+                    "chunks": a.chunks,
+                    "texts": [str(t) for t in texts],
+                    "ppl": ppl,
+                    "routing": routing,
+                },
+                indent=1,
             )
         )
 

@@ -504,7 +504,7 @@ void moetier_model::init_io() {
 }
 
 // a layer's selection bias (exp_probs_b, [n_expert]) as floats, or empty where it has none
-static std::vector<float> moetier_selection_bias(const ggml_tensor * t) {
+static std::vector<float> moetier_read_selection_bias(const ggml_tensor * t) {
     std::vector<float> out;
     if (t == nullptr) {
         return out;
@@ -548,6 +548,19 @@ void moetier_model::init_prefetch(const llama_model & model) {
             warn(format("prefetch predictor ignored, the routers predict: %s", e.what()));
         }
     }
+    // the probabilities a selection bias is added to: softmax where the arch sets none (ernie4_5-moe),
+    // sigmoid (GLM-4.5, DeepSeek-V3); other functions are not modelled: the logits alone predict
+    const uint32_t gating     = model.hparams.expert_gating_func;
+    const bool     bias_known = gating == LLAMA_EXPERT_GATING_FUNC_TYPE_NONE ||
+                            gating == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX ||
+                            gating == LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID;
+    bool bias_ignored = false;
+    if (model.hparams.n_expert_groups > 1) {
+        warn(
+            format("prefetch predicts without the model's expert groups (%u): its group-limited choice is not "
+                   "modelled",
+                   model.hparams.n_expert_groups));
+    }
     int32_t n_fitted = 0, n_maps = 0;
     // per group: each served layer with the next ones of the same group (at most p, consecutive
     // among the served layers) and their routers
@@ -560,7 +573,7 @@ void moetier_model::init_prefetch(const llama_model & model) {
             }
             moetier_prefetch_layer x;
             x.layer   = layers[i].get();
-            x.sigmoid = model.hparams.expert_gating_func == LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID;
+            x.sigmoid = gating == LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID;
             for (size_t k = i + 1; k < layers.size() && x.next.size() < (size_t) prefetch; ++k) {
                 if (layers[k]->cache != c.get()) {
                     break;
@@ -570,7 +583,9 @@ void moetier_model::init_prefetch(const llama_model & model) {
                 x.next.push_back(layers[k].get());
                 x.routers.push_back(w ? w : model.layers[layers[k]->il].ffn_gate_inp);
                 x.biases.push_back(w ? fitted->bias(x.layer->il, d) : nullptr);
-                x.probs_biases.push_back(moetier_selection_bias(model.layers[layers[k]->il].ffn_exp_probs_b));
+                const ggml_tensor * b = model.layers[layers[k]->il].ffn_exp_probs_b;
+                x.probs_biases.push_back(bias_known ? moetier_read_selection_bias(b) : std::vector<float>());
+                bias_ignored = bias_ignored || (b != nullptr && !bias_known);
                 n_fitted += w != nullptr;
                 n_maps += 1;
             }
@@ -580,6 +595,12 @@ void moetier_model::init_prefetch(const llama_model & model) {
         c->set_prefetch(std::make_unique<moetier_prefetch_stacked>(
             pl, prefetch, n_expert, c->slots(MOETIER_PRECISION_HIGH), c->slots(MOETIER_PRECISION_LOW), *io, precision,
             prefetch_waste));
+    }
+    if (bias_ignored) {
+        warn(
+            format("prefetch predicts from the logits alone: the selection bias of gating function %u is not "
+                   "modelled",
+                   gating));
     }
     if (any && fitted) {
         prefetch_source = format("fitted predictor %s (%d of %d maps)", path.c_str(), n_fitted, n_maps);

@@ -377,15 +377,15 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
                 sel = pred_sel.data();
             }
             const int32_t k   = moetier_top_k(sel, E, n_used, top);
-            // the gate weights of the predicted experts: a softmax over them (not over the biased
-            // choice) weighs like the model's
+            // the gate weights of the predicted experts, from the unbiased logits as the model's:
+            // a softmax over them (or their sigmoids), normalised (the precision rule takes shares)
             float         ref = row[top[0]];
             for (int32_t i = 1; i < k; ++i) {
                 ref = std::max(ref, row[top[i]]);
             }
             float sum = 0.0f;
             for (int32_t i = 0; i < k; ++i) {
-                w[i] = std::exp(row[top[i]] - ref);
+                w[i] = ls.sigmoid ? 1.0f / (1.0f + std::exp(-row[top[i]])) : std::exp(row[top[i]] - ref);
                 sum += w[i];
             }
             for (int32_t i = 0; i < k; ++i) {

@@ -82,8 +82,8 @@ struct moetier_prefetch_layer {
     std::vector<moetier_layer *>     next;     // the served layers after it in the same group (at most p)
     std::vector<const ggml_tensor *> routers;  // their routers (ffn_gate_inp), [n_embd, n_expert], or fitted maps
     std::vector<const float *>       biases;   // per next layer: [n_expert] added to its logits, or nullptr
-    // per next layer: its selection bias (llama.cpp's exp_probs_b, [n_expert]: added to the softmax
-    // for the top-k choice, never to the weights), or empty
+    // per next layer: its selection bias (llama.cpp's exp_probs_b, [n_expert]: added to the
+    // probabilities, softmax or sigmoid, for the top-k choice, never to the weights), or empty
     std::vector<std::vector<float>>  probs_biases;
     bool                             sigmoid = false;  // the model's probabilities: sigmoid of the logits, not softmax
 };
@@ -157,7 +157,7 @@ class moetier_prefetch_stacked : public moetier_prefetch_i {
     std::vector<float>        pred_w;     // highest predicted weight
     std::vector<int32_t>      pred_rank;  // predicted experts, surest first
     std::vector<float>        pred_row;   // one token's logits plus the bias
-    std::vector<float>        pred_sel;   // one token's softmax plus the selection bias
+    std::vector<float>        pred_sel;   // one token's probabilities plus the selection bias
 
     // the byte cap (thread 0): credit may be spent on reads; it grows by waste x the bytes each layer
     // needed, up to credit_max (a few walks' reads: a long run of good guesses banks no more)

@@ -327,9 +327,10 @@ def test_prefetch_stands_back_when_the_disk_is_behind(model_copy: Path, monkeypa
 
 def test_stacked_prediction_chooses_with_the_selection_bias(tiny_model: ModelFactory, tmp_path: Path) -> None:
     """GLM-4.5's and DeepSeek-V3's routing (sigmoid probabilities plus a per-expert bias for the top-k
-    choice only): the prefetcher predicts the choice the model makes. With a bias that forces experts
-    0-3 in every layer, every prediction of the whole top-k set is right (the logits alone get few
-    right), and the output stays stock's. moefy's softmax models: test_moefy's balance test."""
+    choice only): the prefetcher predicts the choice the model makes. A bias of 1.05 on experts 0-3
+    forces them in every layer (probabilities lie in [0, 1]), so every prediction of the whole top-k
+    set is right (from the logits alone, without the bias, none of 46 was), and the output stays
+    stock's. moefy's softmax models: test_moefy's balance test."""
     import shutil
 
     import gguf
@@ -337,7 +338,7 @@ def test_stacked_prediction_chooses_with_the_selection_bias(tiny_model: ModelFac
     path = Path(shutil.copy(tiny_model("glm4moe", n_expert=16, n_expert_used=4, n_layer=4), tmp_path / "m.gguf"))
     for t in gguf.GGUFReader(path, "r+").tensors:
         if t.name.endswith("exp_probs_b.bias"):
-            t.data[:] = np.array([10.0] * 4 + [0.0] * 12, dtype=np.float32)
+            t.data[:] = np.array([1.05] * 4 + [0.0] * 12, dtype=np.float32)
     stock = Model(path)
     tokens = stock.tokenize(LONG_PROMPT)
     lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])

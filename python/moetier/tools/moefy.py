@@ -20,6 +20,11 @@ before, and why):
 5. Down projections: refit by ridge least squares given the router's top-k masks and its softmax
    weights (qwen2moe does not renormalise over the top-k), so the sparse layer reproduces the dense
    output as closely as a linear refit can.
+6. Balance (optional, --balance): a per-expert selection bias (ernie4_5-moe's exp_probs_b, added
+   to the softmax for the top-k choice only, as DeepSeek-V3 balances its experts) moves each
+   expert's selection frequency toward k/E, and the down projections are refitted under that
+   choice: trained MoEs are balanced by a loss or a bias, and a cache benchmark on a model whose
+   experts go idle would flatter every cache.
 
 gate/up rows are neurons, so they are split without touching their quantized bytes; the down
 projections are re-quantized (q8_0 by default) because their blocks run along the FFN dimension.
@@ -156,11 +161,13 @@ class MoefyConfig:
     balance: float = field(
         default=0.0,
         metadata={
-            "help": "per-expert selection bias (ernie4_5-moe's exp_probs_b, DeepSeek-V3's balancing bias: added to "
-            "the softmax for the top-k choice only, never to the gate weights), fitted so that each expert's "
-            "selection frequency on the calibration tokens moves this fraction of the way from the router's own "
-            "to the uniform k/E; the down projections are then refitted under the biased choice. 0: no bias "
-            "(published MoEs are trained with a balancing loss or bias; without one some experts go almost idle)"
+            "help": "per-expert selection bias (ernie4_5-moe's exp_probs_b, as DeepSeek-V3 balances its experts: "
+            "added to the router's probabilities, a softmax here, for the top-k choice only, never to the gate "
+            "weights), fitted so that each expert's selection frequency on the calibration tokens moves this "
+            "fraction of the way from the router's own to the uniform k/E; the down projections are then "
+            "refitted under the biased choice (unless --no-refit). Fitted on the dense model's FFN inputs, once: "
+            "correction rounds and distillation keep it. 0: no bias (published MoEs are trained with a balancing "
+            "loss or bias; without one some experts go almost idle)"
         },
     )
     down_type: str = field(default="q8_0", metadata={"help": "type of the re-split down projections: q8_0 or f16"})
@@ -204,10 +211,17 @@ class MoefyConfig:
         if self.split_rounds < 0:
             msg = f"moefy.split_rounds: {self.split_rounds} must be >= 0"
             raise ConfigError(msg)
-        if not 0.0 <= self.balance <= 1.0 or (self.balance > 0 and self.arch != "ernie4_5-moe"):
+        if not 0.0 <= self.balance <= 1.0:
+            msg = f"moefy.balance: {self.balance} must be in [0, 1]"
+            raise ConfigError(msg)
+        if self.balance > 0 and self.arch != "ernie4_5-moe":
+            msg = f"moefy.balance: must be 0 for {self.arch} (llama.cpp reads no selection bias there)"
+            raise ConfigError(msg)
+        if self.balance > 0 and (self.n_expert_used == self.n_expert or self.router_scale == 0.0):
             msg = (
-                f"moefy.balance: {self.balance} must be in [0, 1], and 0 for {self.arch} (llama.cpp reads no "
-                "selection bias there)"
+                f"moefy.balance: {self.balance} needs a choice to even out: top-{self.n_expert_used} of "
+                f"{self.n_expert} with router_scale {self.router_scale} (the bias would pick the same experts "
+                "for every token under flat probabilities)"
             )
             raise ConfigError(msg)
         if self.down_type not in ("q8_0", "f16"):
@@ -491,11 +505,11 @@ class MoefyResult:
     """What a conversion did: per-layer relative FFN errors (mean over calibration tokens of
     ||y - y_moe|| / ||y||; held-out tokens where distilled) and where the time went."""
 
-    errors_plan: list[float]  # training-free plan, on the dense model's inputs
+    errors_plan: list[float]  # training-free plan (and its balance step), on the dense model's inputs
     errors: list[float]  # the written layers (after distillation, if any)
     seconds: dict[str, float] = field(default_factory=dict)
     n_calib_tokens: int = 0
-    # the training-free plan on held-out tokens (the calibration text past the fitted ones, dense
+    # the training-free plan (and its balance step) on held-out tokens (the calibration text past the fitted ones, dense
     # inputs): the fit's error on its own tokens flatters it (16384 tokens, ~9000 weights per output)
     errors_held_out: list[float] = field(default_factory=list)
     n_held_out_tokens: int = 0
@@ -515,7 +529,8 @@ class MoefyResult:
 
 def _plan_fields(cfg: MoefyConfig) -> dict[str, Any]:
     """The fields the training-free plan of a MoE layer depends on (its cache key): not the correction
-    rounds, nor how many leading layers stay dense (each layer is planned on the dense model's inputs)."""
+    rounds, nor how many leading layers stay dense (each layer is planned on the dense model's inputs), nor
+    the balance (a step after the plan, cached on its own)."""
     return {
         k: v
         for k, v in key_fields(cfg).items()
@@ -576,7 +591,9 @@ def refit_down(
     prior = np.concatenate([layer.down_sh] + [layer.down[e] for e in range(E)], axis=1).T  # [ff, d]
     scale = float(np.mean(np.diag(g))) or 1.0
     g[np.diag_indices_from(g)] += ridge * scale
-    down = np.linalg.solve(g.astype(np.float64), rhs + ridge * scale * prior).T.astype(np.float32)  # [d, ff]
+    down = np.linalg.solve(g.astype(np.float64, copy=False), rhs + ridge * scale * prior).T.astype(
+        np.float32
+    )  # [d, ff]
     out = layer.copy()
     out.down_sh = np.ascontiguousarray(down[:, :n_sh])
     out.down = np.stack([down[:, n_sh + e * ff_e : n_sh + (e + 1) * ff_e] for e in range(E)])
@@ -628,8 +645,9 @@ def balance_layer(
     f0 = selection_freq(p, k)
     out = layer.copy()
     out.bias = fit_selection_bias(p, k, (1.0 - cfg.balance) * f0 + cfg.balance * k / E)
-    # float32 sums, as the plan's refit: half the time of float64 on these sizes
-    out = refit_down(out, x, y, k, renorm, sh_gate, cfg.refit_ridge, cfg.fit_weight, gram=np.float32)
+    if cfg.refit:
+        # float32 sums, as the plan's refit: half the time of float64 on these sizes
+        out = refit_down(out, x, y, k, renorm, sh_gate, cfg.refit_ridge, cfg.fit_weight, gram=np.float32)
     return out, rel_error(out, x, y, k, renorm, sh_gate)
 
 
