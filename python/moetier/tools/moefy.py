@@ -167,7 +167,9 @@ class MoefyConfig:
             "fraction of the way from the router's own to the uniform k/E; the down projections are then "
             "refitted under the biased choice (unless --no-refit). Fitted on the dense model's FFN inputs, once: "
             "correction rounds and distillation keep it. 0: no bias (published MoEs are trained with a balancing "
-            "loss or bias; without one some experts go almost idle)"
+            "loss or bias; without one some experts go almost idle). 0.25 on the 1.5B with --split-rounds 2: "
+            "expert-layers picked by under 5 percent of held-out tokens 31 -> 6 of 448, perplexity within 0.4 "
+            "percent on five of six held-out texts and +1.7 percent on one (bench/results/moefy-balance.md)"
         },
     )
     down_type: str = field(default="q8_0", metadata={"help": "type of the re-split down projections: q8_0 or f16"})
