@@ -6,7 +6,7 @@ selection bias fitted on the fitted tokens, the down projections refitted under 
 FFN error on the fitted and the held-out tokens, and the selection frequencies it gives.
 
     python bench/balance_probe.py --dense qwen2.5-coder-1.5b.gguf --work W/<key> --plan <plan key> \\
-        --base shared_frac=0.6,router_scale=0.25,split_rounds=2 --layers 4,27 --balance 0,0.25,0.5,1 \\
+        --base shared_frac=0.6 --base router_scale=0.25 --base split_rounds=2 --layers 4,27 --balance 0,0.25,0.5,1 \\
         --out bench/results/moefy-balance-probe.jsonl
 """
 
@@ -15,24 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
 
 from moetier.tools import moefy as mf
 from moetier.tools.distill import rel_error, route
-
-
-def _config(base: str, balance: float) -> mf.MoefyConfig:
-    kinds = {f.name: f.type for f in fields(mf.MoefyConfig)}
-    kw: dict[str, Any] = {}
-    for item in filter(None, base.split(",")):
-        k, v = item.split("=")
-        kw[k] = {"int": int, "float": float}.get(str(kinds[k]), str)(v)
-    return mf.MoefyConfig(**kw, balance=balance)
+from plan_probe import _typed
 
 
 def main() -> None:
@@ -40,7 +31,7 @@ def main() -> None:
     p.add_argument("--dense", required=True, help="the dense source GGUF")
     p.add_argument("--work", required=True, help="the conversion's work dir (holding dense/ and plan-*/)")
     p.add_argument("--plan", required=True, help="the plan key (the plan-<key> dir name's tail)")
-    p.add_argument("--base", default="", help="the conversion's MoefyConfig fields, k=v,k=v")
+    p.add_argument("--base", action="append", default=[], help="FIELD=VALUE of the conversion's MoefyConfig")
     p.add_argument("--layers", required=True, help="layers, e.g. 4,27")
     p.add_argument("--balance", default="0,0.25,0.5,1", help="balance values (0: the plan as it is)")
     p.add_argument("--out", required=True, help="JSONL output, one line per layer and value")
@@ -48,7 +39,7 @@ def main() -> None:
 
     work = Path(a.work)
     tensors = {t.name: t for t in gguf.GGUFReader(a.dense).tensors}
-    cfg0 = _config(a.base, 0.0)
+    cfg0 = mf.MoefyConfig(**{k: _typed(k, v) for k, v in (s.split("=", 1) for s in a.base)})
     k, n_fit = cfg0.n_expert_used, cfg0.calib_tokens
     renorm, sh_gate = mf.ARCHS[cfg0.arch]
     with open(a.out, "w") as out:
@@ -61,7 +52,7 @@ def main() -> None:
             for bal in (float(v) for v in a.balance.split(",")):
                 t0 = time.monotonic()
                 if bal > 0:
-                    layer, err = mf.balance_layer(plan, xf, yf, _config(a.base, bal), renorm, sh_gate)
+                    layer, err = mf.balance_layer(plan, xf, yf, replace(cfg0, balance=bal), renorm, sh_gate)
                 else:
                     layer, err = plan, rel_error(plan, xf, yf, k, renorm, sh_gate)
                 freq = {}

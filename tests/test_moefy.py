@@ -421,7 +421,7 @@ def test_balance_writes_a_selection_bias_that_stock_the_cache_and_the_prefetch_f
 
     # the prefetcher chooses as the model does: a bias of 1.05 forces experts 0 and 1 in every layer
     # (the softmax lies in [0, 1]), so its stacked-router predictions of the whole top-k set are all
-    # right (from the logits alone, without the bias, 8 of 23 were)
+    # right (from the logits alone, without the bias, some are not)
     forced = tmp_path / "forced.gguf"
     forced.write_bytes((tmp_path / "moe1.0.gguf").read_bytes())
     for x in gguf.GGUFReader(forced, "r+").tensors:

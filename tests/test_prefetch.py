@@ -329,7 +329,7 @@ def test_stacked_prediction_chooses_with_the_selection_bias(tiny_model: ModelFac
     """GLM-4.5's and DeepSeek-V3's routing (sigmoid probabilities plus a per-expert bias for the top-k
     choice only): the prefetcher predicts the choice the model makes. A bias of 1.05 on experts 0-3
     forces them in every layer (probabilities lie in [0, 1]), so every prediction of the whole top-k
-    set is right (from the logits alone, without the bias, none of 46 was), and the output stays
+    set is right (from the logits alone, without the bias, some are not), and the output stays
     stock's. moefy's softmax models: test_moefy's balance test."""
     import shutil
 

@@ -117,12 +117,18 @@ def _sigmoid(a: F32) -> F32:
     return out
 
 
+def softmax(logits: F32) -> F32:
+    """Row-wise softmax [N, E] of router logits, as llama.cpp's gating."""
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    out: F32 = p / p.sum(axis=1, keepdims=True)
+    return out
+
+
 def route(layer: MoeLayer, x: F32, k: int, renorm: bool) -> tuple[npt.NDArray[np.int64], F32, F32]:
     """llama.cpp's routing: (top-k ids [N, k], their weights [N, k], the softmax [N, E] or, with renorm,
     the renormalised weights scattered over [N, E]); the layer's bias, if any, moves the choice only."""
     logits = x @ layer.router.T
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
+    p = softmax(logits)
     top = np.argsort(-(logits if layer.bias is None else p + layer.bias), axis=1, kind="stable")[:, :k]
     w = np.take_along_axis(p, top, axis=1)
     if renorm:

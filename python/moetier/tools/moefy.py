@@ -47,7 +47,16 @@ import numpy.typing as npt
 from tqdm import tqdm
 
 from ..errors import ConfigError, ModelError
-from .distill import DistillConfig, DistillResult, MoeLayer, distill_layer, rel_error, relative_error, route
+from .distill import (
+    DistillConfig,
+    DistillResult,
+    MoeLayer,
+    distill_layer,
+    rel_error,
+    relative_error,
+    route,
+    softmax,
+)
 
 F32 = npt.NDArray[np.float32]
 # target architectures: whether llama.cpp renormalises the top-k weights, and the shared expert's gate
@@ -400,8 +409,7 @@ def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rn
     logits = x @ router.T
     # router_scale 0 (flat weights): rank by the unscaled fit so top-k routing stays real
     logits_rank = x @ router_unscaled if cfg.router_scale == 0.0 else logits
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
+    p = softmax(logits)
     top = np.argsort(-logits_rank, axis=1)[:, :k]
     mask = np.zeros_like(p)
     np.put_along_axis(mask, top, 1.0, axis=1)
@@ -602,12 +610,6 @@ def refit_down(
     return out
 
 
-def _softmax(logits: F32) -> F32:
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    out: F32 = (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
-    return out
-
-
 def selection_freq(p: F32, k: int, bias: F32 | None = None) -> npt.NDArray[np.float64]:
     """[E] the share of tokens (rows of p [N, E]) whose top-k of p + bias holds each expert."""
     top = np.argsort(-(p if bias is None else p + bias), axis=1, kind="stable")[:, :k]
@@ -643,7 +645,7 @@ def balance_layer(
     cfg.balance of the way to k/E, and its down projections refitted (toward its current ones) so
     that its output under the biased choice approaches y [N, d]; and its relative error on x."""
     k, E = cfg.n_expert_used, cfg.n_expert
-    p = _softmax(x @ layer.router.T)
+    p = softmax(x @ layer.router.T)
     f0 = selection_freq(p, k)
     out = layer.copy()
     out.bias = fit_selection_bias(p, k, (1.0 - cfg.balance) * f0 + cfg.balance * k / E)
@@ -829,13 +831,14 @@ def moefy(
     splits: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None] = [None] * cfg.dense_lead
     t0 = time.monotonic()
     for il in tqdm(range(cfg.dense_lead, n_layer), desc="moefy layers", disable=not show):
+        # dequantized once per layer: the plan, the balance step and the held-out error use them
+        w_gate, w_up, w_down = dense_weights(il)
         plan_path = work / f"plan-{cache_key(_plan_fields(cfg))}" / f"layer-{il}.npz" if work else None
         if plan_path is not None and plan_path.exists():
             layer, err = _load_layer(plan_path)
             with np.load(plan_path) as z:
                 split = (np.asarray(z["shared"]), np.asarray(z["groups"]))
         else:
-            w_gate, w_up, w_down = dense_weights(il)
             # one generator per layer: a resumed conversion plans the missing layers as a whole run would
             pl = plan_layer(np.asarray(xs[il]), w_gate, w_up, w_down, cfg, np.random.default_rng([cfg.seed, il]))
             layer, err, split = layer_from_plan(pl, w_gate, w_up), pl.rel_error, (pl.shared, pl.groups)
@@ -848,13 +851,12 @@ def moefy(
                 layer, err = _load_layer(bal_path)
             else:
                 x = np.asarray(xs[il])
-                layer, err = balance_layer(layer, x, dense_ffn(x, *dense_weights(il)), cfg, renorm, sh_gate)
+                layer, err = balance_layer(layer, x, dense_ffn(x, w_gate, w_up, w_down), cfg, renorm, sh_gate)
                 if bal_path is not None:
                     bal_path.parent.mkdir(parents=True, exist_ok=True)
                     _save_layer(bal_path, layer, err)
         errors_plan.append(err)
         if len(held):
-            w_gate, w_up, w_down = dense_weights(il)
             xh = np.asarray(xs_held[il])
             errors_held.append(
                 rel_error(layer, xh, dense_ffn(xh, w_gate, w_up, w_down), cfg.n_expert_used, renorm, sh_gate)
