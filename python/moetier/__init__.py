@@ -8,7 +8,7 @@ import os as _os
 # spins while threads <= cores. With 2 compute threads on 2 cores they keep the cores from the
 # prefetch I/O threads, whose reads then start and finish late. 3000 spins (a few microseconds)
 # left in-RAM decode unchanged and made prefetch 8-29% faster in single runs
-# (bench/results/cores-session28.md). libgomp reads it once, when it is loaded with the engine
+# (bench/results/cores-ernie-c32k-25-2026-11-25.md). libgomp reads it once, when it is loaded with the engine
 # below; a user's own setting wins. Children (moetier serve's server, the tools) inherit it.
 _os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
