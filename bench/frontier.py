@@ -1,4 +1,4 @@
-"""The lossy speed/quality frontier (issue 13): each lossy configuration of a bench/run.py result at
+"""The lossy speed/quality frontier: each lossy configuration of a bench/run.py result at
 its measured perplexity cost on held-out text, beside its decode speed from the same run.
 
 Perplexity comes from the shipped llama-perplexity on each --text (ctx x chunks tokens):

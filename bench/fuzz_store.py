@@ -1,4 +1,4 @@
-"""Fuzzes what moetier reads from files it did not write itself (issue 15): a store's manifest.json
+"""Fuzzes what moetier reads from files it did not write itself: a store's manifest.json
 (parser and the expert-range checks), the head of its experts.bin, and the GGUF header of the model
 (the fields moetier reads: architecture, expert counts and shapes, tensor types).
 

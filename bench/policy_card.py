@@ -1,4 +1,4 @@
-"""The policy report card of issue 14 for one model: routing traces of the calibration splits (to
+"""The eviction policy report card for one model: routing traces of the calibration splits (to
 train on) and of the evaluation splits (held out), every policy replayed over the held-out traces at
 each budget beside Belady's bound, and FlashMoE's learned policy trained on the calibration traces
 and judged on the held-out ones.

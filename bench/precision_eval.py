@@ -1,4 +1,4 @@
-"""Perplexity cost of HOBBIT's dynamic precision (issue 4): a MoE served by moetier's expert cache at
+"""Perplexity cost of HOBBIT's dynamic precision: a MoE served by moetier's expert cache at
 one budget, decoded token by token (-ub 1, so the rule applies per token as in generation), for
 several (t1, t2) settings against all-high (t1 = t2 = 1, which equals stock llama.cpp).
 

@@ -1,4 +1,4 @@
-"""Expert predictors for prefetch, judged offline on held-out text (issue 14, part 3): how well each
+"""Expert predictors for prefetch, judged offline on held-out text: how well each
 one names, at layer l, the experts that layer l+d (d = 1..3) will select.
 
 - stacked: HOBBIT's stacked gate, the engine's predictor today: layer l+d's router applied to layer

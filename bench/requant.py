@@ -1,6 +1,6 @@
 """A copy of a MoE GGUF with its expert tensors (blk.N.ffn_{gate,up,down}_exps) re-quantized to a
 smaller type, everything else byte for byte: the "stock llama.cpp on a smaller quantization" a lossy
-mode is set against (issue 13). The experts are dequantized from the file's own types and quantized
+mode is set against. The experts are dequantized from the file's own types and quantized
 with ggml's reference quantizer (no importance matrix, as a plain llama-quantize run), the way
 `moetier pack` makes a store's low copies.
 

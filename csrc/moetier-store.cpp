@@ -504,7 +504,7 @@ class moetier_pack_dir {
     const std::string & path() const { return work_; }
 
     // the complete new store replaces the old one in one step: a kill at any point leaves the old
-    // store or the new one in out_dir, never a mix and never neither (issue 15)
+    // store or the new one in out_dir, never a mix and never neither
     void publish() {
         fsync_dir(work_);
         struct stat st;

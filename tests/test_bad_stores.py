@@ -1,4 +1,4 @@
-"""A corpus of hand-made damaged stores (issue 15): every one fails with a StoreError naming the file
+"""A corpus of hand-made damaged stores: every one fails with a StoreError naming the file
 and the problem, at load or at the first read of a damaged expert, and never crashes, hangs, reads
 outside experts.bin or allocates from an unchecked size. The damage is written into a copy of a
 packed store; the fuzzer (bench/fuzz_store.py) drives the same loader with random bytes."""
@@ -145,7 +145,7 @@ def test_manifest_truncated_at_every_section(packed_module: tuple[Path, Path], t
 
 @pytest.mark.parametrize("where", ["format", "middle", "store id", "end"])
 def test_manifest_with_a_non_utf8_byte(where: str, packed_module: tuple[Path, Path], tmp_path: Path) -> None:
-    """One byte 0xff (issue 15: this used to surface as a UnicodeDecodeError, not a StoreError)."""
+    """One byte 0xff (this used to surface as a UnicodeDecodeError, not a StoreError)."""
     text = (packed_module[1] / "manifest.json").read_bytes()
     pos = {
         "format": text.index(b"moetier-store") + 3,

@@ -19,6 +19,7 @@ import pytest
 from conftest import ModelFactory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "probes"))
 
 import cgroup
 import contention_probe
@@ -672,7 +673,7 @@ def test_requant_takes_a_type_list_per_tensor(tiny_model: ModelFactory, tmp_path
 
 
 def test_contention_competitor_streams_a_file_with_o_direct_until_stopped(tmp_path: Path) -> None:
-    """The competitor of bench/contention_probe.py reads its file over and over (past the end it starts
+    """The competitor of bench/probes/contention_probe.py reads its file over and over (past the end it starts
     again) until stopped, and reports the rate it read at; a file it cannot open is an error, not 0."""
     f = tmp_path / "big.bin"
     f.write_bytes(os.urandom(3 << 20) + b"x" * 1000)  # a short last block

@@ -1,5 +1,5 @@
 """The store fuzzer (bench/fuzz_store.py) runs a few hundred inputs per target in CI; its 10-minute
-runs per target are a bench script (the figures are in the issue 15 note)."""
+runs per target are a bench script (the figures are in bench/results/reliability-2026-11-24.md)."""
 
 from __future__ import annotations
 

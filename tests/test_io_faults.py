@@ -1,5 +1,5 @@
 """Injected expert-read faults (MOETIER_FAULTS, csrc/moetier-io.h): EIO, short reads and flipped
-bytes, on the pread and the io_uring paths, demand reads and prefetches (issue 15). A transient fault
+bytes, on the pread and the io_uring paths, demand reads and prefetches. A transient fault
 is read again and the output stays stock llama.cpp's; a fault that persists fails the decode (the
 request, under the server) with the file named, the slot is not kept, and the next decode without the
 fault is exact."""

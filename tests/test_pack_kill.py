@@ -1,4 +1,4 @@
-"""`moetier pack` killed with SIGKILL at random points over an existing store (issue 15): the store
+"""`moetier pack` killed with SIGKILL at random points over an existing store: the store
 directory holds the old store or the new one, complete, after every kill; a re-run succeeds."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the Python layer reports and refuses, pinned by values it cannot get right by accident:
 each test here killed a deliberately broken copy of config.py or model.py that the rest of the
-suite let through (../shared/notes/bench-audit.md, section 2; issue 15)."""
+suite let through (a hand-made mutation check; mutmut's run: bench/results/reliability-2026-11-24.md)."""
 
 from __future__ import annotations
 

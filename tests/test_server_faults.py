@@ -1,6 +1,6 @@
 """A failed expert read under `moetier serve`: the request that needed the expert fails with a clear
 error, the server stays up, /metrics counts the fault, and once the store is whole again the next
-request gets stock llama.cpp's answer (issue 15)."""
+request gets stock llama.cpp's answer."""
 
 from __future__ import annotations
 

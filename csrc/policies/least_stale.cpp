@@ -1,4 +1,4 @@
-// Least-stale, after SpecMD (2602.03921) as issue 14 states it: layers run in a fixed order, so an
+// Least-stale, after SpecMD (arXiv 2602.03921): layers run in a fixed order, so an
 // expert already used in the current forward pass is not touched again until the next one. Those
 // are evicted first, the most recently used of them first (its layer comes back last); only when
 // none is left does the least recently used of the older ones go. Weighs layers itself: no

@@ -1,6 +1,6 @@
 """Layer-wise distillation of a moefied FFN: every weight of the MoE layer (router, shared and routed
 experts' gate/up/down) fitted by gradient descent so that the sparse layer reproduces the dense
-FFN's output on calibration activations (issue 12).
+FFN's output on calibration activations (bench/results/moefy-distill.md: on real layers it overfits).
 
 The training-free plan (moefy.plan_layer) splits the dense neurons into a shared expert and E
 routed ones and refits the down projections in closed form; what it cannot do is let the kept

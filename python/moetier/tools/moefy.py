@@ -7,8 +7,7 @@ NaN, an underflowing z a gate of 0). The attention is qwen2's in both: ernie4_5-
 adjacent pairs (rope NORM) where qwen2 rotates halves (NEOX), so Q and K rows are permuted per
 head, which leaves every q.k product, hence the attention, unchanged.
 
-Training-free MoEfication of each FFN (see ../shared/notes/moefy-probe.md for what this reached
-before, and why):
+Training-free MoEfication of each FFN (what each recipe reached: bench/results/moefy-*.md):
 
 1. Calibration: run the dense model (through llama.cpp) on real text and record every layer's
    normalised FFN input x (graph tensor ffn_norm-N).
@@ -1095,7 +1094,7 @@ def generated_prose(model_path: str | os.PathLike[str], n_tokens: int, n_threads
     temperature 0.7, one seed per text, so the same model gives the same texts): general text in the
     model's own words where no prose corpus is at hand. A CPython install has the language reference
     and its sources but little everyday English, and a MoE calibrated without it gets simple facts
-    wrong (issue 12: 'Water freezes at a temperature of 10 degrees Celsius')."""
+    wrong ('Water freezes at a temperature of 10 degrees Celsius')."""
     from ..model import Model
 
     m = Model(model_path, n_ctx=512, n_threads=n_threads)
@@ -1114,7 +1113,7 @@ def builtin_calibration_text(n_chars: int, slice_chars: int = 3000, extra: str =
     """Prose and code that every CPython install has, interleaved slice by slice: the language
     reference's topics (pydoc_data, English prose), the standard library's top-level sources and, if
     given, the slices of extra (e.g. generated_prose joined) as a third stream. A model calibrated on
-    code alone answers prose badly (issue 12); evaluation text must come from elsewhere
+    code alone answers prose badly; evaluation text must come from elsewhere
     (bench/corpora.py keeps its eval documents apart)."""
     import sysconfig
     from pydoc_data.topics import topics

@@ -1,4 +1,4 @@
-"""moetier fit-predictor: a fitted prefetch predictor (issue 14; the linear predictors of
+"""moetier fit-predictor: a fitted prefetch predictor (the linear predictors of
 bench/results/predictors-1.5b-ernie-c32k.md).
 
 HOBBIT's stacked gate predicts layer l + d's experts by running l + d's router on layer l's gate

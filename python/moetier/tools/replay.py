@@ -1,5 +1,5 @@
 """`moetier trace` and `moetier replay`: a model's routing on any text, and every eviction policy run
-over it through the engine's own cache code, beside the offline optimum (issue 14, part 1).
+over it through the engine's own cache code, beside the offline optimum.
 
 `trace` runs the stock model over text and writes its routing in the format `moetier calibrate`
 writes (calibrate.Trace: ids and gate weights per token, layer and ubatch). `replay` runs that trace

@@ -1,4 +1,4 @@
-"""How realistic a MoE's routing is, in the terms that published MoEs are described by (issue 12):
+"""How realistic a MoE's routing is, in the terms that published MoEs are described by:
 
 - per-layer expert selection frequency (the share of tokens that select each expert; top-k of E
   gives k/E on average), and its spread (min, max, coefficient of variation);

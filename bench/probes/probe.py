@@ -1,12 +1,15 @@
 """What the in-process probes (prefill_probe.py, contention_probe.py) share: their model arguments
-and how a configuration's model is opened and warmed up."""
+and how a configuration's model is opened and warmed up. It answers no question itself."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness's modules
 
 from moetier import CacheConfig, Model
 from worker import parse_opts

@@ -1,11 +1,15 @@
-"""Does layer-wise distillation (moetier.tools.distill) pay on a real model? For a few layers of a
+"""Probe, 2026-11-24. Question: does layer-wise distillation (moetier.tools.distill) pay on a real
+model? Answer, layers 5 and 20 of the 0.5B: no, it overfits: the training tokens' error fell 9-12% in
+six epochs, the held-out error by at most 1.2%. Result: bench/results/moefy-distill.{json,md}.
+
+Does layer-wise distillation (moetier.tools.distill) pay on a real model? For a few layers of a
 dense qwen2 GGUF: the training-free plan (moefy.plan_layer), then Adam on every weight of the MoE layer
 against the dense FFN, at several step sizes; the relative FFN error on training tokens and on the
 held-out tail of the calibration tokens after every epoch. A gain on the training tokens that the
 held-out ones do not show is overfitting: the layer has more weights than the calibration gives
 targets.
 
-    python bench/distill_probe.py --model dense.gguf --calib calib.txt --layers 5,12,20 --lrs 1e-3,3e-4 \\
+    python bench/probes/distill_probe.py --model dense.gguf --calib calib.txt --layers 5,12,20 --lrs 1e-3,3e-4 \\
         --epochs 8 --out bench/results/moefy-distill
 """
 

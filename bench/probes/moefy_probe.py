@@ -1,9 +1,14 @@
-"""Held-out FFN error of moefy plan variants on a few layers: how the conversion's knobs (ridge
+"""Probe, 2026-11-24. Question: do moefy's least-squares fits overfit, and which ridge strengths and how
+many calibration tokens hold up on held-out text? Answer, layers 3, 14 and 24 of the 1.5B: ridge 1.0
+for the router and the refit, and 32768 calibration tokens (now the defaults); a perfect router would
+gain only 3-7%. Result: bench/results/moefy-ridge-probe.jsonl (read in bench/results/moefy-c32k.md).
+
+Held-out FFN error of moefy plan variants on a few layers: how the conversion's knobs (ridge
 strengths, calibration tokens, oracle routing as a bound on the router) do on tokens the fit never
 saw, without converting whole models. Validation text is taken from the corpora's calib splits far
 past what a calibration mix uses (bench/corpora.py), so the eval splits stay unseen.
 
-    python bench/moefy_probe.py --dense qwen2.5-coder-1.5b.gguf --calib calib-mix.txt --layers 3,14,24 \\
+    python bench/probes/moefy_probe.py --dense qwen2.5-coder-1.5b.gguf --calib calib-mix.txt --layers 3,14,24 \\
         --variants '[{"oracle": true}, {"refit_ridge": 3.0}, {"calib_tokens": 32768}]' --work /tmp/probe
 
 Prints one JSON line per layer and variant: the error on the fitted tokens ("calib") and on 2048
@@ -14,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness's modules
 
 from corpora import default_cache
 from moetier.model import Model

@@ -1,8 +1,14 @@
-"""Interleaved A/B of two moetier installs (say, before and after a change) on one model: the same
+"""Probe, 2026-11-23. Question: did that day's engine refactor (1d848dc -> 1e5613d) change the
+cache's decisions or its decode speed on the 1.5B (e16k8) at 25%? Answer: without prefetch both
+engines gave the same counters and text in every run; exact decoded at 0.987x over 10 pairs.
+Results: bench/results/qwen2.5-coder-1.5b-moe-arch10-ab.{json,md} and
+bench/results/qwen2.5-coder-1.5b-moe-arch10-ab-exact.{json,md}.
+
+Interleaved A/B of two moetier installs (say, before and after a change) on one model: the same
 `moetier run` alternates between them, so machine drift hits both alike. Prints and writes each
 run's decode speed and cache counters, and the medians.
 
-    python bench/ab.py --a /tmp/base --b python --model M.gguf --store S -n 48 --repeats 5 \\
+    python bench/probes/ab.py --a /tmp/base --b python --model M.gguf --store S -n 48 --repeats 5 \\
         --config "exact=--cache 92M --cache-t1 1 --cache-t2 1" --out bench/results/NAME
 """
 

@@ -1,11 +1,17 @@
-"""What moefy's --balance costs a layer, before a whole conversion is paid for. For a few layers of a
+"""Probe, 2026-11-27. Question: how much balance (moefy --balance B) can a layer take before its
+held-out FFN error gives back what split rounds gained? Answer, layers 4 and 27 of the 1.5B's sr2
+conversion: B = 0.25 removes the idle experts and gives back 43% / 16% of that gain; B = 0.5 gives
+back more than all of it on layer 4. Result: bench/results/moefy-balance-probe.jsonl (read in
+bench/results/moefy-balance.md).
+
+What moefy's --balance costs a layer, before a whole conversion is paid for. For a few layers of a
 converted model whose plans a `moetier moefy --work-dir W` run cached (W/<key>/plan-<plan key>/
 layer-N.npz) and whose dense activations it collected (W/<key>/dense/ffn_norm-N.npy: the fitted
 tokens, then the held-out ones): the layer under each balance value (moefy.balance_layer: the
 selection bias fitted on the fitted tokens, the down projections refitted under it), its relative
 FFN error on the fitted and the held-out tokens, and the selection frequencies it gives.
 
-    python bench/balance_probe.py --dense qwen2.5-coder-1.5b.gguf --work W/<key> --plan <plan key> \\
+    python bench/probes/balance_probe.py --dense qwen2.5-coder-1.5b.gguf --work W/<key> --plan <plan key> \\
         --base shared_frac=0.6 --base router_scale=0.25 --base split_rounds=2 --layers 4,27 --balance 0,0.25,0.5,1 \\
         --out bench/results/moefy-balance-probe.jsonl
 """

@@ -1,8 +1,13 @@
-"""Does upstream llama-completion's warm-up change its prompt time under a memory cap? Alternating
+"""Probe, 2026-11-27. Question: does upstream llama-completion's warm-up explain its shorter time to
+first token under the cap? Answer, the sh60 1.5B at 25%, 22 alternating runs: no, without the
+warm-up the prompt is no slower (medians 10502 ms with it, 10184 ms without). Result:
+bench/results/prefill-warmup-upstream-sh60-25.txt.
+
+Does upstream llama-completion's warm-up change its prompt time under a memory cap? Alternating
 single runs with and without `--no-warmup`, each in a fresh cgroup v1 group, the model's pages
 dropped first; llama.cpp's own "prompt eval time" per run, and the medians.
 
-    python bench/warmup_probe.py --bin llama-completion --model M.gguf \
+    python bench/probes/warmup_probe.py --bin llama-completion --model M.gguf \
         --prompts bench/results/prompts-eval3-512.json --cap-mib 1048 --pairs 8
 """
 
@@ -17,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness's modules
 
 import cgroup
 

@@ -1,9 +1,15 @@
-"""Where the squared FFN output of a dense qwen2 model sits over its calibration tokens, and what
+"""Probe, 2026-11-26. Question: do a few massive tokens decide moefy's refit, and do relative token
+weights (MoefyConfig.fit_weight) help? Answer, the 0.5B: the 16 window-start tokens hold 96.8% of
+layer 3's squared FFN output and 43.9% of layer 22's; relative weights lower those layers' held-out
+error by about 1% and perplexity not at all. Result: bench/results/moefy-fitweight-layers.json
+(read in bench/results/moefy-fitweight.md).
+
+Where the squared FFN output of a dense qwen2 model sits over its calibration tokens, and what
 moefy's relative token weights (MoefyConfig.fit_weight) do to a layer's held-out FFN error
 (bench/results/moefy-fitweight.md). Reads the dense activations a `moetier moefy --work-dir W` run
 cached (W/<key>/dense/ffn_norm-<layer>.npy: the fitted tokens, then the held-out ones).
 
-    python bench/fitweight_probe.py --dense qwen2.5-coder-0.5b.gguf --acts W/<key>/dense \\
+    python bench/probes/fitweight_probe.py --dense qwen2.5-coder-0.5b.gguf --acts W/<key>/dense \\
         --norm-layers 1,3,12,22 --fit-layers 3,22 --out bench/results/moefy-fitweight-layers.json
 """
 

@@ -1,4 +1,9 @@
-"""Where a prompt's prefill time goes with the expert cache: per configuration, the time to first
+"""Probe, 2026-11-27. Question: does a prompt's prefill wait for expert reads? Answer, the sh60 1.5B at
+25%, three 512-token prompts: no, 0.01-0.03 s of waiting against 37-41 s of compute. Results:
+bench/results/prefill-probe-1.5b-ernie-sh60-25-p512.{json,md} and
+bench/results/prefill-probe-1.5b-ernie-sh60-25-p512-quiet.{json,md}.
+
+Where a prompt's prefill time goes with the expert cache: per configuration, the time to first
 token, the time the layers' compute waited for expert reads (the load ops), the bytes read, and
 stock llama.cpp in RAM (every expert loaded, no cache) on the same prompts as the compute reference.
 
@@ -6,7 +11,7 @@ No memory cap: the cache's own cost, not the page cache's. Each configuration lo
 this process once, warms up on a short prompt, then prefills each prompt (one generated token),
 interleaved over repeats; medians are reported.
 
-    python bench/prefill_probe.py --model M.gguf --store M.experts --budget 80M \\
+    python bench/probes/prefill_probe.py --model M.gguf --store M.experts --budget 80M \\
         --prompts bench/results/prompts-eval3-512.json \\
         --config exact=t1=1,t2=1 --config no-prefetch=t1=1,t2=1,prefetch=0 --out bench/results/x
 """

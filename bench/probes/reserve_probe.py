@@ -1,10 +1,15 @@
-"""What budget=auto sets aside beside the expert cache, against what the process uses (issue 13's
-25% cell on the 0.5B): one process under a cgroup v1 cap loads the model with a given cache budget,
-prints auto's estimate for that cap (the load's warning or note), generates on a short and on a long
-prompt, and records its anonymous memory and the group's usage after each. The model's pages are
-dropped first, as bench/run.py does before every run.
+"""Probe, 2026-11-27. Question: does what budget=auto sets aside beside the expert cache match what a
+capped process uses? Answer, the 0.5B under its 25% cell's 494 MiB cap: after a 538-token prompt the
+process holds 118 MiB beside the cache where auto estimates 106 MiB. Result:
+bench/results/reserve-0.5b-ernie-c32k-25.json.
 
-    python bench/reserve_probe.py --model M.gguf --cap-mib 494 --budget 26843545 \\
+What budget=auto sets aside beside the expert cache, against what the process uses: one process
+under a cgroup v1 cap loads the model with a given cache budget, prints auto's estimate for that cap
+(the load's warning or note), generates on a short and on a long prompt, and records its anonymous
+memory and the group's usage after each. The model's pages are dropped first, as bench/run.py does
+before every run.
+
+    python bench/probes/reserve_probe.py --model M.gguf --cap-mib 494 --budget 26843545 \\
         --long-text ~/.cache/moetier/corpora/py-stdlib.eval.txt --out bench/results/reserve-0.5b
 """
 
@@ -17,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness's modules
 
 import cgroup
 import run

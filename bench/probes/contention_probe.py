@@ -1,4 +1,9 @@
-"""Prefetch on a disk another process saturates: does it stand back, and what does decode lose?
+"""Probe, 2026-11-27. Question: does prefetch stand back when another process saturates the disk, and
+what does decode lose? Answer, the sh60 1.5B at 25%: prefetch kept decode where it was (3.48 / 3.55
+tok/s) and never turned a read away, while decode without prefetch lost 14% (3.22 -> 2.77).
+Result: bench/results/contention-1.5b-ernie-sh60-25.{json,md}.
+
+Prefetch on a disk another process saturates: does it stand back, and what does decode lose?
 
 Per configuration, decode alone and with a competitor on the same disk: a reader (O_DIRECT, 1 MiB reads)
 reading a large file over and over (a second tenant streaming a model, say). The prefetcher starts
@@ -9,7 +14,7 @@ prefetch reads issued / wasted / turned away busy, and the competitor's own MB/s
 
 No memory cap: non-expert weights are locked in RAM either way; the disk is what is shared.
 
-    python bench/contention_probe.py --model M.gguf --store M.experts --budget 84295680 \\
+    python bench/probes/contention_probe.py --model M.gguf --store M.experts --budget 84295680 \\
         --competitor-file BIG.gguf --prompts bench/results/prompts-eval6.json \\
         --config default=t1=1,t2=1 --config no-prefetch=t1=1,t2=1,prefetch=0 --out bench/results/x
 """

@@ -1,4 +1,11 @@
-"""What one moefy knob does to a layer's held-out FFN error, before a whole conversion is paid for.
+"""Probe, 2026-11-27. Question: what is left in the training-free conversion of the 1.5B, layer by
+layer? Answer, layers 3 and 20 of sh60: the routing weights cost 4-5% of a layer's held-out FFN
+error, which a flatter softmax (router_scale 0.25) removes; other clustering features gain on one
+layer what they lose on the other. Results: bench/results/moefy-router-scale-probe.json and
+bench/results/moefy-cluster-probe.json (read in bench/results/moefy-router-scale.md).
+balance_probe.py and fitweight_probe.py reuse its parsing and its rows.
+
+What one moefy knob does to a layer's held-out FFN error, before a whole conversion is paid for.
 For a few layers of a dense qwen2 GGUF: moefy's training-free plan (moefy.plan_layer) under each
 value of one MoefyConfig field, its relative FFN error on the fitted tokens and on the held-out ones,
 how peaked the routing weights it gives are (the top-1 share of the selected weight, which
@@ -6,7 +13,7 @@ HOBBIT's importance rule reads), and what the router's selection loses against t
 Reads the dense activations a `moetier moefy --work-dir W` run cached
 (W/<key>/dense/ffn_norm-<layer>.npy: the fitted tokens, then the held-out ones).
 
-    python bench/plan_probe.py --dense qwen2.5-coder-1.5b.gguf --acts W/<key>/dense --layers 3,20 \\
+    python bench/probes/plan_probe.py --dense qwen2.5-coder-1.5b.gguf --acts W/<key>/dense --layers 3,20 \\
         --base shared_frac=0.6 --vary router_scale=1,0.25,0.05 --out bench/results/moefy-router-scale-probe.json
 """
 
