@@ -36,7 +36,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2048, help="tokens traced per corpus and split")
     p.add_argument("--budgets", default="10,25,50", help="budgets in %% of the experts' bytes")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache/moetier/traces", help="where traces are kept")
-    p.add_argument("--out", required=True, help="OUT.json/.md/.png (replay), OUT-flashmoe.bin/.json/.md (learned)")
+    p.add_argument("--out", required=True, help="OUT.json/.md/.png (replay); OUT-flashmoe.bin, .json, .md (learned)")
     p.add_argument("--epochs", type=int, default=8, help="train-policy epochs per round")
     p.add_argument("--policies", default=None, help="policies to replay, comma-separated (default: moetier replay's)")
     p.add_argument("--no-learned", action="store_true", help="replay only: do not train FlashMoE's learned policy")
@@ -54,7 +54,7 @@ def main() -> int:
     net = a.out + "-flashmoe.bin"
     args = ["-m", str(a.model), "--train", *map(str, train), "--eval", *map(str, held), "--budgets", a.budgets]
     tp.main([*args, "-o", net, "--epochs", str(a.epochs)])
-    rep = json.loads(Path(net + ".json").read_text())
+    rep = json.loads(Path(tp.report_base(net) + ".json").read_text())
     sys.stdout.write(f"flashmoe: held-out agreement with Belady {100 * rep['eval_agreement']:.1f}%\n")
     return 0
 

@@ -180,10 +180,14 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
     data_path_     = dir + "/experts.bin";
 
     struct stat st;
-    if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    if (stat(dir.c_str(), &st) != 0) {
         throw std::runtime_error(
             format("%s: expert store directory does not exist; create it with `moetier pack MODEL -o %s`", dir.c_str(),
                    dir.c_str()));
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        throw std::runtime_error(
+            format("%s: is a file, not an expert store; give the directory `moetier pack` wrote", dir.c_str()));
     }
     std::ifstream in(manifest_path_);
     if (!in) {
@@ -449,6 +453,10 @@ static std::vector<std::string> store_dir_entries(const std::string & dir) {
     if (!d) {
         if (errno == ENOENT) {
             return names;
+        }
+        if (errno == ENOTDIR) {
+            throw std::runtime_error(
+                format("%s: is a file, not a directory; pack into an empty or new directory of its own", dir.c_str()));
         }
         throw std::runtime_error(format("%s: cannot open directory: %s", dir.c_str(), strerror(errno)));
     }

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 from _server import free_port, serve
 from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, Model
+from moetier import CacheConfig, Model, pack
+from moetier.cli import COMMANDS, build_parser, main
 
 
 def moetier(*args: str) -> subprocess.CompletedProcess[str]:
@@ -39,19 +47,69 @@ def test_run_error_is_one_line(tiny_model: ModelFactory) -> None:
     assert "Traceback" not in r.stderr
 
 
-def test_help_explains_every_option() -> None:
-    for cmd in (["run"], ["pack"], ["serve"], ["stats"], ["bench-plot"]):
-        r = moetier(*cmd, "--help")
-        assert r.returncode == 0
-        lines = r.stdout.splitlines()
-        for i, line in enumerate(lines):
-            s = line.strip()
-            if s.startswith("--") and "  " not in s:
-                # a flag whose help wraps onto the next line
-                assert i + 1 < len(lines) and lines[i + 1].strip(), f"{cmd}: {s} has no help"
+def _subcommands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (sub,) = (a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_help_lists_every_command_once_by_group(capsys: pytest.CaptureFixture[str]) -> None:
+    registered = _subcommands(build_parser())
+    names = [name for name, _, _ in COMMANDS]
+    assert len(names) == len(set(names)) and set(names) == set(registered)
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: moetier [-h] [--debug] COMMAND [ARGS]\n")
+    assert "{" not in out, "argparse's {run,serve,...} blob is back"
+    assert "`moetier COMMAND --help` for a command's flags." in out
+    lines = out.splitlines()
+    for name in registered:
+        assert sum(line.split()[:1] == [name] for line in lines) == 1, f"{name} is not listed exactly once"
+    # each group: a heading, then its commands, one line each
+    for group in dict.fromkeys(g for _, g, _ in COMMANDS):
+        at = lines.index(f"{group}:")
+        listed = [line.split()[0] for line in lines[at + 1 :] if line.startswith("  ")][: len(names)]
+        assert listed[: sum(g == group for _, g, _ in COMMANDS)] == [n for n, g, _ in COMMANDS if g == group]
+    # no arguments: the same help, as git does, and a usage error's status
+    assert main([]) == 2 and capsys.readouterr().out == out
+
+
+def test_every_command_and_flag_has_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's own parsers and those of the commands that hand their arguments to a tool's parser
+    (captured when the tool parses)."""
+    parsers = dict(_subcommands(build_parser()))
+
+    class Parsed(Exception):
+        pass
+
+    def capture(self: argparse.ArgumentParser, *args: object, **kw: object) -> None:
+        parsers[self.prog] = self
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    for name, parser in list(parsers.items()):
+        if parser.get_default("passthrough") and name not in ("serve", "tool"):
+            with pytest.raises(Parsed):
+                parser.get_default("func")(argparse.Namespace(), [])
+    assert {"moetier trace", "moetier replay", "moetier models", "moetier routing"} <= set(parsers)
+    todo = list(parsers.items())
+    while todo:
+        name, parser = todo.pop()
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                todo += list(a.choices.items())
+                assert all(c.help for c in a._choices_actions), f"{name}: a subcommand has no help"
+            elif not isinstance(a, argparse._HelpAction):
+                assert a.help and a.help != argparse.SUPPRESS, f"{name}: {a.option_strings or a.dest} has no help"
+
+
+def test_tool_help() -> None:
     # a tool's --help is the tool's own
     r = moetier("tool", "llama-server", "--help")
     assert r.returncode == 0 and "--expert-cache SIZE" in r.stdout + r.stderr
+    r = moetier("tool", "--help")
+    assert r.returncode == 0 and "llama-perplexity" in r.stdout
 
 
 def test_server_with_expert_cache_matches_stock(tiny_model: ModelFactory, tmp_path: Path) -> None:
@@ -140,3 +198,117 @@ def test_demo_compares_first_sentence_or_line() -> None:
     assert first_answer("if n <= 0:\n        return 0") == "if n <= 0:"
     assert first_answer("0.5 degrees, about half") == "0.5 degrees, about half"  # a decimal point ends nothing
     assert first_answer("Stop! Go") == "Stop!"
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """moetier ARGS in this process: the exit status and stderr."""
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code if isinstance(e.code, int) else 1
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture
+def files(tiny_model: ModelFactory, tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """A tiny MoE, a dense model, another MoE's store, and files a user can get wrong."""
+    f = {"moe": tiny_model("qwen2moe", n_expert=8, n_expert_used=2), "dense": tiny_model("qwen2")}
+    f["other_store"] = pack(tiny_model("qwen2moe", n_expert=8, n_expert_used=2, seed=9), tmp_path / "o", progress=False)
+    f["dir"] = tmp_path / "model.gguf"
+    f["dir"].mkdir()
+    f["text"] = tmp_path / "notes.txt"
+    f["text"].write_text("some text\n")
+    f["full"] = tmp_path / "full"
+    f["full"].mkdir()
+    (f["full"] / "notes.txt").write_text("keep me\n")
+    f["bad_json"] = tmp_path / "bad.json"
+    f["bad_json"].write_text('{"policy": "lru",\n')
+    f["bad_value"] = tmp_path / "value.json"
+    f["bad_value"].write_text(json.dumps({"t1": 5}))
+    f["npz"] = tmp_path / "other.npz"
+    np.savez(f["npz"], x=np.zeros(3))
+    yield f
+
+
+# (arguments with {name} for a file of `files`, what the message says); each ends in one line, or two
+# for a usage error (the problem, then where the flags are listed), with no traceback
+USER_ERRORS = [
+    (["run", "-m", "{missing}", "-p", "hi"], "{missing}: model file does not exist"),
+    (["run", "-m", "{dir}", "-p", "hi"], "{dir}: is a directory, not a model file; give the .gguf file"),
+    (["run", "-m", "{text}", "-p", "hi"], "{text}: not a GGUF file"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache", "12Q"], "--cache: '12Q' is not a size or auto; use e.g. 512M"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache", "-5M"], "--cache: '-5M' is not a size"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache", "150%"], "--cache: '150%' is not a size"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache-policy", "nope"], "--cache-policy: unknown policy 'nope'; available"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache-t1", "2"], "--cache-t1 2: must lie in [0, 1]"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache-t1", "x"], "argument --cache-t1: invalid float value: 'x'"),
+    (["run", "-m", "{moe}", "-p", "hi", "-n", "-5"], "-n/--n-predict: '-5' is not a number of tokens"),
+    (["run", "-m", "{moe}", "-p", "hi", "--n-ctx", "0"], "--n-ctx: 0 must be a positive integer"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache-polcy", "lru"], "unrecognized arguments: --cache-polcy lru"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache-config", "{bad_json}"], "{bad_json}: cannot read the cache config"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache-config", "{bad_value}"], "{bad_value}: cache: expert cache t1=5"),
+    (["run", "-m", "{moe}", "-p", "hi", "--cache-config", "{missing}"], "{missing}: cannot read the cache config"),
+    (["run", "-m", "{moe}", "-p", "hi", "--store", "{missing}"], "{missing}: expert store directory does not exist"),
+    (["run", "-m", "{moe}", "-p", "hi", "--store", "{other_store}"], "packed from a different model"),
+    (["run", "-m", "{moe}", "-p", "hi", "--store", "{text}"], "{text}: is a file, not an expert store"),
+    (["run", "-m", "{moe}", "-p", "hi", "--no-cache", "--store", "{other_store}"], "drop --no-cache or --store"),
+    (["run", "-m", "{dense}", "-p", "hi", "--cache", "1M"], "the expert cache needs a MoE model"),
+    (["pack", "{moe}", "-o", "{full}", "-q"], "{full}: holds notes.txt, so it is not a store directory"),
+    (["pack", "{moe}", "-o", "{text}", "-q"], "{text}: is a file, not a directory"),
+    (["pack", "{text}", "-q"], "{text}: not a GGUF file"),
+    (["pack", "{dense}", "-o", "{missing}", "-q"], "not a MoE model"),
+    (["pack", "{moe}", "-o", "{missing}/deep/store", "-q"], "{missing}/deep is not a directory; create it first"),
+    (["calibrate", "{moe}", "--corpus", "{missing}", "--budget", "1M"], "--corpus {missing}: cannot read it"),
+    (["calibrate", "{moe}", "--corpus", "{dir}", "--budget", "1M"], "--corpus {dir}: cannot read it"),
+    (["calibrate", "{moe}", "--corpus", "{text}", "--budget", "12Q"], "--budget: '12Q' is not a size"),
+    # a file the command writes, in a directory that is not there: its name and the reason
+    (
+        ["calibrate", "{moe}", "--corpus", "{text}", "--budget", "1M", "--tokens", "8", "-o", "{missing}/c.json"],
+        "{missing}/c.trace.npz: No such file or directory",
+    ),
+    (["replay", "{text}", "-m", "{moe}"], "{text}: not a moetier routing trace (not an .npz archive)"),
+    (["replay", "{npz}", "-m", "{moe}"], "{npz}: not a moetier routing trace"),
+    (["replay", "{missing}", "-m", "{moe}"], "{missing}: cannot read the routing trace"),
+    (["trace", "{moe}", "--text", "{missing}", "-o", "{missing}"], "--text {missing}: cannot read it"),
+    (["moefy", "{moe}", "-o", "{missing}", "--calib", "{text}"], "moefy converts qwen2 models, this one is 'qwen2moe'"),
+    (["moefy", "{dense}", "-o", "{missing}", "--calib", "{missing}"], "--calib {missing}: cannot read it"),
+    (["stats", "host:port", "--once"], "host:port: not a server address"),
+    (["bench-plot", "{bad_json}"], "{bad_json}: not a bench result: not JSON"),
+    (["sever"], "'sever' is not a command; did you mean serve?"),
+    (["tool"], "name the tool to run"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), USER_ERRORS, ids=[f"{a[0]}: {s[:32]}" for a, s in USER_ERRORS])
+def test_user_errors_name_the_file_or_flag(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    names = {k: str(v) for k, v in files.items()} | {"missing": str(tmp_path / "missing")}
+    rc, err = cli(capsys, *(a.format(**names) for a in args))
+    assert rc != 0
+    assert "Traceback" not in err
+    assert 1 <= len(err.splitlines()) <= 2, err
+    assert says.format(**names) in err.splitlines()[0]
+
+
+def test_serve_refuses_what_llama_server_would_log_pages_about(files: dict[str, Path], tmp_path: Path) -> None:
+    """Checked before llama-server starts: each a one-line error, not its log."""
+    moe = str(files["moe"])
+    with socket.socket() as taken:
+        # as another llama-server holds it: with SO_REUSEPORT, which a second server would share silently
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["-m", moe, "--cache", "1M", "--port", str(port)], f"--port {port}: 127.0.0.1:{port} is in use"),
+            (["-m", str(tmp_path / "missing.gguf")], "missing.gguf: model file does not exist"),
+            (["-m", str(files["dir"])], "is a directory, not a model file"),
+            (["-m", moe, "--store", str(files["other_store"])], "add --cache SIZE (or auto)"),
+            (["-m", moe, "--cache", "1M", "--expert-opt", "t1=0.5"], "--expert-opt: moetier serve writes it"),
+            (["-m", moe, "--cache", "12Q"], "--cache: '12Q' is not a size"),
+        ]
+        for args, says in cases:
+            r = moetier("serve", *args)
+            assert r.returncode == 1 and r.stderr.startswith("moetier: error: ") and says in r.stderr, r.stderr
+            assert len(r.stderr.splitlines()) == 1, r.stderr

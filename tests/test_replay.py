@@ -401,7 +401,7 @@ def test_train_policy_end_to_end(moe: Path, tmp_path: Path) -> None:
     out = tmp_path / "moe.flashmoe.bin"
     args = ["-m", str(moe), "--train", str(train), "--eval", str(held), "--budgets", "25,50", "-o", str(out)]
     assert tp.main([*args, "--hidden", "16", "--epochs", "2", "--rounds", "2"]) == 0
-    rep = json.loads(Path(str(out) + ".json").read_text())
+    rep = json.loads((tmp_path / "moe.flashmoe.json").read_text())
     assert [r["driver"] for r in rep["rounds"]] == ["lru", "flashmoe"]
     assert all(0 <= r["agreement"] <= 1 and r["decisions"] > 0 for r in rep["rounds"])
     assert {r["policy"] for r in rep["rows"]} == {"lru", "multi", "flashmoe", "belady"}
@@ -415,7 +415,7 @@ def test_train_policy_end_to_end(moe: Path, tmp_path: Path) -> None:
         tp.main([*args[:-4], "--budgets", "100", "-o", str(out), "--epochs", "1", "--rounds", "1"])
     # the layer-distance variant starts from a policy that offers every layer's slots
     assert tp.main([*args, "--hidden", "8", "--epochs", "1", "--rounds", "1", "--layer-distance"]) == 0
-    rep = json.loads(Path(str(out) + ".json").read_text())
+    rep = json.loads((tmp_path / "moe.flashmoe.json").read_text())
     assert rep["rounds"][0]["driver"] == "multi" and rep["config"]["layer_distance"]
     # the model runs it, exactly
     budget = int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"]) * 2

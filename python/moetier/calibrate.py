@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,19 @@ from . import _core
 from .config import CacheConfig, ContextConfig
 from .errors import ConfigError, ModelError
 from .model import Model
+
+
+def read_texts(paths: list[str], flag: str) -> list[str]:
+    """The text of each file given to flag (bytes that are not UTF-8 replaced); ConfigError naming the
+    flag and the file that cannot be read."""
+    out = []
+    for f in paths:
+        try:
+            out.append(Path(f).read_text(errors="replace"))
+        except OSError as e:
+            msg = f"{flag} {f}: cannot read it ({e.strerror or e}); give text files"
+            raise ConfigError(msg) from None
+    return out
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,16 @@ class Trace:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Trace:
         try:
+            # a routing trace is an .npz archive (a zip file); anything else np.load would unpickle
+            with open(path, "rb") as f:
+                is_zip = zipfile.is_zipfile(f)
+        except OSError as e:
+            msg = f"{path}: cannot read the routing trace ({e.strerror or e})"
+            raise ConfigError(msg) from None
+        if not is_zip:
+            msg = f"{path}: not a moetier routing trace (not an .npz archive); record one with `moetier trace`"
+            raise ConfigError(msg)
+        try:
             with np.load(path) as z:
                 seq = tuple(int(x) for x in z["seq_starts"])
                 tr = cls(
@@ -105,8 +129,11 @@ class Trace:
                     seq_starts=seq,
                     ubatch_starts=tuple(int(x) for x in z["ubatch_starts"]) if "ubatch_starts" in z else seq,
                 )
-        except (OSError, KeyError, ValueError) as e:
-            msg = f"{path}: not a moetier routing trace ({e})"
+        except OSError as e:
+            msg = f"{path}: cannot read the routing trace ({e.strerror or e})"
+            raise ConfigError(msg) from None
+        except (KeyError, ValueError) as e:
+            msg = f"{path}: not a moetier routing trace ({e}); record one with `moetier trace`"
             raise ConfigError(msg) from None
         n_layers = len(tr.layers)
         if tr.ids.ndim != 3 or tr.weights.shape != tr.ids.shape or tr.ids.shape[1] != n_layers:
@@ -172,7 +199,7 @@ def record_trace(
     m = Model(model_path, context=ctx, n_threads=n_threads)
     tokens = (m.tokenize(text) if isinstance(text, str) else list(text))[: cfg.tokens]
     if len(tokens) < 2:
-        msg = "calibration text is empty"
+        msg = "calibration text is empty (under 2 tokens); give a file of real text"
         raise ConfigError(msg)
     names = [f"ffn_moe_topk-{il}" for il in layers] + [f"ffn_moe_weights-{il}" for il in layers]
     rows = _core.trace.collect(m._m, tokens, names, cfg.seq_len)

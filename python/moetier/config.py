@@ -148,8 +148,11 @@ class CacheConfig:
 
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            msg = f"{path}: cannot read the cache config: {e}"
+        except OSError as e:
+            msg = f"{path}: cannot read the cache config: {e.strerror or e}"
+            raise ConfigError(msg) from None
+        except ValueError as e:
+            msg = f"{path}: cannot read the cache config: not JSON ({e})"
             raise ConfigError(msg) from None
         if not isinstance(data, dict):
             msg = f"{path}: the cache config must be a JSON object of CacheConfig fields"
@@ -159,7 +162,15 @@ class CacheConfig:
         if unknown:
             msg = f"{path}: unknown cache config field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}"
             raise ConfigError(msg)
-        return cls(**{**data, **overrides})
+        try:
+            return cls(**{**data, **overrides})
+        except ConfigError as e:
+            # a bad value in the file: the message names the file (a bad override names its field only)
+            name = str(e).split(":", 1)[0].removeprefix("cache.")
+            if name in overrides:
+                raise
+            msg = f"{path}: {e}"
+            raise ConfigError(msg) from None
 
     @classmethod
     def exact(cls, budget: int | str, **kw: Any) -> CacheConfig:

@@ -77,6 +77,28 @@ class GenerateResult:
         return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
 
+def check_gguf(path: str | os.PathLike[str]) -> Path:
+    """path as a Path if it names a GGUF file; ModelError saying what it names instead (nothing, a
+    directory, a file of another format), before llama.cpp's loader would say only that it failed."""
+    p = Path(path)
+    if p.is_dir():
+        msg = f"{p}: is a directory, not a model file; give the .gguf file"
+        raise ModelError(msg)
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        msg = f"{p}: model file does not exist"
+        raise ModelError(msg) from None
+    except OSError as e:
+        msg = f"{p}: cannot read the model file: {e.strerror or e}"
+        raise ModelError(msg) from None
+    if magic != b"GGUF":
+        msg = f"{p}: not a GGUF file; convert the model with llama.cpp's convert_hf_to_gguf.py"
+        raise ModelError(msg)
+    return p
+
+
 class Model:
     """A GGUF model. With cache=None it is stock llama.cpp; with a CacheConfig the experts of its
     MoE layers are read on demand (from `store` if given, else from the GGUF) into a bounded cache.
@@ -96,10 +118,7 @@ class Model:
         n_threads: int | None = None,
         repack: bool = True,
     ) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            msg = f"{self.path}: model file does not exist"
-            raise ModelError(msg)
+        self.path = check_gguf(path)
         if store is not None and cache is None:
             msg = f"{store}: an expert store needs an expert cache; pass cache=CacheConfig(...)"
             raise StoreError(msg)

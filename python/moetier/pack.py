@@ -11,6 +11,7 @@ from tqdm import tqdm
 from . import _core
 from .config import PackConfig
 from .errors import StoreError
+from .model import check_gguf
 
 
 def pack(
@@ -23,11 +24,12 @@ def pack(
     """Packs the experts of `model` into `out_dir` (default: MODEL.experts next to the model).
     progress: show a bar (default: when stderr is a terminal)."""
     cfg = config or PackConfig()
-    src = Path(model)
-    if not src.is_file():
-        msg = f"{src}: model file does not exist"
-        raise StoreError(msg)
+    src = check_gguf(model)
     dst = Path(out_dir) if out_dir is not None else src.with_suffix(".experts")
+    if not dst.absolute().parent.is_dir():
+        # the store is written beside it first (DIR.pack-tmp), so the parent must exist
+        msg = f"{dst}: {dst.absolute().parent} is not a directory; create it first"
+        raise StoreError(msg)
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=0, unit="B", unit_scale=True, desc=f"pack {src.name}", disable=not show) as bar:
 

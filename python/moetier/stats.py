@@ -9,6 +9,7 @@ ref: https://prometheus.io/docs/instrumenting/exposition_formats/ (text format 0
 
 from __future__ import annotations
 
+import http.client
 import math
 import re
 import sys
@@ -151,6 +152,9 @@ def fetch(url: str, timeout: float = 5.0) -> Metrics:
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         msg = f"{u}: cannot reach the server ({reason})"
+        raise MoetierError(msg) from None
+    except (http.client.InvalidURL, ValueError) as e:
+        msg = f"{url}: not a server address ({e}); give e.g. http://127.0.0.1:8080 or 127.0.0.1:8080"
         raise MoetierError(msg) from None
     m = parse_prometheus(text)
     if not m.values:

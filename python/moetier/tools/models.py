@@ -625,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--index-url", default=DEFAULT_INDEX, help=f"PEP 503 simple index (default: {DEFAULT_INDEX})")
     ap.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     f = sub.add_parser("fetch", help="download, assemble and verify a model; prints its path")
     f.add_argument("name", choices=sorted(MODELS), help="model to fetch")
     f.add_argument("--keep-parts", action="store_true", help="keep the downloaded parts (CACHE/models/parts/NAME)")

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _core
+from ..calibrate import read_texts
 from ..errors import ConfigError, ModelError
 
 F32 = npt.NDArray[np.float32]
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-t", "--threads", type=int, default=None, help="threads")
     a = p.parse_args(argv)
     t0 = time.monotonic()
-    text = "\n\n".join(Path(f).read_text(errors="replace") for f in a.text)
+    text = "\n\n".join(read_texts(a.text, "--text"))
     maps = fit_predictor(a.model, text, depth=a.depth, tokens=a.tokens, ridge=a.ridge, n_threads=a.threads)
     out = a.output or _core.predictor_path(str(a.model), a.store or "")
     path = write_predictor(out, a.model, maps)

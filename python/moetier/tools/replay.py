@@ -32,7 +32,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .. import _core
-from ..calibrate import CalibrateConfig, Trace, concat_traces, record_trace
+from ..calibrate import CalibrateConfig, Trace, concat_traces, read_texts, record_trace
 from ..config import CacheConfig
 from ..errors import ConfigError, ModelError
 from ..model import Model
@@ -266,7 +266,7 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("-t", "--threads", type=int, default=None, help="threads")
     a = p.parse_args(argv)
-    text = "\n\n".join(Path(f).read_text(errors="replace") for f in a.text)
+    text = "\n\n".join(read_texts(a.text, "--text"))
     tr = record_trace(a.model, text, CalibrateConfig(tokens=a.tokens, seq_len=a.seq_len), a.threads)
     out = tr.save(a.output)
     n, n_layers, k = tr.ids.shape

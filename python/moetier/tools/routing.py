@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..calibrate import CalibrateConfig, record_trace
+from ..calibrate import CalibrateConfig, read_texts, record_trace
 from ..config import CacheConfig
 from ..model import Model
 
@@ -108,7 +108,9 @@ def routing_report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="moetier routing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("model", help="MoE GGUF")
     p.add_argument("--text", required=True, help="text file to route (held-out text, not calibration text)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the trace (default: 4096)")
@@ -116,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-t", "--threads", type=int, default=None, help="threads")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     a = p.parse_args(argv)
-    r = routing_report(a.model, Path(a.text).read_text(errors="replace"), a.tokens, (), a.n_predict, a.threads)
+    r = routing_report(a.model, read_texts([a.text], "--text")[0], a.tokens, (), a.n_predict, a.threads)
     sys.stdout.write(r.summary() + "\n\n" + r.table() + "\n")
     if a.json:
         Path(a.json).write_text(json.dumps(asdict(r), indent=1))

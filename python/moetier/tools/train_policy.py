@@ -315,6 +315,12 @@ def table(rep: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def report_base(network: str) -> str:
+    """Where the report of a network goes: OUT.flashmoe.bin -> OUT.flashmoe (.json, .md). Not OUT.bin.md: a
+    docs site turns that page into a folder named like the network beside it."""
+    return network.removesuffix(".bin")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="moetier train-policy",
@@ -325,7 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--train", nargs="+", required=True, help="training traces (moetier trace), not the held-out text")
     p.add_argument("--eval", nargs="*", default=[], help="held-out traces to evaluate on")
     p.add_argument("--budgets", default="10,25,50", help="budgets in %% of the experts' bytes (default: 10,25,50)")
-    p.add_argument("-o", "--output", required=True, help="network file to write; OUT.json and OUT.md beside it")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="network file to write, e.g. MODEL.flashmoe.bin; its report beside it as MODEL.flashmoe.json and .md",
+    )
     for f in TrainPolicyConfig.__dataclass_fields__.values():
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, bool):
@@ -344,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep = train_policy(a.model, a.train, a.eval, a.output, budgets, cfg)
     md = table(rep)
     sys.stdout.write(md)
-    Path(a.output + ".json").write_text(json.dumps(rep, indent=1) + "\n")
-    Path(a.output + ".md").write_text(md)
+    base = report_base(a.output)
+    Path(base + ".json").write_text(json.dumps(rep, indent=1) + "\n")
+    Path(base + ".md").write_text(md)
     return 0
