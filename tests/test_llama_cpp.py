@@ -3,6 +3,7 @@ libllama, with the experts served by the expert cache: moetier.Llama is a llama_
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 import moetier
 from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, Model, ModelError
+from moetier import CacheConfig, ConfigError, Model, ModelError
 from moetier.lcpp import INSTALL_HINT, import_llama_cpp
 
 if importlib.util.find_spec("llama_cpp") is None:
@@ -160,6 +161,14 @@ def test_bad_cache_config_is_a_clear_error(model_path: Path) -> None:
     llm.close()
     with pytest.raises(ValueError, match="null pointer"):
         llm.cache_stats()
+
+
+def test_store_without_cache_is_a_clear_error(model_path: Path, tmp_path: Path) -> None:
+    """Refused before llama_cpp's own __init__ ran: the half-made object is collected quietly (an
+    "Exception ignored in __del__" would fail this test: pytest turns it into an error)."""
+    with pytest.raises(ConfigError, match="an expert store needs an expert cache"):
+        moetier.Llama(str(model_path), store=str(tmp_path / "model.experts"), verbose=False)
+    gc.collect()
 
 
 def test_cache_that_never_reached_libllama_is_an_error(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -124,7 +124,8 @@ def _llama_class() -> type:
 
         def close(self) -> None:
             self._moetier_model = 0  # the model is freed: its address must not be used again
-            super().close()
+            if hasattr(self, "_stack"):  # not when __init__ refused the arguments before llama_cpp's own ran
+                super().close()
 
         @property
         def has_expert_cache(self) -> bool:
