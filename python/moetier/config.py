@@ -89,7 +89,7 @@ class CacheConfig:
         object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget", auto=True))
         object.__setattr__(self, "reserve", parse_size(self.reserve, "cache.reserve"))
         if self.budget == 0:
-            msg = "cache.budget: 0 turns the cache off; pass cache=None instead"
+            msg = "cache.budget: 0 turns the cache off; pass cache=None instead (on the command line: --no-cache)"
             raise ConfigError(msg)
         for f in fields(self):
             row = PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]

@@ -124,7 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-o", "--output", default=None, help="write here instead of where the prefetcher looks")
     p.add_argument("--depth", type=int, default=1, help="distances fitted, 1..depth (prefetch=N uses N; default: 1)")
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default: 8192)")
-    p.add_argument("--ridge", type=float, default=1e-3, help="ridge strength, times x^T x's mean diagonal")
+    p.add_argument(
+        "--ridge", type=float, default=1e-3, help="ridge strength, times x^T x's mean diagonal (default: %(default)s)"
+    )
     p.add_argument("-t", "--threads", type=int, default=None, help="threads")
     a = p.parse_args(argv)
     t0 = time.monotonic()

@@ -342,7 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(f.default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
-            p.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"])
+            p.add_argument(
+                flag, type=type(f.default), default=f.default, help=f"{f.metadata['help']} (default: %(default)s)"
+            )
     a = p.parse_args(argv)
     cfg = TrainPolicyConfig(**{k: getattr(a, k) for k in TrainPolicyConfig.__dataclass_fields__})
     try:
