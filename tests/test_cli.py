@@ -291,6 +291,19 @@ def test_user_errors_name_the_file_or_flag(
     assert says.format(**names) in err.splitlines()[0]
 
 
+def test_errors_stay_one_line_after_llama_cpp_took_the_log(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Importing llama_cpp installs its own log callback for the whole process (llama_log_set); the
+    CLI takes the stream back, so llama.cpp's own error lines do not join moetier's one-line error."""
+    pytest.importorskip("llama_cpp")  # installed by `python -m moetier.lcpp install`
+    from moetier.lcpp import import_llama_cpp
+
+    import_llama_cpp()
+    rc, err = cli(capsys, "run", "-m", str(files["moe"]), "-p", "hi", "--store", str(tmp_path / "missing"))
+    assert rc != 0 and len(err.splitlines()) == 1, err
+
+
 def test_serve_refuses_what_llama_server_would_log_pages_about(files: dict[str, Path], tmp_path: Path) -> None:
     """Checked before llama-server starts: each a one-line error, not its log."""
     moe = str(files["moe"])

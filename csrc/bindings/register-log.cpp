@@ -72,9 +72,17 @@ void moetier_py_clear_logged_error() {
 
 void register_log(py::module_ & m) {
     llama_log_set(log_callback, nullptr);
+    // importing llama_cpp installs its own callback for the whole process: setting a level takes the
+    // stream back, so the CLI's level (and its one-line errors) hold whatever was imported before
     m.def(
-        "set_log_level", [](int level) { g_log.min_level.store(level); }, py::arg("level"),
-        "messages at or above level (1 debug, 2 info, 3 warn, 4 error, 6 none) go to stderr");
+        "set_log_level",
+        [](int level) {
+            g_log.min_level.store(level);
+            llama_log_set(log_callback, nullptr);
+        },
+        py::arg("level"),
+        "messages at or above level (1 debug, 2 info, 3 warn, 4 error, 6 none) go to stderr; takes the log "
+        "stream back from a callback installed since (llama_cpp's)");
     m.attr("LOG_DEBUG") = (int) GGML_LOG_LEVEL_DEBUG;
     m.attr("LOG_INFO")  = (int) GGML_LOG_LEVEL_INFO;
     m.attr("LOG_WARN")  = (int) GGML_LOG_LEVEL_WARN;
