@@ -60,8 +60,8 @@ struct moetier_proj {
     }
 
     // a store's, per precision and expert: its copy was read back intact once (the checksum matched).
-    // The check is a pass over the bytes on the core that reads: unless verify_all, a later
-    // read of a verified copy skips it. Set by whichever thread finishes the read.
+    // Every read is checked by default (verify_all); with verify_all=0 a later read of a verified
+    // copy skips the check. Set by whichever thread finishes the read.
     std::shared_ptr<std::atomic<bool>[]> verified[MOETIER_N_PRECISIONS];
 };
 
@@ -73,7 +73,7 @@ struct moetier_layer {
     moetier_layer_stats       stats      = {};  // this layer's counters (stats.layer = il)
     moetier_latency_hist *    read_hist  = nullptr;  // the model's read latencies (every read of the layer adds one)
     std::atomic<uint64_t> *   n_checked  = nullptr;  // the model's count of reads checked against the store's checksums
-    bool                      verify_all = false;    // check every read of a store, not only each copy's first
+    bool                      verify_all = true;     // check every read of a store, not only each copy's first
     // per expert, for the warm-start sidecar: lookups (seeded from the sidecar, halved) and the
     // group's tick of the last one; atomics: the sidecar is also written while decoding runs
     std::unique_ptr<std::atomic<uint32_t>[]> uses;

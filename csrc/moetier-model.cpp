@@ -86,6 +86,12 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
         } catch (const std::runtime_error & e) {
             throw moetier_exception(MOETIER_ERROR_STORE, e.what());
         }
+        if (store->checksum() != MOETIER_STORE_CHECKSUM_CRC32C) {
+            warn(
+                format("%s: a store of an earlier version: every read is verified with its %s hash, a few GB/s "
+                       "on one core; re-run `moetier pack` for CRC32C, at memory speed",
+                       store->manifest_path().c_str(), moetier_store_checksum_name(store->checksum())));
+        }
     } else {
         for (const auto & p : paths) {
             files.push_back(std::make_unique<moetier_file>(p, direct_io));

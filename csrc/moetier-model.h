@@ -106,7 +106,7 @@ struct moetier_model {
     uint64_t               process_anon = 0;  // RssAnon when the load began (auto budget)
     bool                   warm_on      = false;
     bool                   lock_weights = true;
-    bool                   verify_all   = false;
+    bool                   verify_all   = true;
     std::atomic<uint64_t>  n_checked{ 0 };    // reads checked against the store's checksums
     bool                   fitted_prefetch = true;
     std::string            prefetch_source;   // what predicts: "stacked routers" or the fitted predictor

@@ -77,9 +77,9 @@ static const moetier_param_info g_rows[] = {
             "reads them, so under memory pressure paging them costs a disk read of each per token. Needs a locked-"
             "memory limit that covers them (ulimit -l; root has none); refused -> a warning and paged weights"),
     MOETIER_ROW(verify_all, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
-            "check every expert read of a store against the store's checksums; 0: only the first read of each "
-            "expert copy in this process (a copy read back intact is trusted after; the check is a pass over the "
-            "bytes on the core that reads)"),
+            "check every expert read of a store against the store's checksums before its slot is used (CRC32C "
+            "with the CPU's CRC instructions, at memory speed); 0: only the first read of each expert copy in "
+            "this process, trusted after (a damaged file then goes unnoticed on later reads)"),
 };
 
 #undef MOETIER_ROW
@@ -109,7 +109,7 @@ struct moetier_params moetier_default_params(void) {
         /*.warm        =*/true,
         /*.fitted_prefetch=*/true,
         /*.lock_weights=*/true,
-        /*.verify_all  =*/false,
+        /*.verify_all  =*/true,
     };
     return p;
 }

@@ -50,11 +50,11 @@ static bool moetier_read_verify_proj(const moetier_layer & l,
         return true;
     }
     checked = true;
-    if (moetier_checksum(moetier_slot_data(p, prec, s), p.expert_bytes(prec)) != p.expert_checksum(e, prec)) {
+    if (p.store->checksum_of(moetier_slot_data(p, prec, s), p.expert_bytes(prec)) != p.expert_checksum(e, prec)) {
         err.set(MOETIER_ERROR_STORE,
-                format("%s: checksum mismatch for %s expert %d (%s precision): the store is corrupt; "
-                       "re-run `moetier pack`",
-                       p.file->path().c_str(), p.meta->name, e, prec == MOETIER_PRECISION_LOW ? "low" : "high"));
+                format("%s: checksum mismatch for layer %d expert %d (%s, %s precision): the store is damaged; "
+                       "restore the file or re-run `moetier pack`",
+                       p.file->path().c_str(), l.il, e, p.meta->name, prec == MOETIER_PRECISION_LOW ? "low" : "high"));
         return false;
     }
     if (done) {

@@ -1,6 +1,7 @@
 #include "moetier-store.h"
 
 #include "gguf.h"
+#include "moetier-crc32c.h"
 #include "moetier-impl.h"
 #include "moetier-io.h"
 #include "moetier.h"
@@ -62,6 +63,14 @@ uint64_t get_unsigned(const json & v, const char * what) {
 }
 
 }  // namespace
+
+const char * moetier_store_checksum_name(moetier_store_checksum kind) {
+    return kind == MOETIER_STORE_CHECKSUM_FNV64 ? "fnv64" : "crc32c";
+}
+
+uint64_t moetier_store_checksum_of(moetier_store_checksum kind, const void * data, size_t n) {
+    return kind == MOETIER_STORE_CHECKSUM_FNV64 ? moetier_checksum(data, n) : moetier_crc32c(0, data, n);
+}
 
 std::string moetier_expert_tensor_proj(const std::string & name, int32_t * layer) {
     int il = -1;
@@ -208,9 +217,17 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
             throw std::runtime_error("not a moetier store manifest (\"format\" is not \"moetier-store\")");
         }
         const int version = j.at("version").get<int>();
-        if (version != MOETIER_STORE_VERSION) {
-            throw std::runtime_error(format("store version %d, this build reads version %d; re-run `moetier pack`",
-                                            version, MOETIER_STORE_VERSION));
+        if (version == 1) {
+            checksum_ = MOETIER_STORE_CHECKSUM_FNV64;  // verified with its own hash; the model says so once
+        } else if (version == MOETIER_STORE_VERSION) {
+            if (j.at("checksum").get<std::string>() != "crc32c") {
+                throw std::runtime_error(
+                    format("checksum %s, this build reads \"crc32c\"", j.at("checksum").dump().c_str()));
+            }
+        } else {
+            throw std::runtime_error(
+                format("store version %d, this build reads versions 1 and %d; re-run `moetier pack`", version,
+                       MOETIER_STORE_VERSION));
         }
         moetier_model_identity id;
         const json &           jm = j.at("model");
@@ -254,6 +271,7 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
             }
             for (const json & jp : jl.at("projections")) {
                 moetier_store_proj p;
+                p.checksum   = checksum_;
                 p.name       = jp.at("name").get<std::string>();
                 p.tensor     = jp.at("tensor").get<std::string>();
                 p.ne0        = jp.at("ne").at(0).get<int64_t>();
@@ -742,8 +760,8 @@ static void moetier_pack_impl(const std::string &         model_path,
         }
         (*jp)["offset_high"].push_back(jb.off_high);
         (*jp)["offset_low"].push_back(jb.off_low);
-        (*jp)["checksum_high"].push_back(hex64(moetier_checksum(high.data(), bytes_high)));
-        (*jp)["checksum_low"].push_back(hex64(moetier_checksum(low.data(), bytes_low)));
+        (*jp)["checksum_high"].push_back(hex64(moetier_crc32c(0, high.data(), bytes_high)));
+        (*jp)["checksum_low"].push_back(hex64(moetier_crc32c(0, low.data(), bytes_low)));
 
         done += bytes_high;
         if (params.progress_callback &&
@@ -766,6 +784,7 @@ static void moetier_pack_impl(const std::string &         model_path,
     const json manifest = {
         { "format",    "moetier-store"          },
         { "version",   MOETIER_STORE_VERSION    },
+        { "checksum",  "crc32c"                 },
         { "store_id",  store_id                 },
         { "model",     jm                       },
         { "low_type",  ggml_type_name(low_type) },

@@ -19,7 +19,21 @@
 #include <vector>
 
 #define MOETIER_STORE_MAGIC   "MOETIER-STORE\n"
-#define MOETIER_STORE_VERSION 1
+// 2: expert checksums are CRC32C ("checksum": "crc32c"); 1: the older 64-bit hash (moetier_checksum),
+// still read and verified with it, with a warning that re-packing makes the check cheaper
+#define MOETIER_STORE_VERSION 2
+
+// the checksum of an expert's bytes a store holds
+enum moetier_store_checksum {
+    MOETIER_STORE_CHECKSUM_CRC32C = 0,  // version 2: hardware CRC32C, at memory speed
+    MOETIER_STORE_CHECKSUM_FNV64  = 1,  // version 1: moetier_checksum, a few GB/s
+};
+
+// "crc32c" or "fnv64"
+const char * moetier_store_checksum_name(moetier_store_checksum kind);
+
+// the checksum of n bytes as a store of that kind holds it
+uint64_t moetier_store_checksum_of(moetier_store_checksum kind, const void * data, size_t n);
 
 // What ties a store (and a cache) to one GGUF file, cheap to compute at load: the file size, a
 // checksum of everything before the tensor data (metadata + tensor infos), and a checksum of the
@@ -42,18 +56,21 @@ std::string moetier_expert_tensor_proj(const std::string & tensor_name, int32_t 
 moetier_model_identity moetier_model_identity_compute(const std::string & gguf_path);
 
 struct moetier_store_proj {
-    std::string           name;            // "gate", "up", "down" or "gate_up"
-    std::string           tensor;          // GGUF tensor name
-    int64_t               ne0        = 0;  // per-expert shape [ne0, ne1]
-    int64_t               ne1        = 0;
-    ggml_type             type_high  = GGML_TYPE_COUNT;
-    ggml_type             type_low   = GGML_TYPE_COUNT;
-    uint64_t              bytes_high = 0;  // unpadded bytes of one expert
-    uint64_t              bytes_low  = 0;
-    std::vector<uint64_t> offset_high;     // [n_expert]
-    std::vector<uint64_t> offset_low;      // [n_expert]
-    std::vector<uint64_t> checksum_high;   // [n_expert] moetier_checksum of the unpadded bytes
-    std::vector<uint64_t> checksum_low;    // [n_expert]
+    std::string            name;            // "gate", "up", "down" or "gate_up"
+    std::string            tensor;          // GGUF tensor name
+    int64_t                ne0        = 0;  // per-expert shape [ne0, ne1]
+    int64_t                ne1        = 0;
+    ggml_type              type_high  = GGML_TYPE_COUNT;
+    ggml_type              type_low   = GGML_TYPE_COUNT;
+    uint64_t               bytes_high = 0;  // unpadded bytes of one expert
+    uint64_t               bytes_low  = 0;
+    std::vector<uint64_t>  offset_high;     // [n_expert]
+    std::vector<uint64_t>  offset_low;      // [n_expert]
+    std::vector<uint64_t>  checksum_high;   // [n_expert] of the unpadded bytes, by `checksum`
+    std::vector<uint64_t>  checksum_low;    // [n_expert]
+    moetier_store_checksum checksum = MOETIER_STORE_CHECKSUM_CRC32C;
+
+    uint64_t checksum_of(const void * data, size_t n) const { return moetier_store_checksum_of(checksum, data, n); }
 };
 
 struct moetier_store_layer {
@@ -81,11 +98,15 @@ class moetier_store {
     // random id written by each pack: a re-packed store is another store
     const std::string & id() const { return id_; }
 
+    // the checksum its experts are verified with (an older store's own hash)
+    moetier_store_checksum checksum() const { return checksum_; }
+
   private:
     std::string                      dir_;
     std::string                      id_;
     std::string                      data_path_;
     std::string                      manifest_path_;
     ggml_type                        low_type_ = GGML_TYPE_COUNT;
+    moetier_store_checksum           checksum_ = MOETIER_STORE_CHECKSUM_CRC32C;
     std::vector<moetier_store_layer> layers_;
 };

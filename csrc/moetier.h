@@ -74,8 +74,8 @@ struct moetier_params {
                            // there is one (moetier fit-predictor); false: the next layers' routers
     bool lock_weights;     // mlock the mapped non-expert weights (every token reads them): memory pressure
                            // then takes the page cache and the expert cache's reads, never them
-    bool verify_all;       // check every read of a store against its checksums; false: the first read of
-                           // each expert copy in this process (a pass over the bytes on a reading core)
+    bool verify_all;       // check every read of a store against its checksums (the default); false: the
+                           // first read of each expert copy in this process only
 };
 
 // cache_bytes of an automatic budget: the memory limit (cgroup v2 memory.max, cgroup v1

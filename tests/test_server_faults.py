@@ -5,9 +5,11 @@ request gets stock llama.cpp's answer."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from _server import serve
@@ -54,3 +56,47 @@ def test_corrupt_expert_fails_the_request_not_the_server(
         data.write_bytes(good)
         assert srv.complete(PROMPT)["content"] == want
         assert srv.proc.poll() is None
+
+
+def test_store_damaged_in_place_never_gives_a_wrong_answer(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """With the defaults (every read verified), a store damaged in place under a running server, at
+    several random ranges of expert bytes: every answer is stock's or an error naming the file, layer
+    and expert; once the file is restored the answer is stock's again (nothing damaged stayed cached)."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    store = pack(path, tmp_path / "store", progress=False)
+    lo = int(Model(path, store=store, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    want = Model(path).generate(PROMPT, max_tokens=16).text
+    manifest = json.loads((store / "manifest.json").read_text())
+    # the high copies' byte ranges: what an exact decode reads
+    ranges = [
+        (o, p["bytes_high"]) for layer in manifest["layers"] for p in layer["projections"] for o in p["offset_high"]
+    ]
+    data = store / "experts.bin"
+    good = data.read_bytes()
+    rng = np.random.default_rng(11)
+    args = ["-m", str(path), "--store", str(store), "--cache", str(lo), "--cache-t1", "1", "--cache-t2", "1"]
+    failed = 0
+    with serve(args, tmp_path / "server.log") as srv, open(data, "r+b") as f:
+        assert srv.complete(PROMPT)["content"] == want
+        for _ in range(6):
+            # a random run of random bytes inside a random expert copy, written in place
+            start, size = ranges[int(rng.integers(len(ranges)))]
+            at = start + int(rng.integers(size))
+            f.seek(at)
+            f.write(rng.integers(0, 256, int(rng.integers(1, size - (at - start) + 1)), dtype=np.uint8).tobytes())
+            f.flush()
+            for _ in range(2):
+                try:
+                    got = srv.complete(PROMPT)["content"]
+                except urllib.error.HTTPError as e:
+                    msg = json.loads(e.read())["error"]["message"]
+                    assert re.search(r"experts\.bin: checksum mismatch for layer \d+ expert \d+", msg), msg
+                    failed += 1
+                else:
+                    assert got == want, "a damaged store gave a wrong answer without an error"
+            f.seek(0)
+            f.write(good)  # restored: the next request is stock's again
+            f.flush()
+            assert srv.complete(PROMPT)["content"] == want
+        assert srv.proc.poll() is None
+        assert srv.metric("expert_cache_read_errors_total") >= failed > 0

@@ -1,6 +1,8 @@
 // moetier._core: packing an expert store.
 
 #include "bindings.h"
+#include "moetier-crc32c.h"
+#include "moetier-impl.h"
 #include "moetier.h"
 
 #include <pybind11/functional.h>
@@ -33,6 +35,32 @@ bool pack_progress_cb(uint64_t done, uint64_t total, void * ud) {
 }  // namespace
 
 void register_store(py::module_ & m) {
+    m.def(
+        "checksum",
+        [](const py::buffer & data, const std::string & kind) -> uint64_t {
+            const py::buffer_info info = data.request();
+            if (!PyBuffer_IsContiguous(info.view(), 'C')) {
+                throw std::invalid_argument("checksum: the buffer is not contiguous");
+            }
+            const size_t           n = (size_t) info.size * (size_t) info.itemsize;
+            py::gil_scoped_release release;
+            if (kind == "crc32c") {
+                return moetier_crc32c(0, info.ptr, n);
+            }
+            if (kind == "crc32c-portable") {
+                return moetier_crc32c_with("portable", 0, info.ptr, n);
+            }
+            if (kind == "fnv64") {
+                return moetier_checksum(info.ptr, n);
+            }
+            throw std::invalid_argument("checksum: kind is one of crc32c, crc32c-portable, fnv64, not " + kind);
+        },
+        py::arg("data"), py::arg("kind") = "crc32c",
+        "the checksum of a buffer's bytes: crc32c (what a store holds, with the CPU's CRC instructions where it "
+        "has them), crc32c-portable (the table loop, the same values), fnv64 (the hash of stores of version 1)");
+    m.def(
+        "crc32c_impl", [] { return std::string(moetier_crc32c_impl()); },
+        "which CRC32C runs here: sse4.2, armv8-crc or portable");
     m.def(
         "pack",
         [](const std::string & model_path, const std::string & out_dir, const std::string & low_type,
