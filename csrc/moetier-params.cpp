@@ -28,7 +28,8 @@ static const moetier_param_info g_rows[] = {
             "(what this forward pass already used goes first), reuse (the longest expected time to next use, from "
             "layer distance and use frequency decayed over 64 passes; reuse:H another half-life), reuse-rank (reuse with "
             "the next use's probability learned online from the gate rank at the last use and the passes since; "
-            "frequency half-life 16, reuse-rank:H another)"),
+            "frequency half-life 16, reuse-rank:H another), flashmoe:NET (FlashMoE's learned policy: a network "
+            "written by moetier train-policy)"),
     MOETIER_ROW(t1, MOETIER_PARAM_TYPE_FLOAT, 0, 1, true,
             "precision threshold of a miss (HOBBIT eq. 2): an expert whose score (the normalised gate weight of the "
             "experts ranked above it) is <= t1 is read in high precision; the top-1 always is"),

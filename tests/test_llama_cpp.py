@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +180,14 @@ def test_cache_that_never_reached_libllama_is_an_error(model_path: Path, monkeyp
     monkeypatch.setattr(moetier._core, "configure_load", lambda path, params: None)
     with pytest.raises(ModelError, match=r"configured but libllama did not create it \(libllama loaded: /"):
         _llama(model_path, CacheConfig.exact(budget=_min_budget(model_path), warm=False))
+
+
+def test_plain_import_after_moetier_loads_moetiers_libllama() -> None:
+    """llama-cpp-python installed without its native build has no libllama: after `import moetier`, a
+    plain `import llama_cpp` loads moetier's instead of failing with "Shared library ... not found"."""
+    pytest.importorskip("llama_cpp")
+    code = "import moetier, llama_cpp; print(llama_cpp.llama_cpp._lib._name)"
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert Path(r.stdout.strip()).resolve().parent == Path(moetier.__file__).resolve().parent

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -423,3 +425,13 @@ def test_train_policy_end_to_end(moe: Path, tmp_path: Path) -> None:
     m = Model(moe, cache=CacheConfig.exact(budget, policy=f"flashmoe:{out}"))
     got = m.generate("def fibonacci(n):", max_tokens=16)
     assert got.tokens == stock and got.stats.n_misses > 0
+
+
+def test_replay_leaves_no_warm_start_sidecar(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """Replay's probes of the model are not runs of it: no <model>.cache-state appears beside it."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3), model)
+    info = rp.probe(model, None)
+    rp.geometry(model, None, info, 50, 1.0, 1.0, 0.0)
+    gc.collect()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

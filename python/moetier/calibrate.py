@@ -356,7 +356,7 @@ def calibrate(
     rows: list[dict[str, Any]] = []
     lf = fracs[0]
     for i, f in enumerate(fracs):
-        cache = CacheConfig(budget=budget, t1=t1, t2=t2, low_frac=f)
+        cache = CacheConfig(budget=budget, t1=t1, t2=t2, low_frac=f, warm=False)  # a probe: no sidecar
         info = Model(model_path, store=store, cache=cache, n_threads=n_threads).cache_info()
         step = (lambda done, total, i=i: progress(i * total + done, len(fracs) * total)) if progress else None
         r = search_policy(trace, info, t1, t2, cfg.grid, step)

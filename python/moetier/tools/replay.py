@@ -48,7 +48,8 @@ def policies_all() -> list[str]:
 
 def probe(model: str | Path, store: str | Path | None) -> dict[str, int | bool]:
     """The model's cache facts that do not depend on the budget (expert bytes, the minimum budget)."""
-    info = Model(model, store=store, cache=CacheConfig(budget="auto")).cache_info()
+    # warm=False: a probe must not write a warm-start sidecar next to the user's model or store
+    info = Model(model, store=store, cache=CacheConfig(budget="auto", warm=False)).cache_info()
     if int(info["n_groups"]) != 1:
         msg = f"{model}: replay simulates one pool group; this model's layers form {info['n_groups']}"
         raise ModelError(msg)
@@ -67,7 +68,7 @@ def geometry(
     """The cache the engine builds for model at pct % of its experts' bytes: slots per pool and the
     bytes of one expert in each precision."""
     budget = max(int(probe["min_cache_bytes"]), int(int(probe["expert_bytes"]) * pct / 100))
-    cache = CacheConfig(budget=budget, t1=t1, t2=t2, low_frac=low_frac)
+    cache = CacheConfig(budget=budget, t1=t1, t2=t2, low_frac=low_frac, warm=False)
     info = Model(model, store=store, cache=cache).cache_info()
     n_experts = int(info["n_layers"]) * int(info["n_expert"])
     return {

@@ -84,7 +84,7 @@ def routing_report(
     w = trace.weights.astype(np.float64)
     top1 = (w.max(axis=2) / np.maximum(w.sum(axis=2), 1e-30)).mean(axis=0)
 
-    probe = Model(model_path, cache=CacheConfig(budget="64G"), n_threads=n_threads)
+    probe = Model(model_path, cache=CacheConfig(budget="64G", warm=False), n_threads=n_threads)  # no sidecar
     all_bytes = int(probe.cache_info()["expert_bytes"])
     del probe
     m = Model(model_path, cache=CacheConfig.exact(all_bytes, prefetch=1, warm=False), n_ctx=1024, n_threads=n_threads)
