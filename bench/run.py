@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import diskstat
 import moetier
-from cgroup import MemoryCap, available
+from cgroup import MemoryCap, ReadThrottle, available, block_device
 from moetier import CacheConfig, Model, MoetierError
 from moetier.plot import bench_plot
 
@@ -89,13 +89,24 @@ def disk_bandwidth(path: Path, chunk: int, seconds: float = 2.0, depth: int = 1)
 DISK_DEPTHS = (1, 2, 4, 8)  # the engine reads with io_uring / io threads at depths up to the top-k
 
 
-def run_worker(args: list[str], cap: MemoryCap | None, timeout: float, script: str = "worker.py") -> dict[str, Any]:
-    """One configuration in a child process (worker.py, or peer_worker.py for the peer), inside cap."""
+def run_worker(
+    args: list[str],
+    cap: MemoryCap | None,
+    timeout: float,
+    script: str = "worker.py",
+    throttle: ReadThrottle | None = None,
+) -> dict[str, Any]:
+    """One configuration in a child process (worker.py, or peer_worker.py for the peer), inside cap
+    and, with a throttle, on a disk slowed to its rate."""
     cmd = [sys.executable, str(Path(__file__).with_name(script)), *args]
+    groups = [g for g in (cap, throttle) if g is not None]
+
+    def join() -> None:
+        for g in groups:
+            g.preexec()
+
     try:
-        r = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap.preexec if cap else None
-        )
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=join if groups else None)
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {timeout:.0f} s"}
     if r.returncode != 0:
@@ -305,6 +316,13 @@ def main() -> None:
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is abandoned (thrashing)")
     p.add_argument(
+        "--throttle-read-mbps",
+        type=float,
+        default=None,
+        help="every run reads the disk that holds the model at most this many MB/s (cgroup v1 blkio "
+        "throttle; e.g. 200 for an SD card or a busy NVMe) (default: the disk's own speed)",
+    )
+    p.add_argument(
         "--headroom-mib",
         type=float,
         default=None,
@@ -369,11 +387,17 @@ def main() -> None:
         # no run reads another run's page cache, and each capped run gets a fresh group
         drop_pages(files)
         cap = MemoryCap(f"moetier-bench-{os.getpid()}", cap_bytes) if cap_bytes else None
+        throttle = (
+            ReadThrottle(f"moetier-bench-{os.getpid()}", block_device(model), int(a.throttle_read_mbps * 1e6))
+            if a.throttle_read_mbps
+            else None
+        )
         try:
-            r = run_worker(common + extra, cap, a.timeout, script)
+            r = run_worker(common + extra, cap, a.timeout, script, throttle)
         finally:
-            if cap:
-                cap.close()
+            for g in (cap, throttle):
+                if g:
+                    g.close()
         print(f"  {name}: " + (r.get("error") or "ok"), file=sys.stderr)
         return r
 
@@ -642,6 +666,9 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         ]
     by_depth = report.get("disk_odirect_by_depth") or {"1": bound_bytes}
     depths = ", ".join(f"QD{d} {v / 1e6:.0f}" for d, v in by_depth.items())
+    throttle = (report.get("config") or {}).get("throttle_read_mbps")
+    if throttle:
+        depths += f" (unthrottled; every run's reads throttled to {throttle:g} MB/s)"
     text = (
         f"model `{Path(report['model']).name}`: {report['model_bytes'] / MiB:.0f} MiB, experts "
         f"{report['expert_bytes'] / MiB:.0f} MiB, token embedding {report.get('embedding_bytes', 0) / MiB:.0f} MiB; "
