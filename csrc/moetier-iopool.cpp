@@ -50,7 +50,12 @@ static uint64_t moetier_io_user_data(int32_t id, unsigned part) {
     return (uint64_t) (uint32_t) id | ((uint64_t) part << 32);
 }
 
-void moetier_io_pool::end_task(int32_t id, bool ok, const std::string & err) {
+void moetier_io_pool::end_flight(int32_t id) {
+    --n_flight;
+    n_flight_pf -= is_urgent_[id] ? 0 : 1;
+}
+
+void moetier_io_pool::end_task(int32_t id, bool ok, const std::string & err, bool in_flight) {
     tasks[id].state = ok ? MOETIER_IO_DONE : MOETIER_IO_FAILED;
     if (!ok && error_msg.empty()) {
         error_msg = err;
@@ -59,8 +64,9 @@ void moetier_io_pool::end_task(int32_t id, bool ok, const std::string & err) {
         free_stages.push_back(stage_of[id]);
         stage_of[id] = -1;
     }
-    --n_flight;
-    n_flight_pf -= is_urgent_[id] ? 0 : 1;
+    if (in_flight) {
+        end_flight(id);
+    }
 }
 
 void moetier_io_pool::pump() {
@@ -139,7 +145,6 @@ void moetier_io_pool::reap(bool block) {
     }
     uint64_t ud  = 0;
     int32_t  res = 0;
-    bool     any = false;
     while (ring->pop(ud, res)) {
         const int32_t               id   = (int32_t) (uint32_t) ud;
         const moetier_io_vec_read & rd   = reads[id];
@@ -160,13 +165,22 @@ void moetier_io_pool::reap(bool block) {
         if (--pending[id] > 0) {
             continue;  // the task's other parts are still being read
         }
-        const bool ok = !part_bad[id] && finish(tasks[id], rd, err);
-        end_task(id, ok, err);
-        any = true;
+        // the read is over: its share of the disk goes to the next queued read before the check
+        // below (a pass over the bytes at memory speed) runs, so the disk does not idle meanwhile
+        end_flight(id);
+        checking.push_back(id);
     }
-    if (any) {
-        pump();
+    if (checking.empty()) {
+        return;
     }
+    pump();
+    for (const int32_t id : checking) {
+        std::string err;
+        const bool  ok = !part_bad[id] && finish(tasks[id], reads[id], err);
+        end_task(id, ok, err, /*in_flight=*/false);
+    }
+    checking.clear();
+    pump();  // the staging buffers the checked reads of a GGUF held are free again
 }
 
 moetier_io_pool::~moetier_io_pool() {

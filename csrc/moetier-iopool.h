@@ -135,7 +135,10 @@ class moetier_io_pool {
     void pump();
     void reap(bool block);
     // io_uring mode, mutex held: a task in flight ended (its parts all in, or not taken by the kernel)
-    void end_task(int32_t id, bool ok, const std::string & err);
+    // a read that ended gives its place in flight back (the depth prefetch may use)
+    void end_flight(int32_t id);
+    // a task is done or failed; in_flight: it still holds its place (else end_flight ran)
+    void end_task(int32_t id, bool ok, const std::string & err, bool in_flight = true);
 
     read_fn fn;
 
@@ -150,6 +153,7 @@ class moetier_io_pool {
     std::vector<int32_t>                free_stages;
     std::vector<int32_t>                stage_of;    // [capacity] the staging buffer a task holds, -1 none
     std::vector<int32_t>                round;       // scratch of pump: ids prepared in this call
+    std::vector<int32_t>                checking;    // scratch of reap: reads that ended, to finish
     int                                 depth_pf    = 1;
     int                                 n_flight    = 0;
     int                                 n_flight_pf = 0;
