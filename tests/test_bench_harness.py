@@ -404,7 +404,10 @@ def test_runs_are_fair_interleaved_and_ratios_use_their_baselines(
     events: list[tuple[str, object]] = []
     speed = {"stock-ram": 40.0, "stock-capped": 5.0, "moetier": 20.0, "peer": 10.0}
 
-    def fake_worker(args: list[str], cap: _FakeCap | None, timeout: float, script: str) -> dict[str, object]:
+    def fake_worker(
+        args: list[str], cap: _FakeCap | None, timeout: float, script: str, throttle: object = None
+    ) -> dict[str, object]:
+        assert throttle is None  # no --throttle-read-mbps: every run reads at the disk's own speed
         events.append(("run", (list(args), cap)))
         if script == "peer_worker.py":
             kind = "peer"
@@ -487,7 +490,7 @@ def test_a_variants_other_model_file_is_dropped_before_every_run(
     path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=8)
     drops: list[tuple[Path, ...]] = []
     fake = _worker([1.0], 1, 2, 100) | {"cgroup_peak_bytes": 0}
-    monkeypatch.setattr(run, "run_worker", lambda args, cap, timeout, script: fake)
+    monkeypatch.setattr(run, "run_worker", lambda args, cap, timeout, script, throttle=None: fake)
     monkeypatch.setattr(run, "drop_pages", lambda files: drops.append(tuple(files)))
     monkeypatch.setattr(run, "MemoryCap", _FakeCap)
     monkeypatch.setattr(run, "available", lambda: True)
@@ -499,6 +502,43 @@ def test_a_variants_other_model_file_is_dropped_before_every_run(
     monkeypatch.setattr(sys, "argv", argv)
     run.main()
     assert drops and all(Path("/x/q2k.gguf") in d and path in d for d in drops)
+
+
+def test_throttle_reaches_every_run_and_the_table(
+    tiny_model: ModelFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--throttle-read-mbps: every run starts in a read throttle on the model's disk at that rate, and
+    the table's first line says so."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=8)
+    made: list[tuple[str, int]] = []
+    seen: list[object] = []
+
+    class FakeThrottle:
+        def __init__(self, name: str, device: str, bytes_per_s: int) -> None:
+            made.append((device, bytes_per_s))
+
+        def close(self) -> None:
+            pass
+
+    def fake_worker(args: list[str], cap: object, timeout: float, script: str, throttle: object = None) -> object:
+        seen.append(throttle)
+        return _worker([1.0], 1, 2, 100) | {"cgroup_peak_bytes": 0}
+
+    monkeypatch.setattr(run, "run_worker", fake_worker)
+    monkeypatch.setattr(run, "ReadThrottle", FakeThrottle)
+    monkeypatch.setattr(run, "block_device", lambda p: "254:0")
+    monkeypatch.setattr(run, "drop_pages", lambda files: None)
+    monkeypatch.setattr(run, "MemoryCap", _FakeCap)
+    monkeypatch.setattr(run, "available", lambda: True)
+    monkeypatch.setattr(run, "disk_bandwidth", lambda p, chunk, seconds=2.0, depth=1: 1e8)
+    monkeypatch.setattr(run, "bench_plot", lambda *a, **k: None)
+    out = tmp_path / "res"
+    argv = ["run.py", "--model", str(path), "--budgets", "25", "--repeats", "1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--throttle-read-mbps", "200"])
+    run.main()
+    assert seen and all(isinstance(t, FakeThrottle) for t in seen)
+    assert made == [("254:0", 200_000_000)] * len(seen)
+    assert "every run's reads throttled to 200 MB/s" in out.with_name("res.md").read_text().splitlines()[0]
 
 
 @pytest.mark.skipif(not cgroup.available(), reason="needs a writable cgroup v1 memory controller")
