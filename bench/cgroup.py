@@ -16,9 +16,33 @@ def available() -> bool:
     return (ROOT / "cgroup.procs").exists() and os.access(ROOT, os.W_OK)
 
 
-class MemoryCap:
-    """A cgroup v1 memory group with limit_bytes; processes join it with join(pid) (or, from a child,
-    by preexec=cap.preexec). Removed on close()."""
+class _Group:
+    """A cgroup v1 group under root: processes join it with join(pid) (or, from a child, by
+    preexec=group.preexec); close() moves them back to the root and removes it."""
+
+    root: Path
+    path: Path
+
+    def join(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def preexec(self) -> None:
+        """For subprocess.Popen(preexec_fn=...): the child joins before it execs."""
+        self.join(os.getpid())
+
+    def close(self) -> None:
+        try:
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                (self.root / "cgroup.procs").write_text(pid)
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+class MemoryCap(_Group):
+    """A cgroup v1 memory group with limit_bytes. Removed on close()."""
+
+    root = ROOT
 
     def __init__(self, name: str, limit_bytes: int) -> None:
         if not available():
@@ -37,26 +61,11 @@ class MemoryCap:
         (self.path / "memory.max_usage_in_bytes").write_text("0")
         self.limit_bytes = limit_bytes
 
-    def join(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))
-
-    def preexec(self) -> None:
-        """For subprocess.Popen(preexec_fn=...): the child joins before it execs."""
-        self.join(os.getpid())
-
     def max_usage(self) -> int:
         return int((self.path / "memory.max_usage_in_bytes").read_text())
 
     def failcnt(self) -> int:
         return int((self.path / "memory.failcnt").read_text())
-
-    def close(self) -> None:
-        try:
-            for pid in (self.path / "cgroup.procs").read_text().split():
-                (ROOT / "cgroup.procs").write_text(pid)
-            self.path.rmdir()
-        except OSError:
-            pass
 
 
 def block_device(path: str | os.PathLike[str]) -> str:
@@ -72,10 +81,11 @@ def block_device(path: str | os.PathLike[str]) -> str:
     return dev
 
 
-class ReadThrottle:
+class ReadThrottle(_Group):
     """A cgroup v1 blkio group whose processes read the disk `device` (MAJ:MIN) at most bytes_per_s,
-    O_DIRECT and io_uring reads included; processes join it as they join a MemoryCap. Removed on
-    close()."""
+    O_DIRECT and io_uring reads included. Removed on close()."""
+
+    root = BLKIO
 
     def __init__(self, name: str, device: str, bytes_per_s: int) -> None:
         if not ((BLKIO / "cgroup.procs").exists() and os.access(BLKIO, os.W_OK)):
@@ -85,17 +95,3 @@ class ReadThrottle:
         self.path.mkdir(exist_ok=True)
         (self.path / "blkio.throttle.read_bps_device").write_text(f"{device} {bytes_per_s}")
         self.device, self.bytes_per_s = device, bytes_per_s
-
-    def join(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))
-
-    def preexec(self) -> None:
-        self.join(os.getpid())
-
-    def close(self) -> None:
-        try:
-            for pid in (self.path / "cgroup.procs").read_text().split():
-                (BLKIO / "cgroup.procs").write_text(pid)
-            self.path.rmdir()
-        except OSError:
-            pass

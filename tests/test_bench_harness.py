@@ -483,6 +483,15 @@ def test_runs_are_fair_interleaved_and_ratios_use_their_baselines(
     assert rep["disk_odirect_bytes_per_s"] == 4e8
 
 
+def _fake_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.py's touches of the machine, faked: page drops, the memory cap, the disk probe, the plot."""
+    monkeypatch.setattr(run, "drop_pages", lambda files: None)
+    monkeypatch.setattr(run, "MemoryCap", _FakeCap)
+    monkeypatch.setattr(run, "available", lambda: True)
+    monkeypatch.setattr(run, "disk_bandwidth", lambda p, chunk, seconds=2.0, depth=1: 1e8)
+    monkeypatch.setattr(run, "bench_plot", lambda *a, **k: None)
+
+
 def test_a_variants_other_model_file_is_dropped_before_every_run(
     tiny_model: ModelFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -491,11 +500,8 @@ def test_a_variants_other_model_file_is_dropped_before_every_run(
     drops: list[tuple[Path, ...]] = []
     fake = _worker([1.0], 1, 2, 100) | {"cgroup_peak_bytes": 0}
     monkeypatch.setattr(run, "run_worker", lambda args, cap, timeout, script, throttle=None: fake)
+    _fake_machine(monkeypatch)
     monkeypatch.setattr(run, "drop_pages", lambda files: drops.append(tuple(files)))
-    monkeypatch.setattr(run, "MemoryCap", _FakeCap)
-    monkeypatch.setattr(run, "available", lambda: True)
-    monkeypatch.setattr(run, "disk_bandwidth", lambda p, chunk, seconds=2.0, depth=1: 1e8)
-    monkeypatch.setattr(run, "bench_plot", lambda *a, **k: None)
     out = tmp_path / "res"
     argv = ["run.py", "--model", str(path), "--budgets", "25", "--repeats", "1", "--out", str(out)]
     argv += ["--upstream", "/up/llama-completion", "--upstream-variants", "upstream-q2k=-m /x/q2k.gguf --no-repack"]
@@ -527,11 +533,7 @@ def test_throttle_reaches_every_run_and_the_table(
     monkeypatch.setattr(run, "run_worker", fake_worker)
     monkeypatch.setattr(run, "ReadThrottle", FakeThrottle)
     monkeypatch.setattr(run, "block_device", lambda p: "254:0")
-    monkeypatch.setattr(run, "drop_pages", lambda files: None)
-    monkeypatch.setattr(run, "MemoryCap", _FakeCap)
-    monkeypatch.setattr(run, "available", lambda: True)
-    monkeypatch.setattr(run, "disk_bandwidth", lambda p, chunk, seconds=2.0, depth=1: 1e8)
-    monkeypatch.setattr(run, "bench_plot", lambda *a, **k: None)
+    _fake_machine(monkeypatch)
     out = tmp_path / "res"
     argv = ["run.py", "--model", str(path), "--budgets", "25", "--repeats", "1", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", [*argv, "--throttle-read-mbps", "200"])
