@@ -180,7 +180,9 @@ void moetier_io_pool::reap(bool block) {
         end_task(id, ok, err, /*in_flight=*/false);
     }
     checking.clear();
-    pump();  // the staging buffers the checked reads of a GGUF held are free again
+    if (!stages.empty()) {
+        pump();  // the staging buffers the finished reads of a GGUF held are free again
+    }
 }
 
 moetier_io_pool::~moetier_io_pool() {

@@ -15,27 +15,9 @@ _os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from .config import CacheConfig, ContextConfig, PackConfig, format_size, parse_size
 from .errors import ConfigError, ModelError, MoetierError, StoreError
+from .lcpp import point_llama_cpp_here as _point_llama_cpp_here
 from .model import CacheStats, GenerateResult, LayerStats, Model, PrefetchStats
 from .pack import pack
-
-
-def _point_llama_cpp_here() -> None:
-    """llama-cpp-python installed without its native build (`python -m moetier.lcpp install`) has no
-    libllama of its own: a plain `import llama_cpp` after `import moetier` loads moetier's. A
-    llama_cpp with its own library, or a LLAMA_CPP_LIB_PATH the user set, is left alone."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    if "LLAMA_CPP_LIB_PATH" in _os.environ or "llama_cpp" in sys.modules:
-        return
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.origin is None:
-        return
-    own = Path(spec.origin).parent / "lib"
-    if not any(own.glob("libllama*")):
-        _os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(__file__).resolve().parent)
-
 
 _point_llama_cpp_here()
 

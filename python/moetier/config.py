@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from . import _core
@@ -163,14 +163,11 @@ class CacheConfig:
             msg = f"{path}: unknown cache config field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}"
             raise ConfigError(msg)
         try:
-            return cls(**{**data, **overrides})
+            base = cls(**data)
         except ConfigError as e:
-            # a bad value in the file: the message names the file (a bad override names its field only)
-            name = str(e).split(":", 1)[0].removeprefix("cache.")
-            if name in overrides:
-                raise
-            msg = f"{path}: {e}"
+            msg = f"{path}: {e}"  # a bad value in the file names the file; a bad override, its field only
             raise ConfigError(msg) from None
+        return replace(base, **overrides) if overrides else base
 
     @classmethod
     def exact(cls, budget: int | str, **kw: Any) -> CacheConfig:

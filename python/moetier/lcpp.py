@@ -31,6 +31,21 @@ if TYPE_CHECKING:
 _load_lock = threading.Lock()
 
 
+def point_llama_cpp_here() -> None:
+    """llama-cpp-python installed without its native build (`python -m moetier.lcpp install`) has no
+    libllama of its own: a plain `import llama_cpp` after `import moetier` loads moetier's. A
+    llama_cpp with its own library, or a LLAMA_CPP_LIB_PATH the user set, is left alone."""
+    import importlib.util
+
+    if "LLAMA_CPP_LIB_PATH" in os.environ or "llama_cpp" in sys.modules:
+        return
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return
+    if not any((Path(spec.origin).parent / "lib").glob("libllama*")):
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
+
+
 def import_llama_cpp() -> Any:
     """llama_cpp, loaded on moetier's libllama. Raises ModelError if it is missing, of another
     version, or already loaded on another libllama."""
