@@ -134,6 +134,10 @@ def prefetch_summary(pf: dict[str, Any] | None, tokens: int) -> dict[str, float]
         # predicted misses left unread: the byte cap spent, the disk behind (older engines: absent)
         "capped_per_token": pf.get("n_capped", 0) / tokens,
         "busy_per_token": pf.get("n_busy", 0) / tokens,
+        # decode steps with prefetch reading (prefetch_gate; older engines: absent)
+        "reading_share": pf["n_steps_on"] / (pf["n_steps_on"] + pf["n_steps_off"])
+        if pf.get("n_steps_on", 0) + pf.get("n_steps_off", 0) > 0
+        else None,
     }
 
 
@@ -592,7 +596,8 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     pf_rows = [
         f"| {name} | {p['reads_per_token']:.1f} | {p['hits_per_token']:.1f} | {p['cancelled_per_token']:.1f} "
         f"| {p['wasted_per_token']:.1f} | {p['bytes_per_token'] / 1e6:.2f} | {p['bytes_wasted_per_token'] / 1e6:.2f} "
-        f"| {p['top1']:.2f} | {p['allk']:.2f} | {p.get('capped_per_token', 0):.1f} | {p.get('busy_per_token', 0):.1f} |"
+        f"| {p['top1']:.2f} | {p['allk']:.2f} | {p.get('capped_per_token', 0):.1f} | {p.get('busy_per_token', 0):.1f} "
+        f"| {busy_fmt(p.get('reading_share'))} |"
         for name in names
         if name in runs and (p := runs[name].get("prefetch"))
     ]
@@ -601,11 +606,12 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
             "",
             "prefetch (per decode step, over the last repeat; results of older workers: per token of the last "
             "prompt and its generation; accuracy of the predictions one layer ahead; misses left unread by the "
-            "byte cap and because the disk was behind):",
+            "byte cap and because the disk was behind; the decode steps in which prefetch read, where it "
+            "measures whether it pays):",
             "",
             "| config | reads | used | cancelled (queued) | wasted (read, unused) | MB read | MB wasted "
-            "| top-1 | all-k | capped | busy |",
-            "|" + "---|" * 11,
+            "| top-1 | all-k | capped | busy | steps reading |",
+            "|" + "---|" * 12,
             *pf_rows,
         ]
     t_rows = [

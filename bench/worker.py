@@ -15,7 +15,17 @@ import diskstat
 from moetier import CacheConfig, ContextConfig, Model
 
 # CacheConfig fields that take whole numbers (the rest are floats)
-INT_OPTS = ("prefetch", "io_threads", "io_uring", "warm", "lock_weights", "direct_io", "fitted_prefetch", "verify_all")
+INT_OPTS = (
+    "prefetch",
+    "io_threads",
+    "io_uring",
+    "warm",
+    "lock_weights",
+    "direct_io",
+    "fitted_prefetch",
+    "verify_all",
+    "prefetch_gate",
+)
 
 
 def parse_opts(text: str) -> tuple[dict[str, Any], bool]:

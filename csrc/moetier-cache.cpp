@@ -5,9 +5,21 @@
 #include <algorithm>
 #include <climits>
 #include <stdexcept>
+#if defined(__x86_64__) || defined(__i386__)
+#    include <immintrin.h>
+#endif
 
 // upper bound on compute threads that may run the load op; bounce buffers are per thread index
 static constexpr int MOETIER_MAX_THREADS = 512;
+
+// a spinning thread's hint to the core (as ggml's barrier spins)
+static inline void moetier_cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 
 moetier_cache::moetier_cache(int32_t                        n_expert,
                              const int32_t                  n_slots[MOETIER_N_PRECISIONS],
@@ -32,6 +44,9 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
     }
     need.assign(n_expert, MOETIER_NEED_NONE);
     pass.tasks.resize((size_t) MOETIER_N_PRECISIONS * n_expert * shapes.size());
+    // a layer uses one version of each expert at most: one check per expert
+    pass.checks.resize(n_expert);
+    pass.check_states = std::make_unique<std::atomic<uint8_t>[]>(pass.checks.size());
     bounce.resize(MOETIER_MAX_THREADS);
 }
 
@@ -217,9 +232,82 @@ void moetier_cache::finish(moetier_pass & p) noexcept {
             sets[w.prec]->drop(w.slot);
         }
     }
+    for (int32_t k = 0; k < p.n_checks; ++k) {
+        // a slot whose check the load op never reached stays unchecked: the next layer to use it checks it
+        const moetier_pass::check & c  = p.checks[k];
+        const uint8_t               st = p.check_states[k].load(std::memory_order_relaxed);
+        if (st == moetier_pass::CHECK_OK) {
+            sets[c.prec]->set_unchecked(c.slot, false);
+        } else if (st == moetier_pass::CHECK_FAILED) {
+            sets[c.prec]->drop(c.slot);
+        }
+    }
     p.waits.clear();
-    p.n_tasks = 0;
-    p.layer   = nullptr;
+    p.n_tasks  = 0;
+    p.n_checks = 0;
+    p.n_checks_taken.store(0, std::memory_order_relaxed);
+    p.layer = nullptr;
+}
+
+int32_t moetier_cache::add_check(moetier_pass & p, moetier_precision prec, int32_t s, bool read) noexcept {
+    if (!sets[prec]->is_unchecked(s)) {
+        return -1;
+    }
+    const int32_t k = p.n_checks++;
+    GGML_ASSERT(k < (int32_t) p.checks.size());
+    p.checks[k] = { prec, s, sets[prec]->key(s).expert };
+    p.check_states[k].store(read ? moetier_pass::CHECK_READ : moetier_pass::CHECK_READING, std::memory_order_relaxed);
+    return k;
+}
+
+void moetier_cache::end_check_read(moetier_pass & p, int32_t k, bool ok, bool settled) noexcept {
+    if (k < 0) {
+        return;
+    }
+    if (ok) {
+        p.check_states[k].store(moetier_pass::CHECK_READ, std::memory_order_release);
+        return;
+    }
+    p.n_checks_taken.fetch_add(1, std::memory_order_relaxed);
+    p.check_states[k].store(settled ? moetier_pass::CHECK_OK : moetier_pass::CHECK_FAILED, std::memory_order_release);
+}
+
+void moetier_cache::run_checks(moetier_pass & p, int ith) noexcept {
+    const int32_t n = p.n_checks;
+    while (p.n_checks_taken.load(std::memory_order_acquire) < n) {
+        bool took = false;
+        for (int32_t k = 0; k < n; ++k) {
+            uint8_t st = moetier_pass::CHECK_READ;
+            if (p.check_states[k].load(std::memory_order_relaxed) != st ||
+                !p.check_states[k].compare_exchange_strong(st, moetier_pass::CHECK_BUSY, std::memory_order_acquire)) {
+                continue;
+            }
+            p.n_checks_taken.fetch_add(1, std::memory_order_relaxed);
+            took                          = true;
+            const moetier_pass::check & c = p.checks[k];
+            moetier_error               err;
+            bool                        ok = moetier_read_verify(*p.layer, c.prec, c.expert, c.slot, err);
+            if (!ok) {
+                // read again, synchronously: a transient fault (bits flipped on the way) reads right
+                // the second time; a damaged store fails again, with the file named
+                n_read_retries_.fetch_add(1, std::memory_order_relaxed);
+                moetier_read r;
+                r.layer  = p.layer;
+                r.prec   = c.prec;
+                r.expert = c.expert;
+                r.slot   = c.slot;
+                ok       = read_sync(r, bounce[ith], err);
+                if (!ok) {
+                    set_error(err);
+                }
+            }
+            p.check_states[k].store(ok ? moetier_pass::CHECK_OK : moetier_pass::CHECK_FAILED,
+                                    std::memory_order_release);
+        }
+        if (!took) {
+            moetier_cpu_relax();
+        }
+    }
 }
 
 bool moetier_cache::queue_load(moetier_pass &             p,
@@ -254,6 +342,7 @@ void moetier_cache::queue_read(moetier_pass &    p,
         t.read.slot            = s;
         t.io_id                = -1;
         t.failed               = false;
+        t.check                = -1;
     }
     const uint64_t bytes = moetier_read_bytes(layer, prec);
     layer.stats.n_bytes_read += bytes;
@@ -366,7 +455,9 @@ void moetier_cache::resolve(moetier_layer & layer,
                 c.n_hits_low += prec == MOETIER_PRECISION_LOW;
                 set.pin(s);
                 if (use == MOETIER_PREFETCH_USE_WAIT) {
-                    p.waits.push_back({ id, prec, s, false });
+                    p.waits.push_back({ id, prec, s, false, add_check(p, prec, s, /*read=*/false) });
+                } else {
+                    add_check(p, prec, s, /*read=*/true);
                 }
             } else {
                 // its prefetch had not started (or failed): read now, ahead of the queue
@@ -446,12 +537,16 @@ void moetier_cache::start_reads(moetier_pass & p) noexcept {
         task.slot   = t.read.slot;
         task.proj   = t.read.proj;
         t.io_id     = io->submit(task, /*is_urgent =*/true);
+        if (t.io_id >= 0) {
+            sets[t.read.prec]->set_unchecked(t.read.slot, true);
+            t.check = add_check(p, t.read.prec, t.read.slot, /*read=*/false);
+        }
     }
 }
 
 void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept {
     moetier_pass & p = pass;
-    if (p.layer != &layer || (p.n_tasks == 0 && p.waits.empty())) {
+    if (p.layer != &layer || (p.n_tasks == 0 && p.waits.empty() && p.n_checks == 0)) {
         return;
     }
     GGML_ASSERT(ith < MOETIER_MAX_THREADS);
@@ -461,8 +556,8 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
     moetier_aligned_buffer & bb = bounce[ith];
     moetier_error            err;
     if (io && io->uses_uring()) {
-        // the kernel reads: thread 0 waits for the completions (and checks them); the others have
-        // nothing to do, and spinning at the barrier takes no core a read needs
+        // the kernel reads: thread 0 waits for the completions; every thread checks what has
+        // arrived (the others from the start, thread 0 once it waited for everything)
         if (ith == 0) {
             for (int32_t i = 0; i < p.n_tasks; ++i) {
                 moetier_pass::task & t = p.tasks[i];
@@ -481,10 +576,12 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
                     t.failed = true;
                     set_error(err);
                 }
+                end_check_read(p, t.check, !failed, !t.failed);
             }
             wait_prefetched(p);
             p.loaded = true;
         }
+        run_checks(p, ith);
     } else {
         // the compute threads read, each its share
         for (int32_t i = ith; i < p.n_tasks; i += nth) {
@@ -498,6 +595,7 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
             wait_prefetched(p);
             p.loaded = true;
         }
+        run_checks(p, ith);  // none, unless a slot was read on a ring before
     }
     const int64_t now  = moetier_time_us();
     int64_t       prev = p.t_load_end_us.load(std::memory_order_relaxed);
@@ -541,6 +639,7 @@ void moetier_cache::wait_prefetched(moetier_pass & p) noexcept {
         const bool failed = !wait_io(w.id);
         w.id              = -1;
         if (!failed) {
+            end_check_read(p, w.check, true, true);
             continue;
         }
         n_read_retries_.fetch_add(1, std::memory_order_relaxed);
@@ -554,6 +653,7 @@ void moetier_cache::wait_prefetched(moetier_pass & p) noexcept {
             w.failed = true;
             set_error(err);
         }
+        end_check_read(p, w.check, false, !w.failed);
     }
 }
 

@@ -44,6 +44,7 @@ struct moetier_pass {
         moetier_precision prec   = MOETIER_PRECISION_HIGH;
         int32_t           slot   = -1;
         bool              failed = false;
+        int32_t           check  = -1;  // its entry in checks, -1 if none
     };
 
     // a read of a miss: io_id >= 0 while it is on the io_uring
@@ -51,13 +52,37 @@ struct moetier_pass {
         moetier_read read;
         int32_t      io_id  = -1;
         bool         failed = false;
+        int32_t      check  = -1;  // its entry in checks, -1 if none
     };
 
-    moetier_layer *      layer = nullptr;  // nullptr: no pass open
-    std::vector<task>    tasks;            // sized once to one layer's worth, n_tasks used
-    int32_t              n_tasks = 0;
-    std::vector<wait>    waits;
-    int32_t              n_used = 0;      // selected experts per token
+    // a slot this layer uses that was read on the io_uring and not checked against the store's
+    // checksums yet. The ring's completions are reaped on one thread (in whatever op is running);
+    // the check is left to the layer's load op, where every compute thread takes a share, while
+    // thread 0 still waits for the reads, and the pass over the bytes leaves them in the CPU's
+    // cache for the mul_mat_ids that follow.
+    enum check_state : uint8_t {
+        CHECK_READING = 0,  // its read is in flight: thread 0 marks it READ when the read ended
+        CHECK_READ    = 1,
+        CHECK_BUSY    = 2,  // a thread is checking it
+        CHECK_OK      = 3,
+        CHECK_FAILED  = 4,  // the slot is dropped when the pass is finished
+    };
+
+    struct check {
+        moetier_precision prec   = MOETIER_PRECISION_HIGH;
+        int32_t           slot   = -1;
+        int32_t           expert = -1;
+    };
+
+    moetier_layer *                         layer = nullptr;  // nullptr: no pass open
+    std::vector<task>                       tasks;            // sized once to one layer's worth, n_tasks used
+    int32_t                                 n_tasks = 0;
+    std::vector<wait>                       waits;
+    std::vector<check>                      checks;               // sized once to one layer's worth, n_checks used
+    int32_t                                 n_checks = 0;
+    std::unique_ptr<std::atomic<uint8_t>[]> check_states;         // [checks.size()] check_state
+    std::atomic<int32_t>                    n_checks_taken{ 0 };  // entries a thread took (or thread 0 settled)
+    int32_t                                 n_used = 0;           // selected experts per token
     bool                 loaded = false;  // thread 0 of the load op is done (reads performed or waited for)
     std::atomic<int64_t> t_load_begin_us{ 0 };
     std::atomic<int64_t> t_load_end_us{ 0 };
@@ -183,27 +208,34 @@ class moetier_cache {
   private:
     // settles the open pass: accounts its read time; a pass the graph aborted before its load op
     // drops every slot it assigned (nothing was read into them, or checked); failed reads drop theirs
-    void finish(moetier_pass & p) noexcept;
-    void queue_read(moetier_pass & p, moetier_layer & layer, moetier_precision prec, int32_t e, int32_t s) noexcept;
+    void    finish(moetier_pass & p) noexcept;
+    void    queue_read(moetier_pass & p, moetier_layer & layer, moetier_precision prec, int32_t e, int32_t s) noexcept;
     // a slot for expert e (the policy told of the load with ctx) and its read queued; false if none
-    bool queue_load(moetier_pass &             p,
-                    moetier_layer &            layer,
-                    moetier_precision          prec,
-                    int32_t                    e,
-                    const moetier_policy_ctx & ctx) noexcept;
-    void start_reads(moetier_pass & p) noexcept;  // io_uring: the kernel starts the pass's reads now
+    bool    queue_load(moetier_pass &             p,
+                       moetier_layer &            layer,
+                       moetier_precision          prec,
+                       int32_t                    e,
+                       const moetier_policy_ctx & ctx) noexcept;
+    void    start_reads(moetier_pass & p) noexcept;  // io_uring: the kernel starts the pass's reads now
+    // an entry for slot s in the pass's checks if it holds an unchecked ring read; its index, or -1
+    int32_t add_check(moetier_pass & p, moetier_precision prec, int32_t s, bool read) noexcept;
+    // thread 0, after the read behind check entry k ended: ok, it is ready to be checked; not ok,
+    // it was read again synchronously (and checked there) with result `settled`
+    void    end_check_read(moetier_pass & p, int32_t k, bool ok, bool settled) noexcept;
+    // takes and checks READ entries until every entry is taken (thread ith; thread 0 after its waits)
+    void    run_checks(moetier_pass & p, int ith) noexcept;
     // waits for io task id and frees it; true if it was read (false: failed, or never started)
-    bool wait_io(int32_t id) noexcept;
+    bool    wait_io(int32_t id) noexcept;
     // reads r on this thread, synchronously, each of its reads tried twice; false + err if one fails
-    bool read_sync(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept;
-    void wait_prefetched(moetier_pass & p) noexcept;
-    void set_error(const moetier_error & err) noexcept;
+    bool    read_sync(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept;
+    void    wait_prefetched(moetier_pass & p) noexcept;
+    void    set_error(const moetier_error & err) noexcept;
     // warm slots whose reads ended become ordinary (a failed one is dropped)
-    void settle_warm() noexcept;
+    void    settle_warm() noexcept;
     // waits for the warm read of slot s; false if it failed
-    bool claim_warm(int32_t s) noexcept;
+    bool    claim_warm(int32_t s) noexcept;
     // waits for every pending warm read (a miss found no evictable slot: warm holds them)
-    void wait_warm_all() noexcept;
+    void    wait_warm_all() noexcept;
     moetier_policy_ctx policy_ctx(int32_t layer) const;
 
     const int32_t          n_expert_;

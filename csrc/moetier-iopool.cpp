@@ -165,8 +165,8 @@ void moetier_io_pool::reap(bool block) {
         if (--pending[id] > 0) {
             continue;  // the task's other parts are still being read
         }
-        // the read is over: its share of the disk goes to the next queued read before the check
-        // below (a pass over the bytes at memory speed) runs, so the disk does not idle meanwhile
+        // the read is over: its share of the disk goes to the next queued read before the finish
+        // below (a copy out of a staging buffer) runs, so the disk does not idle meanwhile
         end_flight(id);
         checking.push_back(id);
     }

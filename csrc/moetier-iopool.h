@@ -69,7 +69,7 @@ class moetier_io_pool {
     // reads task into its slot; false + err on failure. Called on an I/O thread with its own bounce id.
     using read_fn = std::function<bool(const moetier_io_task & task, int thread_id, std::string & err)>;
     // io_uring mode: describes task as its reads (false + err if it cannot be), then moves what was
-    // read into place (from the staging buffer) and checks it (checksums)
+    // read into place (from the staging buffer)
     using prep_fn = std::function<bool(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err)>;
     using finish_fn =
         std::function<bool(const moetier_io_task & task, const moetier_io_vec_read & rd, std::string & err)>;

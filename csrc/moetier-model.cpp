@@ -56,6 +56,7 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     prefetch       = params.prefetch;
     io_threads     = params.io_threads;
     prefetch_waste = params.prefetch_waste;
+    prefetch_gate  = params.prefetch_gate;
     use_uring      = params.io_uring;
     policy_weights = { params.w_lru, params.w_lfu, params.w_lhu, params.w_fld };
     std::string policy_err;
@@ -536,6 +537,9 @@ void moetier_model::init_prefetch(const llama_model & model) {
         // prefetch is on by default: io_threads=0 alone turns it off, said once
         warn(format("prefetch=%d is off: io_threads=0 leaves it no lanes to read on", prefetch));
     }
+    if (prefetch <= 0 && !prefetch_gate) {
+        warn("prefetch_gate=0 has no effect: prefetch is off");
+    }
     if (prefetch <= 0 || io == nullptr) {
         return;
     }
@@ -600,7 +604,7 @@ void moetier_model::init_prefetch(const llama_model & model) {
         }
         c->set_prefetch(std::make_unique<moetier_prefetch_stacked>(
             pl, prefetch, n_expert, c->slots(MOETIER_PRECISION_HIGH), c->slots(MOETIER_PRECISION_LOW), *io, precision,
-            prefetch_waste));
+            prefetch_waste, prefetch_gate));
     }
     if (bias_ignored) {
         warn(

@@ -124,6 +124,7 @@ struct moetier_model {
     int32_t                prefetch       = 0;
     int32_t                io_threads     = 1;
     float                  prefetch_waste = 0.25f;  // the prefetch byte cap's share (moetier-prefetch.h)
+    bool                   prefetch_gate  = true;   // prefetch measures whether it pays (moetier_prefetch_gate)
     bool                   use_uring      = true;
 
     std::vector<std::string>                   warnings;  // of the load, in order (moetier_model_warning)

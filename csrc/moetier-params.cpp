@@ -81,6 +81,11 @@ static const moetier_param_info g_rows[] = {
             "check every expert read of a store against the store's checksums before its slot is used (CRC32C "
             "with the CPU's CRC instructions, at memory speed); 0: only the first read of each expert copy in "
             "this process, trusted after (a damaged file then goes unnoticed on later reads)"),
+    MOETIER_ROW(prefetch_gate, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
+            "prefetch measures whether it pays where it runs: decode steps alternate between windows of 8 with "
+            "prefetch reading and standing back (the policy alone), the arm with the lower median step time runs the "
+            "next 256 steps, then both are measured again (a fast disk may hide reads behind compute already, and "
+            "then wasted prefetch reads only cost time); 0: prefetch always reads"),
 };
 
 #undef MOETIER_ROW
@@ -111,6 +116,7 @@ struct moetier_params moetier_default_params(void) {
         /*.fitted_prefetch=*/true,
         /*.lock_weights=*/true,
         /*.verify_all  =*/true,
+        /*.prefetch_gate=*/true,
     };
     return p;
 }

@@ -15,13 +15,15 @@ moetier_prefetch_stacked::moetier_prefetch_stacked(const std::vector<moetier_pre
                                                    moetier_slots &                             lo,
                                                    moetier_io_pool &                           io_,
                                                    const moetier_precision_rule &              rule_,
-                                                   float                                       waste_) :
+                                                   float                                       waste_,
+                                                   bool                                        gate_) :
     n_expert(n_expert_),
     depth(depth_),
     slots{ &hi, &lo },
     io(io_),
     rule(rule_),
-    waste(std::max(0.0f, waste_)) {
+    waste(std::max(0.0f, waste_)),
+    gate(gate_) {
     // the ceiling: two walks' reads of the largest expert. It starts empty: the first reads wait
     // for the bytes of the first misses, and the bound holds from the first token on.
     uint64_t expert_max = 0;
@@ -149,6 +151,9 @@ void moetier_prefetch_stacked::begin(const moetier_layer & layer,
                                      int64_t               n_used,
                                      bool                  check,
                                      uint64_t              pass_) {
+    if (pass_ != pass) {
+        gate.step(pass_, check, moetier_time_us());
+    }
     pass       = pass_;
     cur        = &layer;
     cur_demand = layer.stats.n_bytes_read;
@@ -340,7 +345,8 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
     const int32_t n_free    = std::max(0, max_reads - io.queued_prefetches());
     int32_t       n_reads   = 0;
     int32_t       n_turned  = 0;  // predicted misses this walk did not read (busy disk, byte cap)
-    bool          walking   = true;
+    // standing back (the gate): the predictions are still made and scored, nothing is held or read
+    bool          walking   = gate.reads();
     for (size_t j = 0; j < ls.next.size(); ++j) {
         moetier_layer & T  = *ls.next[j];
         layer_state &   ts = states[T.il];
@@ -481,6 +487,7 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
                 continue;
             }
             set.set_reader(s, id);
+            set.set_unchecked(s, io.uses_uring());  // checked where a layer uses it
             set.hold(s, true);
             ts.prefetched.push_back({ prec, s });
             n_held_high += prec == MOETIER_PRECISION_HIGH ? 1 : 0;
@@ -503,6 +510,11 @@ void moetier_prefetch_stacked::add_stats(moetier_prefetch_stats & out) const {
     out.bytes_wasted += pf.bytes_wasted;
     out.n_capped += pf.n_capped;
     out.n_busy += pf.n_busy;
+    out.n_steps_on += gate.n_on;
+    out.n_steps_off += gate.n_off;
+    // one gate per pool group: the slowest group's times (a model has one group but in rare layouts)
+    out.step_us_on  = std::max(out.step_us_on, (uint64_t) gate.us_on);
+    out.step_us_off = std::max(out.step_us_off, (uint64_t) gate.us_off);
     for (int j = 0; j < MOETIER_MAX_PREFETCH; ++j) {
         out.n_pred[j] += pf.n_pred[j];
         out.n_top1[j] += pf.n_top1[j];
@@ -512,6 +524,8 @@ void moetier_prefetch_stacked::add_stats(moetier_prefetch_stats & out) const {
 }
 
 void moetier_prefetch_stacked::reset_stats() {
-    pf = {};
+    pf         = {};
+    gate.n_on  = 0;
+    gate.n_off = 0;
     bytes_read.store(0, std::memory_order_relaxed);
 }

@@ -24,6 +24,7 @@
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
+#include "moetier-gate.h"
 #include "moetier-iopool.h"
 #include "moetier-layer.h"
 #include "moetier-precision.h"
@@ -91,7 +92,8 @@ struct moetier_prefetch_layer {
 class moetier_prefetch_stacked : public moetier_prefetch_i {
   public:
     // layers: the group's served layers; slots: its pools (high, low); depth: p; waste: the byte cap's
-    // share (moetier_params.prefetch_waste). throws std::runtime_error
+    // share (moetier_params.prefetch_waste); gate: prefetch measures whether it pays (moetier_prefetch_gate).
+    // throws std::runtime_error
     moetier_prefetch_stacked(const std::vector<moetier_prefetch_layer> & layers,
                              int32_t                                     depth,
                              int32_t                                     n_expert,
@@ -99,7 +101,8 @@ class moetier_prefetch_stacked : public moetier_prefetch_i {
                              moetier_slots &                             lo,
                              moetier_io_pool &                           io,
                              const moetier_precision_rule &              rule,
-                             float                                       waste);
+                             float                                       waste,
+                             bool                                        gate);
 
     // moetier_prefetch_i
     ggml_tensor * router_stack(int32_t il) const override;
@@ -169,6 +172,7 @@ class moetier_prefetch_stacked : public moetier_prefetch_i {
     uint64_t              cur_used   = 0;        // bytes of the prefetches it used
     void                  refund(const moetier_layer & layer, moetier_precision prec);
 
+    moetier_prefetch_gate  gate;
     moetier_prefetch_stats pf = {};          // resolve-side counters (thread 0)
     std::atomic<uint64_t>  bytes_read{ 0 };  // added by the read callbacks (io tasks' bytes_done)
 };

@@ -50,8 +50,10 @@ bool moetier_read_verify(const moetier_layer & l,
 
 // The I/O pool's callbacks for a task (task.layer is a moetier_layer): an I/O thread reads the whole
 // expert (bb: the thread's bounce buffer); the ring prepares it as one vectored O_DIRECT read of a
-// store, or a read per projection of a GGUF into the task's staging buffer, and checks it (a store's)
-// or copies it into the slot (a GGUF's) once read. On success each adds the bytes read to task.bytes_done, if set.
+// store, or a read per projection of a GGUF into the task's staging buffer, and copies it into the
+// slot (a GGUF's) once read. An I/O thread checks a store's read against its checksums; a ring read
+// is left unchecked (the cache checks it where a layer uses it). On success each adds the bytes read
+// to task.bytes_done, if set.
 bool moetier_read_io(const moetier_io_task & task, moetier_aligned_buffer & bb, std::string & err) noexcept;
 bool moetier_read_io_prep(const moetier_io_task & task, moetier_io_vec_read & rd, std::string & err) noexcept;
 bool moetier_read_io_finish(const moetier_io_task & task, const moetier_io_vec_read & rd, std::string & err) noexcept;

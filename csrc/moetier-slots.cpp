@@ -14,6 +14,7 @@ moetier_slots::moetier_slots(moetier_precision prec, int32_t n_slots, int32_t n_
     pinned.assign(n_slots, 0);
     readers.assign(n_slots, -1);
     holds.assign(n_slots, 0);
+    unchecked.assign(n_slots, 0);
     mask.assign(n_slots, 0);
     free_slots.resize(n_slots);
     for (int32_t s = 0; s < n_slots; ++s) {
@@ -90,7 +91,8 @@ void moetier_slots::drop(int32_t s) noexcept {
     }
     slot_of[k.layer][k.expert] = -1;
     --held[k.layer];
-    keys[s] = moetier_key{};
+    keys[s]      = moetier_key{};
+    unchecked[s] = 0;
     free_slots.push_back(s);
 }
 
@@ -142,6 +144,7 @@ int32_t moetier_slots::take(const moetier_key & key, const moetier_policy_ctx & 
     }
     keys[s]                        = key;
     slot_of[key.layer][key.expert] = s;
+    unchecked[s]                   = 0;
     ++held[key.layer];
     policy->on_load(s, key, prec_ == MOETIER_PRECISION_HIGH, pctx);
     return s;

@@ -87,6 +87,12 @@ class moetier_slots {
 
     void hold(int32_t s, bool h) { holds[s] = h ? 1 : 0; }
 
+    // read on the io_uring and not yet checked against the store's checksums: the load op of the
+    // layer that uses it checks it first (take and drop clear it: the slot's content is new)
+    bool is_unchecked(int32_t s) const { return unchecked[s] != 0; }
+
+    void set_unchecked(int32_t s, bool u) { unchecked[s] = u ? 1 : 0; }
+
     //
     // policy
     //
@@ -118,6 +124,7 @@ class moetier_slots {
     std::vector<uint8_t>              pinned;      // [n_slots]
     std::vector<int32_t>              readers;     // [n_slots]
     std::vector<uint8_t>              holds;       // [n_slots]
+    std::vector<uint8_t>              unchecked;   // [n_slots]
 
     // scratch of take()
     std::vector<uint8_t> mask;  // [n_slots] 1 = not a candidate

@@ -76,6 +76,9 @@ struct moetier_params {
                            // then takes the page cache and the expert cache's reads, never them
     bool verify_all;       // check every read of a store against its checksums (the default); false: the
                            // first read of each expert copy in this process only
+    bool prefetch_gate;    // prefetch measures whether it pays: decode steps alternate between windows with
+                           // and without prefetch reads, the faster arm runs on and is measured again
+                           // later (the default); false: prefetch always reads
 };
 
 // cache_bytes of an automatic budget: the memory limit (cgroup v2 memory.max, cgroup v1
@@ -227,16 +230,20 @@ struct moetier_cache_info {
 #define MOETIER_MAX_PREFETCH 8
 
 struct moetier_prefetch_stats {
-    uint64_t n_issued;                      // expert reads queued by prefetch
-    uint64_t n_hits;                        // needed experts that a prefetch had read (or was reading)
-    uint64_t n_waits;                       // ... of which the layer had to wait for the read to finish
-    uint64_t n_claimed;                     // queued prefetches of needed experts taken over by the on-demand load
-    uint64_t n_cancelled;                   // queued prefetches of experts the layer did not need, dropped unread
-    uint64_t n_wasted;                      // prefetched experts the layer did not need, read anyway
-    uint64_t bytes_read;                    // bytes read by prefetch
-    uint64_t bytes_wasted;                  // ... for experts the layer did not need
-    uint64_t n_capped;                      // predicted misses not read: the byte cap (prefetch_waste) was spent
-    uint64_t n_busy;                        // predicted misses not read: the disk was behind (reads still queued)
+    uint64_t n_issued;      // expert reads queued by prefetch
+    uint64_t n_hits;        // needed experts that a prefetch had read (or was reading)
+    uint64_t n_waits;       // ... of which the layer had to wait for the read to finish
+    uint64_t n_claimed;     // queued prefetches of needed experts taken over by the on-demand load
+    uint64_t n_cancelled;   // queued prefetches of experts the layer did not need, dropped unread
+    uint64_t n_wasted;      // prefetched experts the layer did not need, read anyway
+    uint64_t bytes_read;    // bytes read by prefetch
+    uint64_t bytes_wasted;  // ... for experts the layer did not need
+    uint64_t n_capped;      // predicted misses not read: the byte cap (prefetch_waste) was spent
+    uint64_t n_busy;        // predicted misses not read: the disk was behind (reads still queued)
+    uint64_t n_steps_on;    // decode steps with prefetch reading (prefetch_gate: it measured that it pays)
+    uint64_t n_steps_off;   // decode steps with prefetch standing back (measured not to pay, or being measured)
+    uint64_t step_us_on;    // median decode step time with prefetch reading, latest measurement (us; 0: none yet)
+    uint64_t step_us_off;   // ... standing back
     uint64_t n_pred[MOETIER_MAX_PREFETCH];  // predictions checked per distance
     uint64_t n_top1[MOETIER_MAX_PREFETCH];  // predicted top-1 == actual top-1
     uint64_t n_allk[MOETIER_MAX_PREFETCH];  // predicted set == actual set

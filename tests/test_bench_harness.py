@@ -203,6 +203,9 @@ def test_prefetch_summary() -> None:
     assert (s["capped_per_token"], s["busy_per_token"]) == (0.0, 0.0)  # an engine before the byte cap
     s = run.prefetch_summary({**pf, "n_capped": 10, "n_busy": 4}, 20)
     assert s is not None and (s["capped_per_token"], s["busy_per_token"]) == (0.5, 0.2)
+    assert s["reading_share"] is None  # an engine before the prefetch gate
+    s = run.prefetch_summary({**pf, "n_steps_on": 15, "n_steps_off": 5}, 20)
+    assert s is not None and s["reading_share"] == 0.75
     assert run.prefetch_summary({**pf, "n_issued": 0}, 20) is None
     assert run.prefetch_summary(None, 20) is None
 

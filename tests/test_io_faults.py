@@ -30,7 +30,9 @@ def setup(tiny_model: ModelFactory, tmp_path: Path) -> tuple[Path, Path, int]:
 
 def _model(setup: tuple[Path, Path, int], io_uring: int, prefetch: int, verify_all: bool = False) -> Model:
     path, store, lo = setup
-    cache = CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch, verify_all=verify_all)
+    cache = CacheConfig.exact(
+        budget=lo, io_uring=io_uring, prefetch=prefetch, prefetch_gate=False, verify_all=verify_all
+    )
     return Model(path, store=store, cache=cache)
 
 
@@ -110,7 +112,7 @@ def test_gguf_transient_faults_are_read_again(
     want = stock.logits(tokens)
     monkeypatch.setenv("MOETIER_FAULTS", faults)
     lo = int(Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
-    m = Model(path, cache=CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch))
+    m = Model(path, cache=CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch, prefetch_gate=False))
     info = m.cache_info()
     assert info["from_store"] is False and info["direct_io"] is True
     assert info["io_uring"] is bool(io_uring), info
@@ -125,7 +127,7 @@ def test_gguf_persistent_fault_fails_cleanly(
 ) -> None:
     path = setup[0]
     lo = int(Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
-    cache = CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch)
+    cache = CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch, prefetch_gate=False)
     monkeypatch.setenv("MOETIER_FAULTS", "eio:1")
     with pytest.raises(MoetierError, match=rf"{path.name}.*Input/output error"):
         Model(path, cache=cache).generate(LONG_PROMPT, max_tokens=4)

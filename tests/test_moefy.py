@@ -430,7 +430,7 @@ def test_balance_writes_a_selection_bias_that_stock_the_cache_and_the_prefetch_f
     stock = Model(forced)
     toks = stock.tokenize(LONG_PROMPT)
     lo = int(Model(forced, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
-    m = Model(forced, cache=CacheConfig.exact(budget=lo * 3 // 2, prefetch=1))
+    m = Model(forced, cache=CacheConfig.exact(budget=lo * 3 // 2, prefetch=1, prefetch_gate=False))
     assert m.generate(toks, max_tokens=24).tokens == stock.generate(toks, max_tokens=24).tokens
     p = m.prefetch_stats()
     assert p.n_pred[0] > 0 and p.n_allk[0] == p.n_pred[0], p

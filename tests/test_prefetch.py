@@ -1,5 +1,7 @@
 """Layer-level adaptive prefetch (HOBBIT sec. 3.3): background reads never change the output, every
-queued read is accounted for, and the prediction counters are consistent."""
+queued read is accounted for, and the prediction counters are consistent. These tests count what
+prefetch reads, so they turn its gate off (prefetch_gate=False: it always reads, whatever the step
+times say; the gate has its own tests in test_prefetch_gate.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def test_prefetch_never_changes_output(model_and_store: tuple[Path, Path], use_s
         m = Model(
             path,
             store=store if use_store else None,
-            cache=CacheConfig.exact(budget=budget, prefetch=prefetch, io_threads=2),
+            cache=CacheConfig.exact(budget=budget, prefetch=prefetch, prefetch_gate=False, io_threads=2),
         )
         np.testing.assert_allclose(m.logits(tokens), stock.logits(tokens), rtol=0, atol=1e-5)
         assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
@@ -64,7 +66,11 @@ def test_prefetch_with_mixed_precision(model_and_store: tuple[Path, Path]) -> No
     stock = Model(path)
     tokens = stock.tokenize(LONG_PROMPT)
     lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
-    m = Model(path, store=store, cache=CacheConfig(budget=3 * lo, t1=0.3, t2=1.0, low_frac=0.3, prefetch=2))
+    m = Model(
+        path,
+        store=store,
+        cache=CacheConfig(budget=3 * lo, t1=0.3, t2=1.0, low_frac=0.3, prefetch=2, prefetch_gate=False),
+    )
     want = stock.logits(tokens)
     err = float(np.abs(m.logits(tokens) - want).max())
     # the same selections skipped (t2 = t1) instead of read in low precision: low copies that
@@ -112,7 +118,7 @@ def test_no_prefetch_nodes_once_every_expert_is_cached(model_and_store: tuple[Pa
     path, store = model_and_store
     stock = Model(path)
     tokens = stock.tokenize(LONG_PROMPT)
-    m = Model(path, store=store, cache=CacheConfig.exact("64M", prefetch=2))
+    m = Model(path, store=store, cache=CacheConfig.exact("64M", prefetch=2, prefetch_gate=False))
     info = m.cache_info()
     assert info["n_slots"] >= info["n_layers"] * info["n_expert"], info
     m.generate(tokens, max_tokens=4)
@@ -138,7 +144,7 @@ def test_prefetch_reads_per_layer_at_most_in_flight(model_and_store: tuple[Path,
     issued = {}
     for lanes in (1, 4):
         # no byte cap: the lanes alone bound the reads here
-        cfg = CacheConfig.exact(budget=2 * lo, prefetch=1, io_threads=lanes, prefetch_waste=100)
+        cfg = CacheConfig.exact(budget=2 * lo, prefetch=1, prefetch_gate=False, io_threads=lanes, prefetch_waste=100)
         m = Model(path, store=store, cache=cfg)
         assert m.generate(tokens, max_tokens=16).tokens == stock.generate(tokens, max_tokens=16).tokens
         _settled(m, 1)
@@ -253,7 +259,7 @@ def test_stale_or_broken_predictor_is_ignored_with_a_warning(model_copy: Path, t
             w.write_tensors_to_file()
             w.close()
             path.with_name("x.gguf").replace(path)
-        m = Model(model_copy, cache=CacheConfig.exact(budget="64M", prefetch=1))
+        m = Model(model_copy, cache=CacheConfig.exact(budget="64M", prefetch=1, prefetch_gate=False))
         assert m.prefetch_source == "stacked routers"
         assert len(m.warnings) == 1 and m.warnings[0].startswith("prefetch predictor ignored, the routers predict:")
         assert str(path) in m.warnings[0]
@@ -291,7 +297,9 @@ def test_prefetch_byte_cap_bounds_wasted_reads(model_copy: Path) -> None:
     lo = int(Model(model_copy, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
     share = {}
     for waste in (0.0, 0.25, 100.0):
-        cfg = CacheConfig.exact(budget=2 * lo, prefetch=1, io_threads=4, prefetch_waste=waste, warm=False)
+        cfg = CacheConfig.exact(
+            budget=2 * lo, prefetch=1, prefetch_gate=False, io_threads=4, prefetch_waste=waste, warm=False
+        )
         m = Model(model_copy, cache=cfg)
         assert m.prefetch_source.startswith("fitted predictor")
         assert m.generate(tokens, max_tokens=16).tokens == want
@@ -318,7 +326,9 @@ def test_prefetch_stands_back_when_the_disk_is_behind(model_copy: Path, monkeypa
     monkeypatch.setenv("MOETIER_FAULTS", "slow:1")
     # most of the model cached: walks often find a layer's predictions cached and read further ahead,
     # and those reads are the ones still queued when the next walk starts
-    cfg = CacheConfig.exact(budget=4 * lo, prefetch=3, io_threads=2, prefetch_waste=100, warm=False, io_uring=False)
+    cfg = CacheConfig.exact(
+        budget=4 * lo, prefetch=3, prefetch_gate=False, io_threads=2, prefetch_waste=100, warm=False, io_uring=False
+    )
     m = Model(model_copy, cache=cfg)
     assert m.generate(tokens, max_tokens=24).tokens == want
     p = m.prefetch_stats()
@@ -342,7 +352,7 @@ def test_stacked_prediction_chooses_with_the_selection_bias(tiny_model: ModelFac
     stock = Model(path)
     tokens = stock.tokenize(LONG_PROMPT)
     lo = int(Model(path, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
-    m = Model(path, cache=CacheConfig.exact(budget=2 * lo, prefetch=2))
+    m = Model(path, cache=CacheConfig.exact(budget=2 * lo, prefetch=2, prefetch_gate=False))
     assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
     n_pred, _, n_allk, _ = _pred_counts(m)
     assert n_pred[0] > 0 and n_pred[1] > 0 and n_allk[:2] == n_pred[:2], (n_pred, n_allk)

@@ -24,7 +24,7 @@ namespace py = pybind11;
     X(n_loads_low) X(n_skipped) X(n_bytes_low)
 #define MOETIER_PREFETCH_STATS_FIELDS(X) \
     X(n_issued) X(n_hits) X(n_waits) X(n_claimed) X(n_cancelled) X(n_wasted) X(bytes_read) X(bytes_wasted) \
-    X(n_capped) X(n_busy)
+    X(n_capped) X(n_busy) X(n_steps_on) X(n_steps_off) X(step_us_on) X(step_us_off)
 #define MOETIER_PREFETCH_STATS_ARRAYS(X) X(n_pred) X(n_top1) X(n_allk) X(n_any)
 // clang-format on
 

@@ -84,6 +84,7 @@ class CacheConfig:
     fitted_prefetch: bool = field(default=bool(_DEFAULTS.fitted_prefetch), metadata={"help": _help("fitted_prefetch")})
     lock_weights: bool = field(default=bool(_DEFAULTS.lock_weights), metadata={"help": _help("lock_weights")})
     verify_all: bool = field(default=bool(_DEFAULTS.verify_all), metadata={"help": _help("verify_all")})
+    prefetch_gate: bool = field(default=bool(_DEFAULTS.prefetch_gate), metadata={"help": _help("prefetch_gate")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget", auto=True))

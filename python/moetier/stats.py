@@ -249,7 +249,9 @@ def _cache_rows(w: _View) -> None:
     used, wasted = w.v(EC + "prefetch_used_total"), w.v(EC + "prefetch_wasted_total")
     if used is not None or wasted is not None:
         u, x = used or 0.0, wasted or 0.0
-        w.row("prefetch", f"used {_num(u)}  wasted {_num(x)} ({_pct(x, u + x)} of the prefetched experts)")
+        on, off = w.v(EC + "prefetch_on_steps_total") or 0.0, w.v(EC + "prefetch_off_steps_total") or 0.0
+        gate = f"  reading in {_pct(on, on + off)} of decode steps" if on + off > 0 else ""
+        w.row("prefetch", f"used {_num(u)}  wasted {_num(x)} ({_pct(x, u + x)} of the prefetched experts){gate}")
 
 
 def _server_rows(w: _View) -> None:
