@@ -205,8 +205,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     def per_repeat(key: str) -> list[float]:
         return [statistics.mean(run[key] for run in r["runs"]) for r in ok]
 
-    def stat(xs: list[float]) -> dict[str, float]:
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    def stat(xs: list[float]) -> dict[str, Any]:
+        # values: per repeat, in run order (repeat i of every configuration ran in the same round)
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
 
     def decode_steps(r: dict[str, Any]) -> int:
         # the first token comes out of the prompt's pass: decode is the steps after it
@@ -317,6 +318,12 @@ def main() -> None:
         "--upstream-variants",
         default="upstream=;upstream-norepack=--no-repack;upstream-dio=--load-mode dio",
         help="upstream configurations NAME=FLAGS;... (llama-completion flags)",
+    )
+    p.add_argument(
+        "--skip-stock-capped",
+        action="store_true",
+        help="leave out stock llama.cpp under each cap (it reads nearly every expert for each token: hours with a "
+        "throttled disk); the runs then compare the moetier variants with each other",
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is abandoned (thrashing)")
     p.add_argument(
@@ -434,7 +441,8 @@ def main() -> None:
     for pct in [int(x) for x in a.budgets.split(",")]:
         budget = max(int(info["min_cache_bytes"]), expert_bytes * pct // 100)
         cap = non_expert + budget + headroom
-        configs.append((f"stock-capped-{pct}", ["--no-repack"], cap, None, "worker.py"))
+        if not a.skip_stock_capped:
+            configs.append((f"stock-capped-{pct}", ["--no-repack"], cap, None, "worker.py"))
         for name, policy, opts in variants:
             size, opts = cache_flag(opts, budget)
             store, opts = store_flag(opts, a.store)
@@ -549,7 +557,13 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         "|" + "---|" * 13,
     ]
     variants = report.get("variants", ["moetier"])
-    pcts = sorted({int(k.rsplit("-", 1)[1]) for k in runs if k.startswith("stock-capped-")})
+    pcts = sorted(
+        {
+            int(tail)
+            for head, _, tail in (k.rpartition("-") for k in runs)
+            if tail.isdigit() and (head == "stock-capped" or head in variants)
+        }
+    )
     bound_bytes = report["disk_odirect_bytes_per_s"]
     in_ram = ["stock-ram", "stock-ram-norepack"] + [n for n in runs if n.endswith("-ram") and n != "stock-ram"]
     names = in_ram + [f"{k}-{p}" for p in pcts for k in ("stock-capped", *variants)]

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "probe
 
 import cgroup
 import contention_probe
+import defaults
 import diskstat
 import frontier
 import io_cost
@@ -546,6 +547,34 @@ def test_throttle_reaches_every_run_and_the_table(
     assert "every run's reads throttled to 200 MB/s" in out.with_name("res.md").read_text().splitlines()[0]
 
 
+def test_skip_stock_capped_runs_the_variants_alone(
+    tiny_model: ModelFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--skip-stock-capped: no stock run under a cap; the variants' rows are still written, compared
+    with nothing under the cap ('-') and with stock in RAM."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=8)
+    ran: list[list[str]] = []
+
+    def fake_worker(args: list[str], cap: object, timeout: float, script: str, throttle: object = None) -> object:
+        ran.append(args)
+        return _worker([1.0], 1, 2, 100) | {"cgroup_peak_bytes": 0}
+
+    monkeypatch.setattr(run, "run_worker", fake_worker)
+    _fake_machine(monkeypatch)
+    out = tmp_path / "res"
+    argv = ["run.py", "--model", str(path), "--budgets", "25,50", "--repeats", "1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--variants", "a=lru:prefetch=0;b=reuse-rank:", "--skip-stock-capped"])
+    run.main()
+    # the headroom probe and stock in RAM twice, then 2 variants x 2 budgets
+    assert all("--cache" in r for r in ran[3:]) and len(ran) == 3 + 2 * 2
+    report = json.loads(out.with_name("res.json").read_text())
+    assert not any(k.startswith("stock-capped") for k in report["runs"])
+    table = out.with_name("res.md").read_text().split("\n\n")[1]  # the first table
+    rows = [line for line in table.splitlines() if line.startswith(("| a-", "| b-"))]
+    assert [r.split(" | ")[0] for r in rows] == ["| a-25", "| b-25", "| a-50", "| b-50"]
+    assert all(r.split(" | ")[3] == "-" for r in rows)
+
+
 @pytest.mark.skipif(not cgroup.available(), reason="needs a writable cgroup v1 memory controller")
 def test_memory_cap_limits_and_joins() -> None:
     cap = cgroup.MemoryCap(f"moetier-test-{id(object())}", 256 << 20)
@@ -763,3 +792,37 @@ def test_read_throttle_slows_direct_reads(tmp_path: Path) -> None:
         throttle.close()
         data.unlink(missing_ok=True)
     assert not throttle.path.exists()
+
+
+def test_defaults_runs_each_model_and_disk_once_and_ratios_pair_repeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/defaults.py: one run.py per (model, disk), throttled where asked, skipped when its JSON
+    exists (resumable); the summary divides medians and pairs the repeats in run order."""
+    cmds: list[list[str]] = []
+
+    def speed(xs: list[float]) -> dict[str, object]:
+        return {"decode_tok_s": {"median": sorted(xs)[len(xs) // 2], "values": xs}}
+
+    def fake_run(cmd: list[str], check: bool) -> None:
+        cmds.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        runs = {"lru-high-10": speed([10.0, 10.0, 8.0]), "default-10": speed([11.0, 12.0, 8.0])}
+        out.with_suffix(".json").write_text(json.dumps({"runs": runs}))
+
+    monkeypatch.setattr(defaults.subprocess, "run", fake_run)
+    out = tmp_path / "d"
+    (tmp_path / "d-b-full.json").write_text(json.dumps({"runs": {}}))  # done before
+    argv = ["defaults.py", "--model", "a=/m/a.gguf:/m/a.experts", "--model", "b=/m/b.gguf", "--budgets", "10"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--disks", "full,200", "--out", str(out)])
+    defaults.main()
+    outs = [c[c.index("--out") + 1] for c in cmds]
+    assert outs == [str(tmp_path / n) for n in ("d-a-full", "d-a-200mbps", "d-b-200mbps")]
+    assert "--throttle-read-mbps" not in cmds[0] and cmds[1][cmds[1].index("--throttle-read-mbps") + 1] == "200"
+    assert cmds[0][cmds[0].index("--store") + 1] == "/m/a.experts" and "--store" not in cmds[2]
+    assert all("--skip-stock-capped" in c for c in cmds)
+    table = (tmp_path / "d.md").read_text()
+    assert "| a | full speed | default | 1.10x (1.00-1.20; 11.00 vs 10.00) |" in table
+    assert "| b | full speed | default | - |" in table
+    with pytest.raises(SystemExit, match="NAME=MODEL"):
+        defaults.parse_model("a.gguf")
