@@ -69,7 +69,7 @@ def test_summarize_medians_and_counters() -> None:
         ]
     )
     assert s["repeats"] == 3
-    assert s["decode_tok_s"] == {"median": 15.0, "min": 2.0, "max": 30.0}
+    assert s["decode_tok_s"] == {"median": 15.0, "min": 2.0, "max": 30.0, "values": [15.0, 30.0, 2.0]}
     assert s["hit_rate"] == pytest.approx(6 / 8)
     assert s["bytes_read_per_token"] == pytest.approx(600 / 30)  # 2 prompts x (10 + 5) tokens
     assert s["disk_read_per_token"] == pytest.approx(900 / 30)  # the median repeat

@@ -48,6 +48,7 @@ class Params:
     fitted_prefetch: bool
     lock_weights: bool
     verify_all: bool
+    prefetch_gate: bool
     def __init__(self) -> None: ...
     def check(self) -> str | None: ...
     def set_opts(self, opts: str) -> None: ...
@@ -101,6 +102,10 @@ class PrefetchStats:
     bytes_wasted: int
     n_capped: int
     n_busy: int
+    n_steps_on: int
+    n_steps_off: int
+    step_us_on: int
+    step_us_off: int
     @property
     def n_pred(self) -> list[int]: ...
     @property
