@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <stdexcept>
+#include <thread>
 #if defined(__x86_64__) || defined(__i386__)
 #    include <immintrin.h>
 #endif
@@ -12,8 +13,13 @@
 // upper bound on compute threads that may run the load op; bounce buffers are per thread index
 static constexpr int MOETIER_MAX_THREADS = 512;
 
-// a spinning thread's hint to the core (as ggml's barrier spins)
-static inline void moetier_cpu_relax() {
+// a thread that found nothing to do for `idle` rounds: spin a little (as ggml's barrier does), then
+// give the core away (thread 0 may be asleep in a wait for the disk, and a core may be shared)
+static inline void moetier_relax(int32_t idle) {
+    if (idle > 256) {
+        std::this_thread::yield();
+        return;
+    }
 #if defined(__x86_64__) || defined(__i386__)
     _mm_pause();
 #elif defined(__aarch64__)
@@ -84,6 +90,9 @@ void moetier_cache::clear_error() {
 }
 
 void moetier_cache::reset_sequence() {
+    // a new sequence skips a pass number: the time between the last sequence's step and the next
+    // one's is not a step's (the prefetch gate times consecutive passes only)
+    ++n_pass;
     seq_tick                   = tick;
     seq_pass                   = n_pass + 1;
     last_layer                 = INT32_MAX;  // the next resolve starts a forward pass
@@ -246,6 +255,7 @@ void moetier_cache::finish(moetier_pass & p) noexcept {
     p.n_tasks  = 0;
     p.n_checks = 0;
     p.n_checks_taken.store(0, std::memory_order_relaxed);
+    p.n_checks_done.store(0, std::memory_order_relaxed);
     p.layer = nullptr;
 }
 
@@ -270,14 +280,17 @@ void moetier_cache::end_check_read(moetier_pass & p, int32_t k, bool ok, bool se
     }
     p.n_checks_taken.fetch_add(1, std::memory_order_relaxed);
     p.check_states[k].store(settled ? moetier_pass::CHECK_OK : moetier_pass::CHECK_FAILED, std::memory_order_release);
+    p.n_checks_done.fetch_add(1, std::memory_order_release);
 }
 
 void moetier_cache::run_checks(moetier_pass & p, int ith) noexcept {
-    const int32_t n = p.n_checks;
+    const int32_t n    = p.n_checks;
+    int32_t       idle = 0;
     while (p.n_checks_taken.load(std::memory_order_acquire) < n) {
         bool took = false;
-        for (int32_t k = 0; k < n; ++k) {
-            uint8_t st = moetier_pass::CHECK_READ;
+        for (int32_t j = 0; j < n; ++j) {
+            const int32_t k  = (j + ith) % n;  // the threads start apart: fewer fights over one entry
+            uint8_t       st = moetier_pass::CHECK_READ;
             if (p.check_states[k].load(std::memory_order_relaxed) != st ||
                 !p.check_states[k].compare_exchange_strong(st, moetier_pass::CHECK_BUSY, std::memory_order_acquire)) {
                 continue;
@@ -303,9 +316,16 @@ void moetier_cache::run_checks(moetier_pass & p, int ith) noexcept {
             }
             p.check_states[k].store(ok ? moetier_pass::CHECK_OK : moetier_pass::CHECK_FAILED,
                                     std::memory_order_release);
+            p.n_checks_done.fetch_add(1, std::memory_order_release);
         }
-        if (!took) {
-            moetier_cpu_relax();
+        idle = took ? 0 : idle + 1;
+        moetier_relax(idle);
+    }
+    if (ith == 0) {
+        // the abort callback runs on thread 0 right after this op: a failed check must be known
+        // by then, so that no matmul runs on the slot (the others may still be checking)
+        while (p.n_checks_done.load(std::memory_order_acquire) < n) {
+            moetier_relax(++idle);
         }
     }
 }
@@ -537,10 +557,10 @@ void moetier_cache::start_reads(moetier_pass & p) noexcept {
         task.slot   = t.read.slot;
         task.proj   = t.read.proj;
         t.io_id     = io->submit(task, /*is_urgent =*/true);
-        if (t.io_id >= 0) {
-            sets[t.read.prec]->set_unchecked(t.read.slot, true);
-            t.check = add_check(p, t.read.prec, t.read.slot, /*read=*/false);
-        }
+        // a ring read is checked by the load op; without one (no free entry) the load op reads
+        // the slot itself and checks it there
+        sets[t.read.prec]->set_unchecked(t.read.slot, t.io_id >= 0 && moetier_read_checked(*t.read.layer, t.read.prec));
+        t.check = add_check(p, t.read.prec, t.read.slot, /*read=*/false);
     }
 }
 

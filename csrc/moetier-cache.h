@@ -82,6 +82,7 @@ struct moetier_pass {
     int32_t                                 n_checks = 0;
     std::unique_ptr<std::atomic<uint8_t>[]> check_states;         // [checks.size()] check_state
     std::atomic<int32_t>                    n_checks_taken{ 0 };  // entries a thread took (or thread 0 settled)
+    std::atomic<int32_t>                    n_checks_done{ 0 };   // entries OK or FAILED
     int32_t                                 n_used = 0;           // selected experts per token
     bool                 loaded = false;  // thread 0 of the load op is done (reads performed or waited for)
     std::atomic<int64_t> t_load_begin_us{ 0 };

@@ -14,11 +14,10 @@ void moetier_prefetch_gate::step(uint64_t pass, bool decode, int64_t now_us) {
     if (cur_timed && decode && pass == cur_pass + 1) {
         samples[cur_on ? 1 : 0].push_back(now_us - cur_start);
     }
-    cur_pass   = pass;
-    cur_start  = now_us;
-    cur_decode = decode;
-    cur_timed  = false;
-    cur_on     = true;
+    cur_pass  = pass;
+    cur_start = now_us;
+    cur_timed = false;
+    cur_on    = true;
     if (!enabled || !decode) {
         return;
     }
@@ -59,12 +58,12 @@ static int64_t moetier_median(std::vector<int64_t> & x) {
 void moetier_prefetch_gate::decide() {
     idx               = 0;
     win               = 0;
-    // too few steps of an arm were timed (requests of a token or two): measure again
+    // too few steps of an arm were timed (requests of a token or two): prefetch reads, as it
+    // would without the gate, until the next probe
     const size_t need = (size_t) (window - 1);
     if (samples[0].size() < need || samples[1].size() < need) {
-        on = true;
-        samples[0].clear();
-        samples[1].clear();
+        on      = true;
+        probing = false;
         return;
     }
     us_off  = moetier_median(samples[0]);

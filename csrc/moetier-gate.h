@@ -42,9 +42,8 @@ class moetier_prefetch_gate {
     std::vector<int64_t> samples[2];      // step times of the probe: [0] standing back, [1] reading
 
     // the current pass
-    uint64_t cur_pass   = 0;
-    int64_t  cur_start  = 0;
-    bool     cur_decode = false;
-    bool     cur_timed  = false;
-    bool     cur_on     = true;
+    uint64_t cur_pass  = 0;
+    int64_t  cur_start = 0;
+    bool     cur_timed = false;
+    bool     cur_on    = true;
 };

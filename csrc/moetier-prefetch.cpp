@@ -487,7 +487,7 @@ void moetier_prefetch_stacked::predict(const moetier_layer &      layer,
                 continue;
             }
             set.set_reader(s, id);
-            set.set_unchecked(s, io.uses_uring());  // checked where a layer uses it
+            set.set_unchecked(s, io.uses_uring() && moetier_read_checked(T, prec));  // checked where a layer uses it
             set.hold(s, true);
             ts.prefetched.push_back({ prec, s });
             n_held_high += prec == MOETIER_PRECISION_HIGH ? 1 : 0;
@@ -510,9 +510,10 @@ void moetier_prefetch_stacked::add_stats(moetier_prefetch_stats & out) const {
     out.bytes_wasted += pf.bytes_wasted;
     out.n_capped += pf.n_capped;
     out.n_busy += pf.n_busy;
-    out.n_steps_on += gate.n_on;
-    out.n_steps_off += gate.n_off;
-    // one gate per pool group: the slowest group's times (a model has one group but in rare layouts)
+    // one gate per pool group (a model has one but in rare layouts), and each sees every decode
+    // step: the most steps and the slowest group's times
+    out.n_steps_on  = std::max(out.n_steps_on, gate.n_on);
+    out.n_steps_off = std::max(out.n_steps_off, gate.n_off);
     out.step_us_on  = std::max(out.step_us_on, (uint64_t) gate.us_on);
     out.step_us_off = std::max(out.step_us_off, (uint64_t) gate.us_off);
     for (int j = 0; j < MOETIER_MAX_PREFETCH; ++j) {

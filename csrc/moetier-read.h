@@ -41,6 +41,11 @@ bool moetier_read_expert(const moetier_layer &    l,
                          moetier_aligned_buffer & bb,
                          moetier_error &          err) noexcept;
 
+// whether a read of layer l in precision prec has checksums to check (a store's; a GGUF's has none)
+inline bool moetier_read_checked(const moetier_layer & l, moetier_precision prec) {
+    return !l.file_order[prec].empty();
+}
+
 // the checksums of every projection of expert e in slot s (nothing to check when reading a GGUF)
 bool moetier_read_verify(const moetier_layer & l,
                          moetier_precision     prec,

@@ -102,20 +102,23 @@ def test_prompts_and_gaps_are_not_timed(driver: Path) -> None:
     assert reads[-1] == 0 and (n_on, n_off) == (PROBE // 2, PROBE // 2 + 1)
 
 
-def test_too_few_timed_steps_measure_again(driver: Path) -> None:
-    """Requests of one or two tokens leave an arm with too few timed steps: no decision, prefetch
-    keeps reading, and the next probe starts over."""
+def test_too_few_timed_steps_leave_prefetch_reading(driver: Path) -> None:
+    """Requests of one or two tokens leave an arm with too few timed steps: no decision, and
+    prefetch reads (as without the gate) until the next probe, rather than probing on and on."""
     steps, t, p = [], 0, 0
     for _ in range(PROBE):
         p += 2  # every step follows a prompt: none is timed
         steps.append((p - 1, 0, t))
         steps.append((p, 1, t + 50))
         t += 1000
-    reads, (_, _, us_on, us_off) = drive(driver, [*steps, (p + 1, 1, t)])
+    after = [(p + 1 + i, 1, t + 100 * i) for i in range(KEEP + WINDOW)]
+    reads, (_, _, us_on, us_off) = drive(driver, [*steps, *after])
     assert (us_on, us_off) == (0, 0)
     decode_reads = [r for (_, d, _), r in zip(steps, reads, strict=False) if d]
     assert decode_reads == ([1] * WINDOW + [0] * WINDOW) * ROUNDS
-    assert reads[-1] == 1  # the next probe begins, reading
+    tail = reads[len(steps) :]
+    assert tail[:KEEP] == [1] * KEEP  # reading, not measuring
+    assert tail[KEEP:] == [1] * WINDOW  # then the next probe, which begins with its reading window
 
 
 def test_disabled_always_reads(driver: Path) -> None:
