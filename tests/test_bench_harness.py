@@ -27,6 +27,7 @@ import defaults
 import diskstat
 import frontier
 import io_cost
+import mutation
 import peer_worker
 import predictors
 import run
@@ -826,3 +827,23 @@ def test_defaults_runs_each_model_and_disk_once_and_ratios_pair_repeats(
     assert "| b | full speed | default | - |" in table
     with pytest.raises(SystemExit, match="NAME=MODEL"):
         defaults.parse_model("a.gguf")
+
+
+def test_mutation_report_counts_per_module_and_scores_reached_mutants() -> None:
+    """bench/mutation.py: mutmut's result lines become counts per module; the score is killed over
+    killed + survived (the mutants a test reaches), timeouts and unreached ones apart."""
+    lines = """
+    moetier.config.x_parse_size__mutmut_1: killed
+    moetier.config.x_parse_size__mutmut_2: killed
+    moetier.config.xǁCacheConfigǁ__post_init____mutmut_3: survived
+    moetier.config.x_help__mutmut_4: no tests
+    moetier.errors.xǁMoetierErrorǁ__init____mutmut_1: timeout
+    not a result line
+    """
+    counts = mutation.tally(lines)
+    assert dict(counts["moetier.config"]) == {"killed": 2, "survived": 1, "no tests": 1}
+    assert dict(counts["moetier.errors"]) == {"timeout": 1}
+    data, md = mutation.report(counts, "python bench/mutation.py --mutate config.py")
+    assert data["total"] == {"killed": 2, "survived": 1, "no tests": 1, "timeout": 1}
+    assert "| moetier.config | 4 | 2 | 1 | 0 | 1 | 67% |" in md
+    assert "| moetier.errors | 1 | 0 | 0 | 1 | 0 | - |" in md

@@ -1,0 +1,127 @@
+"""Mutation testing of the Python layer (mutmut 3), outside CI: does a test fail when the code is wrong?
+
+mutmut changes one thing at a time in the package's Python source (an operator, a constant, a
+condition, an argument) and runs the tests that reach the changed function; a mutant no test notices
+"survived". Our package needs three things mutmut does not do on its own, so they are done in a
+scratch git worktree (WORK), never in the checkout:
+
+- mutmut names modules by their path under ./, src/ or source/: the worktree's `python/` becomes `src/`;
+- the native core (`_core`, libllama, the tools in bin/) is copied from the installed package beside the
+  source, so the mutated copy imports (build and install the package first); mutmut puts that copy
+  ahead of the installed package on the tests' path.
+
+The run is resumable (mutmut keeps its state in WORK/mutants: run the same command again to go on).
+Then OUT.json and OUT.md get the counts per file: killed, survived, timed out, not reached by any
+selected test; the score is killed / (killed + survived) over the mutants a test reaches, with
+timeouts counted apart.
+
+    python bench/mutation.py --mutate 'config.py,errors.py' --tests tests/test_params.py,tests/test_errors.py \\
+        --work /tmp/moetier-mutation --out bench/results/mutation-config-2026-11-27
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def installed_package() -> Path:
+    out = subprocess.run(
+        [sys.executable, "-c", "import moetier, os; print(os.path.dirname(moetier.__file__))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
+    return Path(out.stdout.strip())
+
+
+def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
+    """The scratch worktree at HEAD, made once; its mutmut configuration written every time."""
+    if not work.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(work), "HEAD"], check=True)
+        (work / "python").rename(work / "src")
+        pkg = installed_package()
+        for f in [*pkg.glob("*.so"), *pkg.glob("*.so.*")]:
+            shutil.copy2(f, work / "src" / "moetier" / f.name)
+        if (pkg / "bin").is_dir():
+            shutil.copytree(pkg / "bin", work / "src" / "moetier" / "bin", symlinks=True)
+    # setup.cfg lists: one item per line
+    only = "".join(f"\n    src/moetier/{m}" for m in mutate)
+    selection = "".join(f"\n    {t}" for t in tests)
+    (work / "setup.cfg").write_text(
+        "[mutmut]\n"
+        "source_paths=src/moetier\n"
+        f"only_mutate={only}\n"
+        f"pytest_add_cli_args_test_selection={selection}\n"
+        # plain fork deadlocks in the native library's threads
+        "process_isolation=forkserver\n"
+    )
+
+
+def tally(results: str) -> dict[str, Counter[str]]:
+    """`mutmut results --all true` lines ('    moetier.config.x_f__mutmut_3: killed') -> counts per module."""
+    out: dict[str, Counter[str]] = {}
+    for line in results.splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if not sep or "__mutmut_" not in name:
+            continue
+        module = name.split(".x")[0] if ".x" in name else name.rsplit(".", 1)[0]
+        out.setdefault(module, Counter())[status.strip()] += 1
+    return out
+
+
+def report(counts: dict[str, Counter[str]], command: str) -> tuple[dict[str, object], str]:
+    rows = ["| module | mutants | killed | survived | timed out | no test reaches them | score |", "|" + "---|" * 7]
+    total: Counter[str] = Counter()
+    for module in sorted(counts):
+        c = counts[module]
+        total.update(c)
+        rows.append(row(module, c))
+    rows.append(row("**all**", total))
+    md = (
+        "Mutation testing of the Python layer (mutmut 3). Score: killed / (killed + survived), the "
+        f"mutants a selected test reaches; timeouts apart. Made by `{command}`.\n\n" + "\n".join(rows) + "\n"
+    )
+    return {"modules": {m: dict(c) for m, c in counts.items()}, "total": dict(total), "command": command}, md
+
+
+def row(name: str, c: Counter[str]) -> str:
+    reached = c["killed"] + c["survived"]
+    score = f"{100 * c['killed'] / reached:.0f}%" if reached else "-"
+    n = sum(c.values())
+    return f"| {name} | {n} | {c['killed']} | {c['survived']} | {c['timeout']} | {c['no tests']} | {score} |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mutate", required=True, help="modules under python/moetier/ to mutate, comma-separated (globs)")
+    p.add_argument("--tests", required=True, help="test files or node ids that may kill them, comma-separated")
+    p.add_argument("--work", type=Path, default=Path("/tmp/moetier-mutation"), help="the scratch worktree")
+    p.add_argument("--children", type=int, default=1, help="mutants tested at once (mutmut --max-children)")
+    p.add_argument("--out", type=Path, required=True, help="output prefix: OUT.json, OUT.md")
+    a = p.parse_args()
+    if shutil.which("mutmut") is None:
+        msg = "mutmut is not installed: pip install mutmut==3.8.1"
+        raise SystemExit(msg)
+    prepare(a.work, a.mutate.split(","), a.tests.split(","))
+    subprocess.run(["mutmut", "run", "--max-children", str(a.children)], cwd=a.work, check=False)
+    results = subprocess.run(
+        ["mutmut", "results", "--all", "true"], cwd=a.work, capture_output=True, text=True, check=True
+    ).stdout
+    data, md = report(tally(results), "python bench/mutation.py " + " ".join(sys.argv[1:]))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    a.out.with_suffix(".md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
