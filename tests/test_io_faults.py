@@ -81,8 +81,8 @@ def test_persistent_faults_fail_cleanly(
 
 @pytest.mark.parametrize(("io_uring", "prefetch"), PATHS)
 def test_store_copies_checked_once(setup: tuple[Path, Path, int], io_uring: int, prefetch: int) -> None:
-    """By default each expert copy's checksum is checked on its first read only (the check is a pass
-    over its bytes on the core that reads); verify_all checks every read. Both decode exactly."""
+    """verify_all (the default) checks every read; verify_all=0 checks each expert copy's first read
+    only and trusts the copy after. Both decode exactly."""
     want = Model(setup[0]).generate(LONG_PROMPT, max_tokens=24).tokens
     copies = 3 * 8  # layers x experts, high precision only
     for verify_all in (False, True):
