@@ -29,6 +29,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
     return make
 
 
+StoredModel = tuple[Path, Path, int]
+
+
+@pytest.fixture
+def stored_tiny(tiny_model: ModelFactory, tmp_path: Path) -> StoredModel:
+    """A tiny qwen2moe (8 experts, top-2, 3 layers), its store packed under tmp_path, and the smallest
+    cache budget it takes: (model, store, bytes)."""
+    from moetier import CacheConfig, Model, pack
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    store = pack(path, tmp_path / "store", progress=False)
+    lo = int(Model(path, store=store, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    return path, store, lo
+
+
 @pytest.fixture(autouse=True)
 def cold_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every test starts with cold caches: the warm-start sidecars that earlier tests' models wrote

@@ -14,18 +14,15 @@ import numpy as np
 import pytest
 
 from _server import serve
-from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, ConfigError, Model, MoetierError, StoreError, pack
+from conftest import LONG_PROMPT, StoredModel
+from moetier import CacheConfig, ConfigError, Model, MoetierError, StoreError
 
 PATHS = [(0, 0), (0, 1), (1, 0), (1, 1)]  # (io_uring, prefetch)
 
 
 @pytest.fixture
-def setup(tiny_model: ModelFactory, tmp_path: Path) -> tuple[Path, Path, int]:
-    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
-    store = pack(path, tmp_path / "store", progress=False)
-    lo = int(Model(path, store=store, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
-    return path, store, lo
+def setup(stored_tiny: StoredModel) -> StoredModel:
+    return stored_tiny
 
 
 def _model(setup: tuple[Path, Path, int], io_uring: int, prefetch: int, verify_all: bool = False) -> Model:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, Model, pack
+from conftest import LONG_PROMPT, StoredModel
+from moetier import CacheConfig, Model
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW, ROUNDS, KEEP = 8, 2, 256  # the gate's defaults
@@ -128,12 +128,8 @@ def test_disabled_always_reads(driver: Path) -> None:
 
 
 @pytest.mark.parametrize("gate", [True, False])
-def test_gated_prefetch_is_exact_and_counts_every_decode_step(
-    tiny_model: ModelFactory, tmp_path: Path, gate: bool
-) -> None:
-    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
-    store = pack(path, tmp_path / "store", progress=False)
-    lo = int(Model(path, store=store, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+def test_gated_prefetch_is_exact_and_counts_every_decode_step(stored_tiny: StoredModel, gate: bool) -> None:
+    path, store, lo = stored_tiny
     want = Model(path).generate(LONG_PROMPT, max_tokens=PROBE + 4).tokens
     m = Model(path, store=store, cache=CacheConfig.exact(budget=lo + lo // 2, prefetch=2, prefetch_gate=gate))
     m.reset_stats()

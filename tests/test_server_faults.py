@@ -13,19 +13,17 @@ import numpy as np
 import pytest
 
 from _server import serve
-from conftest import ModelFactory
-from moetier import CacheConfig, Model, pack
+from conftest import StoredModel
+from moetier import Model
 
 PROMPT = "The quick brown fox jumps over"
 
 
 @pytest.mark.parametrize("io_uring", [False, True])
 def test_corrupt_expert_fails_the_request_not_the_server(
-    tiny_model: ModelFactory, tmp_path: Path, io_uring: bool
+    stored_tiny: StoredModel, tmp_path: Path, io_uring: bool
 ) -> None:
-    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
-    store = pack(path, tmp_path / "store", progress=False)
-    lo = int(Model(path, store=store, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    path, store, lo = stored_tiny
     want = Model(path).generate(PROMPT, max_tokens=16).text
 
     manifest = json.loads((store / "manifest.json").read_text())
@@ -58,13 +56,11 @@ def test_corrupt_expert_fails_the_request_not_the_server(
         assert srv.proc.poll() is None
 
 
-def test_store_damaged_in_place_never_gives_a_wrong_answer(tiny_model: ModelFactory, tmp_path: Path) -> None:
+def test_store_damaged_in_place_never_gives_a_wrong_answer(stored_tiny: StoredModel, tmp_path: Path) -> None:
     """With the defaults (every read verified), a store damaged in place under a running server, at
     several random ranges of expert bytes: every answer is stock's or an error naming the file, layer
     and expert; once the file is restored the answer is stock's again (nothing damaged stayed cached)."""
-    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
-    store = pack(path, tmp_path / "store", progress=False)
-    lo = int(Model(path, store=store, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
+    path, store, lo = stored_tiny
     want = Model(path).generate(PROMPT, max_tokens=16).text
     manifest = json.loads((store / "manifest.json").read_text())
     # the high copies' byte ranges: what an exact decode reads
