@@ -299,21 +299,9 @@ void moetier_cache::run_checks(moetier_pass & p, int ith) noexcept {
             took                          = true;
             const moetier_pass::check & c = p.checks[k];
             moetier_error               err;
-            bool                        ok = moetier_read_verify(*p.layer, c.prec, c.expert, c.slot, err);
-            if (!ok) {
-                // read again, synchronously: a transient fault (bits flipped on the way) reads right
-                // the second time; a damaged store fails again, with the file named
-                n_read_retries_.fetch_add(1, std::memory_order_relaxed);
-                moetier_read r;
-                r.layer  = p.layer;
-                r.prec   = c.prec;
-                r.expert = c.expert;
-                r.slot   = c.slot;
-                ok       = read_sync(r, bounce[ith], err);
-                if (!ok) {
-                    set_error(err);
-                }
-            }
+            // a mismatch is read again: bits flipped on the way read right the second time
+            const bool                  ok = moetier_read_verify(*p.layer, c.prec, c.expert, c.slot, err) ||
+                            read_again(*p.layer, c.prec, c.expert, c.slot, bounce[ith]);
             p.check_states[k].store(ok ? moetier_pass::CHECK_OK : moetier_pass::CHECK_FAILED,
                                     std::memory_order_release);
             p.n_checks_done.fetch_add(1, std::memory_order_release);
@@ -615,7 +603,6 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
             wait_prefetched(p);
             p.loaded = true;
         }
-        run_checks(p, ith);  // none, unless a slot was read on a ring before
     }
     const int64_t now  = moetier_time_us();
     int64_t       prev = p.t_load_end_us.load(std::memory_order_relaxed);
@@ -652,6 +639,25 @@ bool moetier_cache::read_sync(const moetier_read & r, moetier_aligned_buffer & b
     return true;
 }
 
+bool moetier_cache::read_again(const moetier_layer &    layer,
+                               moetier_precision        prec,
+                               int32_t                  e,
+                               int32_t                  s,
+                               moetier_aligned_buffer & bb) noexcept {
+    n_read_retries_.fetch_add(1, std::memory_order_relaxed);
+    moetier_error err;
+    moetier_read  r;
+    r.layer  = &layer;
+    r.prec   = prec;
+    r.expert = e;
+    r.slot   = s;
+    if (read_sync(r, bb, err)) {
+        return true;
+    }
+    set_error(err);
+    return false;
+}
+
 void moetier_cache::wait_prefetched(moetier_pass & p) noexcept {
     // prefetches of experts this layer needs that were still being read; a failed one is read again
     // here, synchronously, before the layer uses it
@@ -662,17 +668,7 @@ void moetier_cache::wait_prefetched(moetier_pass & p) noexcept {
             end_check_read(p, w.check, true, true);
             continue;
         }
-        n_read_retries_.fetch_add(1, std::memory_order_relaxed);
-        moetier_error err;
-        moetier_read  r;
-        r.layer  = p.layer;
-        r.prec   = w.prec;
-        r.expert = sets[w.prec]->key(w.slot).expert;
-        r.slot   = w.slot;
-        if (!read_sync(r, bounce[0], err)) {
-            w.failed = true;
-            set_error(err);
-        }
+        w.failed = !read_again(*p.layer, w.prec, sets[w.prec]->key(w.slot).expert, w.slot, bounce[0]);
         end_check_read(p, w.check, false, !w.failed);
     }
 }

@@ -230,6 +230,13 @@ class moetier_cache {
     // reads r on this thread, synchronously, each of its reads tried twice; false + err if one fails
     bool    read_sync(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept;
     void    wait_prefetched(moetier_pass & p) noexcept;
+    // a read that failed (or failed its check) read again into slot s, synchronously (counted as a
+    // retry); false + the cache's error if that fails too
+    bool    read_again(const moetier_layer &    layer,
+                       moetier_precision        prec,
+                       int32_t                  e,
+                       int32_t                  s,
+                       moetier_aligned_buffer & bb) noexcept;
     void    set_error(const moetier_error & err) noexcept;
     // warm slots whose reads ended become ordinary (a failed one is dropped)
     void    settle_warm() noexcept;
