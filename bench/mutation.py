@@ -8,7 +8,13 @@ scratch git worktree (WORK), never in the checkout:
 - mutmut names modules by their path under ./, src/ or source/: the worktree's `python/` becomes `src/`;
 - the native core (`_core`, libllama, the tools in bin/) is copied from the installed package beside the
   source, so the mutated copy imports (build and install the package first); mutmut puts that copy
-  ahead of the installed package on the tests' path.
+  ahead of the installed package on the tests' path;
+- many tests run the CLI or the server in a subprocess, which mutmut does not see: the mutated copy is
+  put on PYTHONPATH so those subprocesses run the mutant under test too (mutmut names it in the
+  environment they inherit), and during mutmut's first pass, where it records which test reaches which
+  function, a sitecustomize in each subprocess writes the functions it reached to a file that a pytest
+  plugin hands to mutmut at the end of the test. Without this, a function reached only through the
+  CLI would count as reached by no test.
 
 The run is resumable (mutmut keeps its state in WORK/mutants: run the same command again to go on).
 Then OUT.json and OUT.md get the counts per file: killed, survived, timed out, not reached by any
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -41,6 +48,50 @@ def installed_package() -> Path:
         cwd="/",
     )
     return Path(out.stdout.strip())
+
+
+# written into WORK/path/ (on PYTHONPATH): a test's subprocess reports, during mutmut's pass that maps
+# tests to functions, each function it reaches to HITS/PID as it first reaches it (a server killed at
+# the end of its test has no exit handler to run)
+SITECUSTOMIZE = """\
+import os
+
+if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("MOETIER_MUTATION_HITS"):
+    import mutmut.mutation.trampoline as _trampoline
+
+    _seen = set()
+    _path = os.path.join(os.environ["MOETIER_MUTATION_HITS"], str(os.getpid()))
+
+    def _record(name, caller=None):
+        if name not in _seen:
+            _seen.add(name)
+            with open(_path, "a") as f:
+                f.write(name + "\\n")
+
+    _trampoline.record_trampoline_hit = _record
+"""
+
+# the pytest side (pytest -p moetier_mutation_hits): before mutmut's own teardown hook files the
+# functions the test reached, the subprocesses' ones join them
+PLUGIN = """\
+import os
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    hits = os.environ.get("MOETIER_MUTATION_HITS")
+    if not hits or not os.path.isdir(hits):
+        return
+    from mutmut.state import state
+
+    for name in os.listdir(hits):
+        path = os.path.join(hits, name)
+        with open(path) as f:
+            state()._stats.update(line.strip() for line in f if line.strip())
+        os.remove(path)
+"""
 
 
 def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
@@ -63,7 +114,24 @@ def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
         f"pytest_add_cli_args_test_selection={selection}\n"
         # plain fork deadlocks in the native library's threads
         "process_isolation=forkserver\n"
+        "pytest_add_cli_args=\n    -p\n    moetier_mutation_hits\n"
     )
+    (work / "path").mkdir(exist_ok=True)
+    (work / "path" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (work / "path" / "moetier_mutation_hits.py").write_text(PLUGIN)
+    (work / "hits").mkdir(exist_ok=True)
+    # on the path before mutmut fills it: a directory missing when the interpreter starts is cached as
+    # holding nothing, and mutmut's own pass would then import the installed package
+    (work / "mutants" / "src").mkdir(parents=True, exist_ok=True)
+
+
+def mutmut_env(work: Path) -> dict[str, str]:
+    """The mutated copy and the hit reporting first on every test subprocess's path."""
+    env = dict(os.environ)
+    paths = [str(work / "mutants" / "src"), str(work / "path")]
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["MOETIER_MUTATION_HITS"] = str(work / "hits")
+    return env
 
 
 def tally(results: str) -> dict[str, Counter[str]]:
@@ -112,7 +180,8 @@ def main() -> None:
         msg = "mutmut is not installed: pip install mutmut==3.8.1"
         raise SystemExit(msg)
     prepare(a.work, a.mutate.split(","), a.tests.split(","))
-    subprocess.run(["mutmut", "run", "--max-children", str(a.children)], cwd=a.work, check=False)
+    env = mutmut_env(a.work)
+    subprocess.run(["mutmut", "run", "--max-children", str(a.children)], cwd=a.work, env=env, check=False)
     results = subprocess.run(
         ["mutmut", "results", "--all", "true"], cwd=a.work, capture_output=True, text=True, check=True
     ).stdout
