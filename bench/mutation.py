@@ -115,6 +115,8 @@ def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
         # plain fork deadlocks in the native library's threads
         "process_isolation=forkserver\n"
         "pytest_add_cli_args=\n    -p\n    moetier_mutation_hits\n"
+        # tests import the bench harness (its cgroup and disk helpers)
+        "also_copy=\n    bench\n"
     )
     (work / "path").mkdir(exist_ok=True)
     (work / "path" / "sitecustomize.py").write_text(SITECUSTOMIZE)

@@ -53,6 +53,10 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
     // a layer uses one version of each expert at most: one check per expert
     pass.checks.resize(n_expert);
     pass.check_states = std::make_unique<std::atomic<uint8_t>[]>(pass.checks.size());
+    // the next layers' prefetches: a few layers' experts (grown in resolve if a deeper walk needs it)
+    pass.ahead_cap    = (size_t) 4 * MOETIER_N_PRECISIONS * n_expert;
+    pass.aheads.reserve(pass.ahead_cap);
+    pass.ahead_states = std::make_unique<std::atomic<uint8_t>[]>(pass.ahead_cap);
     bounce.resize(MOETIER_MAX_THREADS);
 }
 
@@ -259,13 +263,17 @@ void moetier_cache::finish(moetier_pass & p) noexcept {
     p.layer = nullptr;
 }
 
-int32_t moetier_cache::add_check(moetier_pass & p, moetier_precision prec, int32_t s, bool read) noexcept {
+int32_t moetier_cache::add_check(moetier_pass &    p,
+                                 moetier_precision prec,
+                                 int32_t           s,
+                                 bool              read,
+                                 int32_t           io_id) noexcept {
     if (!sets[prec]->is_unchecked(s)) {
         return -1;
     }
     const int32_t k = p.n_checks++;
     GGML_ASSERT(k < (int32_t) p.checks.size());
-    p.checks[k] = { prec, s, sets[prec]->key(s).expert };
+    p.checks[k] = { prec, s, sets[prec]->key(s).expert, read ? -1 : io_id };
     p.check_states[k].store(read ? moetier_pass::CHECK_READ : moetier_pass::CHECK_READING, std::memory_order_relaxed);
     return k;
 }
@@ -275,7 +283,9 @@ void moetier_cache::end_check_read(moetier_pass & p, int32_t k, bool ok, bool se
         return;
     }
     if (ok) {
-        p.check_states[k].store(moetier_pass::CHECK_READ, std::memory_order_release);
+        // a thread that saw the read land may have taken it already
+        uint8_t st = moetier_pass::CHECK_READING;
+        p.check_states[k].compare_exchange_strong(st, moetier_pass::CHECK_READ, std::memory_order_release);
         return;
     }
     p.n_checks_taken.fetch_add(1, std::memory_order_relaxed);
@@ -283,15 +293,66 @@ void moetier_cache::end_check_read(moetier_pass & p, int32_t k, bool ok, bool se
     p.n_checks_done.fetch_add(1, std::memory_order_release);
 }
 
+void moetier_cache::gather_aheads(moetier_pass & p, const moetier_layer & layer) noexcept {
+    p.aheads.clear();
+    p.reads_waited.store(false, std::memory_order_relaxed);
+    // only where the load op will wait for reads (its idle time), on the ring (whose reads are the
+    // unchecked ones)
+    if (!prefetcher || io == nullptr || !io->uses_uring() || (p.n_tasks == 0 && p.waits.empty())) {
+        p.n_ahead_open.store(0, std::memory_order_relaxed);
+        return;
+    }
+    prefetcher->landing(layer, p.aheads);
+    if (p.aheads.size() > p.ahead_cap) {
+        p.ahead_cap    = p.aheads.capacity();
+        p.ahead_states = std::make_unique<std::atomic<uint8_t>[]>(p.ahead_cap);
+    }
+    for (size_t k = 0; k < p.aheads.size(); ++k) {
+        p.ahead_states[k].store(moetier_pass::AHEAD_OPEN, std::memory_order_relaxed);
+    }
+    p.n_ahead_open.store((int32_t) p.aheads.size(), std::memory_order_relaxed);
+}
+
+bool moetier_cache::check_ahead(moetier_pass & p, int ith) noexcept {
+    // busy is raised before reads_waited is read, and thread 0 sets reads_waited before it waits
+    // for busy to fall (both sequentially consistent): no thread starts a check thread 0 misses
+    p.n_ahead_busy.fetch_add(1);
+    bool          took = false;
+    const int32_t n    = p.reads_waited.load() ? 0 : (int32_t) p.aheads.size();
+    for (int32_t j = 0; j < n && !took && !p.reads_waited.load(std::memory_order_relaxed); ++j) {
+        const int32_t k  = (j + ith) % n;
+        uint8_t       st = moetier_pass::AHEAD_OPEN;
+        if (p.ahead_states[k].load(std::memory_order_relaxed) != st || !io->landed(p.aheads[k].io_id) ||
+            !p.ahead_states[k].compare_exchange_strong(st, moetier_pass::AHEAD_BUSY, std::memory_order_acquire)) {
+            continue;
+        }
+        p.n_ahead_open.fetch_sub(1, std::memory_order_relaxed);
+        const moetier_landing & a = p.aheads[k];
+        moetier_error           err;
+        const bool              ok = moetier_read_verify(*a.layer, a.prec, a.expert, a.slot, err);
+        p.ahead_states[k].store(ok ? moetier_pass::AHEAD_OK : moetier_pass::AHEAD_LEFT, std::memory_order_release);
+        took = true;
+    }
+    p.n_ahead_busy.fetch_sub(1);
+    return took;
+}
+
 void moetier_cache::run_checks(moetier_pass & p, int ith) noexcept {
     const int32_t n    = p.n_checks;
     int32_t       idle = 0;
-    while (p.n_checks_taken.load(std::memory_order_acquire) < n) {
+    // the others also stay while thread 0 waits and a landed prefetch of the next layers may come
+    while (p.n_checks_taken.load(std::memory_order_acquire) < n ||
+           (ith != 0 && !p.reads_waited.load(std::memory_order_relaxed) &&
+            p.n_ahead_open.load(std::memory_order_relaxed) > 0)) {
         bool took = false;
         for (int32_t j = 0; j < n; ++j) {
             const int32_t k  = (j + ith) % n;  // the threads start apart: fewer fights over one entry
-            uint8_t       st = moetier_pass::CHECK_READ;
-            if (p.check_states[k].load(std::memory_order_relaxed) != st ||
+            uint8_t       st = p.check_states[k].load(std::memory_order_relaxed);
+            // READ, or still READING for thread 0 (which may be waiting on another read) but landed
+            const bool    ready =
+                st == moetier_pass::CHECK_READ ||
+                (st == moetier_pass::CHECK_READING && p.checks[k].io_id >= 0 && io->landed(p.checks[k].io_id));
+            if (!ready ||
                 !p.check_states[k].compare_exchange_strong(st, moetier_pass::CHECK_BUSY, std::memory_order_acquire)) {
                 continue;
             }
@@ -306,6 +367,9 @@ void moetier_cache::run_checks(moetier_pass & p, int ith) noexcept {
                                     std::memory_order_release);
             p.n_checks_done.fetch_add(1, std::memory_order_release);
         }
+        if (!took && ith != 0) {
+            took = check_ahead(p, ith);
+        }
         idle = took ? 0 : idle + 1;
         moetier_relax(idle);
     }
@@ -314,6 +378,15 @@ void moetier_cache::run_checks(moetier_pass & p, int ith) noexcept {
         // by then, so that no matmul runs on the slot (the others may still be checking)
         while (p.n_checks_done.load(std::memory_order_acquire) < n) {
             moetier_relax(++idle);
+        }
+        // the next layers' checks done meanwhile (none starts now: reads_waited is set)
+        while (p.n_ahead_busy.load() > 0) {
+            moetier_relax(++idle);
+        }
+        for (size_t k = 0; k < p.aheads.size(); ++k) {
+            if (p.ahead_states[k].load(std::memory_order_acquire) == moetier_pass::AHEAD_OK) {
+                sets[p.aheads[k].prec]->set_unchecked(p.aheads[k].slot, false);
+            }
         }
     }
 }
@@ -463,7 +536,7 @@ void moetier_cache::resolve(moetier_layer & layer,
                 c.n_hits_low += prec == MOETIER_PRECISION_LOW;
                 set.pin(s);
                 if (use == MOETIER_PREFETCH_USE_WAIT) {
-                    p.waits.push_back({ id, prec, s, false, add_check(p, prec, s, /*read=*/false) });
+                    p.waits.push_back({ id, prec, s, false, add_check(p, prec, s, /*read=*/false, id) });
                 } else {
                     add_check(p, prec, s, /*read=*/true);
                 }
@@ -509,6 +582,7 @@ void moetier_cache::resolve(moetier_layer & layer,
         prefetcher->settle(layer);
     }
     start_reads(p);
+    gather_aheads(p, layer);
 
     const int64_t n   = n_used * n_tokens;
     const bool    two = lo.n_slots() > 0;
@@ -548,7 +622,7 @@ void moetier_cache::start_reads(moetier_pass & p) noexcept {
         // a ring read is checked by the load op; without one (no free entry) the load op reads
         // the slot itself and checks it there
         sets[t.read.prec]->set_unchecked(t.read.slot, t.io_id >= 0 && moetier_read_checked(*t.read.layer, t.read.prec));
-        t.check = add_check(p, t.read.prec, t.read.slot, /*read=*/false);
+        t.check = add_check(p, t.read.prec, t.read.slot, /*read=*/false, t.io_id);
     }
 }
 
@@ -588,6 +662,7 @@ void moetier_cache::load(const moetier_layer & layer, int ith, int nth) noexcept
             }
             wait_prefetched(p);
             p.loaded = true;
+            p.reads_waited.store(true);
         }
         run_checks(p, ith);
     } else {
@@ -678,4 +753,7 @@ void moetier_cache::prefetch(const moetier_layer & layer, const float * logits, 
         return;
     }
     prefetcher->predict(layer, logits, n_tokens, nb1, pass.n_used, policy_ctx(layer.il));
+    if (pass.layer == &layer) {
+        gather_aheads(pass, layer);  // the reads just started for the next layers land while this one waits
+    }
 }

@@ -72,6 +72,7 @@ struct moetier_pass {
         moetier_precision prec   = MOETIER_PRECISION_HIGH;
         int32_t           slot   = -1;
         int32_t           expert = -1;
+        int32_t           io_id  = -1;  // its ring read: once landed, a thread checks it (thread 0 may wait on another)
     };
 
     moetier_layer *                         layer = nullptr;  // nullptr: no pass open
@@ -83,7 +84,25 @@ struct moetier_pass {
     std::unique_ptr<std::atomic<uint8_t>[]> check_states;         // [checks.size()] check_state
     std::atomic<int32_t>                    n_checks_taken{ 0 };  // entries a thread took (or thread 0 settled)
     std::atomic<int32_t>                    n_checks_done{ 0 };   // entries OK or FAILED
-    int32_t                                 n_used = 0;           // selected experts per token
+
+    // the prefetches that landed for the next layers, checked in this load op's idle time: while
+    // thread 0 waits for this layer's reads, a thread with no entry of this layer to check takes one
+    // that has landed, and thread 0 clears the slot's unchecked flag when the op ends (the layer
+    // that uses it then has nothing to check). A mismatch is left to that layer (read again there).
+    enum ahead_state : uint8_t {
+        AHEAD_OPEN = 0,
+        AHEAD_BUSY = 1,
+        AHEAD_OK   = 2,
+        AHEAD_LEFT = 3,  // mismatch: stays unchecked
+    };
+
+    std::vector<moetier_landing>            aheads;
+    std::unique_ptr<std::atomic<uint8_t>[]> ahead_states;  // [ahead_cap] ahead_state
+    size_t                                  ahead_cap = 0;
+    std::atomic<int32_t>                    n_ahead_open{ 0 };
+    std::atomic<int32_t>                    n_ahead_busy{ 0 };      // threads inside check_ahead
+    std::atomic<bool>                       reads_waited{ false };  // thread 0 is past its waits
+    int32_t                                 n_used = 0;             // selected experts per token
     bool                 loaded = false;  // thread 0 of the load op is done (reads performed or waited for)
     std::atomic<int64_t> t_load_begin_us{ 0 };
     std::atomic<int64_t> t_load_end_us{ 0 };
@@ -219,12 +238,17 @@ class moetier_cache {
                        const moetier_policy_ctx & ctx) noexcept;
     void    start_reads(moetier_pass & p) noexcept;  // io_uring: the kernel starts the pass's reads now
     // an entry for slot s in the pass's checks if it holds an unchecked ring read; its index, or -1
-    int32_t add_check(moetier_pass & p, moetier_precision prec, int32_t s, bool read) noexcept;
-    // thread 0, after the read behind check entry k ended: ok, it is ready to be checked; not ok,
+    int32_t add_check(moetier_pass & p, moetier_precision prec, int32_t s, bool read, int32_t io_id = -1) noexcept;
+    // thread 0, after the read behind check entry k ended: ok, it is ready to be checked (if no thread
+    // took it already, seeing it landed); not ok,
     // it was read again synchronously (and checked there) with result `settled`
     void    end_check_read(moetier_pass & p, int32_t k, bool ok, bool settled) noexcept;
     // takes and checks READ entries until every entry is taken (thread ith; thread 0 after its waits)
     void    run_checks(moetier_pass & p, int ith) noexcept;
+    // while thread 0 still waits: checks one landed ahead entry; false if none was taken
+    bool    check_ahead(moetier_pass & p, int ith) noexcept;
+    // resolve: the pass's ahead entries, from the prefetcher
+    void    gather_aheads(moetier_pass & p, const moetier_layer & layer) noexcept;
     // waits for io task id and frees it; true if it was read (false: failed, or never started)
     bool    wait_io(int32_t id) noexcept;
     // reads r on this thread, synchronously, each of its reads tried twice; false + err if one fails

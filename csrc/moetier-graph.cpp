@@ -103,22 +103,23 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
                                          warmup ? moetier_op_resolve_warmup : moetier_op_resolve, 1, l);
     ggml_format_name(slots, "moetier_resolve-%d", l->il);
 
-    args[0]              = slots;
-    ggml_tensor * loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, args, 1, moetier_op_load,
-                                          GGML_N_TASKS_MAX, l);
-    ggml_format_name(loaded, "moetier_load-%d", l->il);
-
     // prefetch: the next layers' routers on this gate input, then the prefetch op, which passes the
-    // slots through (so it runs before the mul_mat_ids and overlaps them)
+    // slots through to the load, so the next layer's reads start before this layer waits for its own
+    // (the disk is not left idle while this layer's last reads are checked)
     ggml_tensor * router_stack = cache.router_stack(l->il);
     if (router_stack && !warmup && cur && cur->type == GGML_TYPE_F32) {
         ggml_tensor * logits = ggml_mul_mat(ctx, router_stack, cur);
         ggml_format_name(logits, "moetier_router_stack-%d", l->il);
-        ggml_tensor * pargs[2] = { loaded, logits };
-        loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, pargs, 2, moetier_op_prefetch,
-                                GGML_N_TASKS_MAX, l);
-        ggml_format_name(loaded, "moetier_prefetch-%d", l->il);
+        ggml_tensor * pargs[2] = { slots, logits };
+        slots = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, pargs, 2, moetier_op_prefetch,
+                               GGML_N_TASKS_MAX, l);
+        ggml_format_name(slots, "moetier_prefetch-%d", l->il);
     }
+
+    args[0]              = slots;
+    ggml_tensor * loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, args, 1, moetier_op_load,
+                                          GGML_N_TASKS_MAX, l);
+    ggml_format_name(loaded, "moetier_load-%d", l->il);
 
     ggml_tensor ** targets[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
     for (ggml_tensor ** t : targets) {

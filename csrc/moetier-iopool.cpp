@@ -8,6 +8,7 @@
 
 moetier_io_pool::moetier_io_pool(int n_threads, size_t capacity, read_fn fn_) : fn(std::move(fn_)) {
     tasks.resize(capacity);
+    landed_ = std::make_unique<std::atomic<uint8_t>[]>(capacity);
     free_ids.reserve(capacity);
     for (size_t i = capacity; i-- > 0;) {
         free_ids.push_back((int32_t) i);
@@ -29,6 +30,7 @@ moetier_io_pool::moetier_io_pool(std::unique_ptr<moetier_uring> ring_,
     finish(std::move(finish_)),
     depth_pf(std::max(1, depth_prefetch)) {
     tasks.resize(capacity);
+    landed_ = std::make_unique<std::atomic<uint8_t>[]>(capacity);
     reads.resize(capacity);
     is_urgent_.assign(capacity, 0);
     pending.assign(capacity, 0);
@@ -57,6 +59,7 @@ void moetier_io_pool::end_flight(int32_t id) {
 
 void moetier_io_pool::end_task(int32_t id, bool ok, const std::string & err, bool in_flight) {
     tasks[id].state = ok ? MOETIER_IO_DONE : MOETIER_IO_FAILED;
+    landed_[id].store(ok ? 1 : 0, std::memory_order_release);
     if (!ok && error_msg.empty()) {
         error_msg = err;
     }
@@ -219,6 +222,7 @@ int32_t moetier_io_pool::submit(const moetier_io_task & task, bool is_urgent) {
         free_ids.pop_back();
         tasks[id]       = task;
         tasks[id].state = MOETIER_IO_QUEUED;
+        landed_[id].store(0, std::memory_order_relaxed);
         (is_urgent ? urgent : queue).push_back(id);
         if (ring) {
             // reads that ended since the last call still hold their prefetch lanes until reaped
@@ -319,6 +323,7 @@ void moetier_io_pool::worker(int thread_id) {
         {
             std::lock_guard<std::mutex> lock(mu);
             tasks[id].state = ok ? MOETIER_IO_DONE : MOETIER_IO_FAILED;
+            landed_[id].store(ok ? 1 : 0, std::memory_order_release);
             if (!ok && error_msg.empty()) {
                 error_msg = err;
             }

@@ -113,6 +113,11 @@ class moetier_io_pool {
     // the state of task id
     int32_t state(int32_t id);
 
+    // whether task id's read ended well, without the mutex (which a waiting thread holds while it
+    // blocks on the ring): another thread checks what has landed meanwhile. Meaningful while the
+    // caller owns the id (not released).
+    bool landed(int32_t id) const noexcept { return landed_[id].load(std::memory_order_acquire) != 0; }
+
     // if the task is still queued, removes it and frees the entry (returns true): the caller reads
     // it itself or drops it; otherwise leaves it alone (returns false)
     bool claim(int32_t id);
@@ -158,15 +163,16 @@ class moetier_io_pool {
     int                                 n_flight    = 0;
     int                                 n_flight_pf = 0;
 
-    std::mutex                   mu;
-    std::condition_variable      cv_work;
-    std::condition_variable      cv_done;
-    std::deque<int32_t>          queue;   // prefetches
-    std::deque<int32_t>          urgent;  // on-demand reads
-    std::vector<moetier_io_task> tasks;
-    std::vector<int32_t>         free_ids;
-    std::string                  error_msg;
-    bool                         stop = false;
+    std::mutex                              mu;
+    std::condition_variable                 cv_work;
+    std::condition_variable                 cv_done;
+    std::deque<int32_t>                     queue;   // prefetches
+    std::deque<int32_t>                     urgent;  // on-demand reads
+    std::vector<moetier_io_task>            tasks;
+    std::vector<int32_t>                    free_ids;
+    std::unique_ptr<std::atomic<uint8_t>[]> landed_;  // [capacity] 1 once the task is DONE
+    std::string                             error_msg;
+    bool                                    stop = false;
 
     std::vector<std::thread> threads;
 };

@@ -218,6 +218,17 @@ moetier_prefetch_use moetier_prefetch_stacked::use(moetier_precision prec, int32
     return MOETIER_PREFETCH_USE_READ;  // failed: read again
 }
 
+void moetier_prefetch_stacked::landing(const moetier_layer & layer, std::vector<moetier_landing> & out) const {
+    for (const moetier_layer * T : states[layer.il].next) {
+        for (const auto & [prec, s] : states[T->il].prefetched) {
+            const int32_t id = slots[prec]->reader(s);
+            if (id >= 0 && slots[prec]->is_unchecked(s)) {
+                out.push_back({ T, prec, s, slots[prec]->key(s).expert, id });
+            }
+        }
+    }
+}
+
 void moetier_prefetch_stacked::refund(const moetier_layer & layer, moetier_precision prec) {
     credit = std::min(credit_max, credit + (int64_t) moetier_read_bytes(layer, prec));
 }

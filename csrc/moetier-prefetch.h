@@ -44,6 +44,16 @@ enum moetier_prefetch_use {
     MOETIER_PREFETCH_USE_READ  = 2,  // not started, or failed: read it now with the layer's misses
 };
 
+// a prefetch read into a slot held for a later layer, not checked yet: while a load op waits for its
+// own layer's reads, its idle threads check the ones that have landed
+struct moetier_landing {
+    const moetier_layer * layer  = nullptr;
+    moetier_precision     prec   = MOETIER_PRECISION_HIGH;
+    int32_t               slot   = -1;
+    int32_t               expert = -1;
+    int32_t               io_id  = -1;
+};
+
 struct moetier_prefetch_i {
     virtual ~moetier_prefetch_i() = default;
 
@@ -61,6 +71,9 @@ struct moetier_prefetch_i {
     // resolve, after the layer's needs: releases what was held for layer and cancels (or counts as
     // waste) the prefetches it did not need
     virtual void settle(const moetier_layer & layer) = 0;
+
+    // resolve, after settle: the unchecked reads into slots held for the layers after layer (appended to out)
+    virtual void landing(const moetier_layer & layer, std::vector<moetier_landing> & out) const = 0;
 
     // the prefetch op (thread 0), after layer's load: logits [n_next * n_expert, n_tokens] (row
     // stride nb1) of the routers of the next layers on layer's gate input; n_used experts per token
@@ -109,6 +122,7 @@ class moetier_prefetch_stacked : public moetier_prefetch_i {
     void begin(const moetier_layer & layer, const int32_t * ids, int64_t n_used, bool check, uint64_t pass) override;
     moetier_prefetch_use use(moetier_precision prec, int32_t s, int32_t * id) override;
     void                 settle(const moetier_layer & layer) override;
+    void                 landing(const moetier_layer & layer, std::vector<moetier_landing> & out) const override;
     void                 predict(const moetier_layer &      layer,
                                  const float *              logits,
                                  int64_t                    n_tokens,
