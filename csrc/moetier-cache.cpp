@@ -53,9 +53,9 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
     // a layer uses one version of each expert at most: one check per expert
     pass.checks.resize(n_expert);
     pass.check_states = std::make_unique<std::atomic<uint8_t>[]>(pass.checks.size());
-    // the next layers' prefetches: a few layers' experts (grown in resolve if a deeper walk needs it)
-    pass.ahead_cap    = (size_t) 4 * MOETIER_N_PRECISIONS * n_expert;
-    pass.aheads.reserve(pass.ahead_cap);
+    // the next layers' prefetches: a few layers' experts (a deeper walk's extra ones are left to their layer)
+    pass.aheads.reserve((size_t) 4 * MOETIER_N_PRECISIONS * n_expert);
+    pass.ahead_cap    = pass.aheads.capacity();
     pass.ahead_states = std::make_unique<std::atomic<uint8_t>[]>(pass.ahead_cap);
     bounce.resize(MOETIER_MAX_THREADS);
 }
@@ -302,11 +302,7 @@ void moetier_cache::gather_aheads(moetier_pass & p, const moetier_layer & layer)
         p.n_ahead_open.store(0, std::memory_order_relaxed);
         return;
     }
-    prefetcher->landing(layer, p.aheads);
-    if (p.aheads.size() > p.ahead_cap) {
-        p.ahead_cap    = p.aheads.capacity();
-        p.ahead_states = std::make_unique<std::atomic<uint8_t>[]>(p.ahead_cap);
-    }
+    prefetcher->landing(layer, p.aheads);  // at most ahead_cap: the list's capacity
     for (size_t k = 0; k < p.aheads.size(); ++k) {
         p.ahead_states[k].store(moetier_pass::AHEAD_OPEN, std::memory_order_relaxed);
     }

@@ -97,8 +97,8 @@ struct moetier_pass {
     };
 
     std::vector<moetier_landing>            aheads;
-    std::unique_ptr<std::atomic<uint8_t>[]> ahead_states;  // [ahead_cap] ahead_state
-    size_t                                  ahead_cap = 0;
+    std::unique_ptr<std::atomic<uint8_t>[]> ahead_states;           // [ahead_cap] ahead_state
+    size_t                                  ahead_cap = 0;          // aheads' capacity, reserved once
     std::atomic<int32_t>                    n_ahead_open{ 0 };
     std::atomic<int32_t>                    n_ahead_busy{ 0 };      // threads inside check_ahead
     std::atomic<bool>                       reads_waited{ false };  // thread 0 is past its waits
@@ -160,10 +160,14 @@ class moetier_cache {
 
     bool has_low() const { return sets[MOETIER_PRECISION_LOW]->n_slots() > 0; }
 
+    // whether the reads run on the io_uring (the prefetch op then runs before the load op: with I/O
+    // threads, their wakeups during the load would preempt the compute threads reading)
+    bool reads_on_ring() const { return io != nullptr && io->uses_uring(); }
+
     // whether resolve needs the gate weights: the rule can pick low or skip
     bool uses_weights() const { return rule.t2 < 1.0f || (rule.t1 < 1.0f && has_low()); }
 
-    // the prefetcher's input for the layer after il's load, nullptr if none, or if every expert of
+    // the prefetcher's input for the prefetch op of layer il, nullptr if none, or if every expert of
     // the group has a high slot: a high copy serves every need and, with no room short, none is
     // evicted, so a prediction has nothing to read and its nodes would only cost time per token
     ggml_tensor * router_stack(int32_t il) const {
@@ -200,7 +204,8 @@ class moetier_cache {
     // are still being read
     void load(const moetier_layer & layer, int ith, int nth) noexcept;
 
-    // after layer's load: logits [n_next * n_expert, n_tokens] (row stride nb1) of the stacked routers
+    // the prefetch op, before layer's load: logits [n_next * n_expert, n_tokens] (row stride nb1) of the
+    // stacked routers
     void prefetch(const moetier_layer & layer, const float * logits, int64_t n_tokens, size_t nb1) noexcept;
 
     //
@@ -243,11 +248,14 @@ class moetier_cache {
     // took it already, seeing it landed); not ok,
     // it was read again synchronously (and checked there) with result `settled`
     void    end_check_read(moetier_pass & p, int32_t k, bool ok, bool settled) noexcept;
-    // takes and checks READ entries until every entry is taken (thread ith; thread 0 after its waits)
+    // takes and checks entries until every entry is taken (thread ith; thread 0 after its waits): READ
+    // ones, and READING ones whose ring read has landed (thread 0 may be waiting on another); the
+    // others, with none left, check landed aheads while thread 0 still waits
     void    run_checks(moetier_pass & p, int ith) noexcept;
     // while thread 0 still waits: checks one landed ahead entry; false if none was taken
     bool    check_ahead(moetier_pass & p, int ith) noexcept;
-    // resolve: the pass's ahead entries, from the prefetcher
+    // resolve, and the prefetch op after predict: the pass's ahead entries, from the prefetcher (the
+    // list is reserved once; what does not fit is left to its own layer)
     void    gather_aheads(moetier_pass & p, const moetier_layer & layer) noexcept;
     // waits for io task id and frees it; true if it was read (false: failed, or never started)
     bool    wait_io(int32_t id) noexcept;

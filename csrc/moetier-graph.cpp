@@ -104,15 +104,23 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     ggml_format_name(slots, "moetier_resolve-%d", l->il);
 
     // prefetch: the next layers' routers on this gate input, then the prefetch op, which passes the
-    // slots through to the load, so the next layer's reads start before this layer waits for its own
-    // (the disk is not left idle while this layer's last reads are checked)
+    // slots through. On the ring it runs before the load op: the next layers' reads go on the ring
+    // beside this layer's (whose urgent reads start first), so the disk has them in hand while this
+    // layer's last reads are checked. With I/O threads it runs after the load op, as their wakeups
+    // during the compute threads' own reads would preempt them (2 cores).
     ggml_tensor * router_stack = cache.router_stack(l->il);
+    ggml_tensor * logits       = nullptr;
     if (router_stack && !warmup && cur && cur->type == GGML_TYPE_F32) {
-        ggml_tensor * logits = ggml_mul_mat(ctx, router_stack, cur);
+        logits = ggml_mul_mat(ctx, router_stack, cur);
         ggml_format_name(logits, "moetier_router_stack-%d", l->il);
-        ggml_tensor * pargs[2] = { slots, logits };
-        slots = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, pargs, 2, moetier_op_prefetch,
-                               GGML_N_TASKS_MAX, l);
+    }
+    const bool    early = cache.reads_on_ring();
+    ggml_tensor * pargs[2];
+    if (logits && early) {
+        pargs[0] = slots;
+        pargs[1] = logits;
+        slots    = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, pargs, 2, moetier_op_prefetch,
+                                  GGML_N_TASKS_MAX, l);
         ggml_format_name(slots, "moetier_prefetch-%d", l->il);
     }
 
@@ -120,6 +128,14 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     ggml_tensor * loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, args, 1, moetier_op_load,
                                           GGML_N_TASKS_MAX, l);
     ggml_format_name(loaded, "moetier_load-%d", l->il);
+
+    if (logits && !early) {
+        pargs[0] = loaded;
+        pargs[1] = logits;
+        loaded   = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_planes, 1, pargs, 2, moetier_op_prefetch,
+                                  GGML_N_TASKS_MAX, l);
+        ggml_format_name(loaded, "moetier_prefetch-%d", l->il);
+    }
 
     ggml_tensor ** targets[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
     for (ggml_tensor ** t : targets) {

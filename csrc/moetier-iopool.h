@@ -114,8 +114,9 @@ class moetier_io_pool {
     int32_t state(int32_t id);
 
     // whether task id's read ended well, without the mutex (which a waiting thread holds while it
-    // blocks on the ring): another thread checks what has landed meanwhile. Meaningful while the
-    // caller owns the id (not released).
+    // blocks on the ring): another thread checks what has landed meanwhile. The flag stays until the
+    // id is submitted again, so it may be read after the id was released only while nothing can
+    // submit (the cache's load op: no read is submitted there).
     bool landed(int32_t id) const noexcept { return landed_[id].load(std::memory_order_acquire) != 0; }
 
     // if the task is still queued, removes it and frees the entry (returns true): the caller reads

@@ -222,7 +222,7 @@ void moetier_prefetch_stacked::landing(const moetier_layer & layer, std::vector<
     for (const moetier_layer * T : states[layer.il].next) {
         for (const auto & [prec, s] : states[T->il].prefetched) {
             const int32_t id = slots[prec]->reader(s);
-            if (id >= 0 && slots[prec]->is_unchecked(s)) {
+            if (id >= 0 && slots[prec]->is_unchecked(s) && out.size() < out.capacity()) {
                 out.push_back({ T, prec, s, slots[prec]->key(s).expert, id });
             }
         }

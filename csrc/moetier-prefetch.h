@@ -5,7 +5,7 @@
 // input. One implementation today, HOBBIT's layer-level adaptive prefetch (sec. 3.3) on stacked
 // routers; a learned predictor (DuoServe) is a second implementation of the same interface.
 //
-// Stacked routers: at layer L, after its experts are loaded, one matmul of L's gate input with the
+// Stacked routers: at layer L, once its experts are resolved, one matmul of L's gate input with the
 // routers of the next p layers stacked ([n_embd, p * n_expert]) predicts their experts. Walking
 // forward, a layer whose predicted experts are all cached has them held against eviction, and the
 // walk goes on; the first layer with a missing one gets background reads (in the precision the rule
@@ -57,7 +57,7 @@ struct moetier_landing {
 struct moetier_prefetch_i {
     virtual ~moetier_prefetch_i() = default;
 
-    // graph build: the input of the predictor run after layer il's load (the stacked routers of the
+    // graph build: the input of the predictor run in layer il's prefetch op (the stacked routers of the
     // next layers, [n_embd, n * n_expert] F32), nullptr if none
     virtual ggml_tensor * router_stack(int32_t il) const = 0;
 
@@ -72,11 +72,13 @@ struct moetier_prefetch_i {
     // waste) the prefetches it did not need
     virtual void settle(const moetier_layer & layer) = 0;
 
-    // resolve, after settle: the unchecked reads into slots held for the layers after layer (appended to out)
+    // resolve after settle, and the prefetch op after predict: the unchecked reads into slots held
+    // for the layers after layer, appended to out up to its capacity (no allocation: out is reserved)
     virtual void landing(const moetier_layer & layer, std::vector<moetier_landing> & out) const = 0;
 
-    // the prefetch op (thread 0), after layer's load: logits [n_next * n_expert, n_tokens] (row
-    // stride nb1) of the routers of the next layers on layer's gate input; n_used experts per token
+    // the prefetch op (thread 0), after layer's resolve and before its load: logits [n_next * n_expert,
+    // n_tokens] (row stride nb1) of the routers of the next layers on layer's gate input; n_used
+    // experts per token
     virtual void predict(const moetier_layer &      layer,
                          const float *              logits,
                          int64_t                    n_tokens,

@@ -34,6 +34,7 @@ def test_shared_expert_runs_while_reads_do(model_and_store: tuple[Path, Path], i
     assert bool(info["io_uring"]) == bool(io_uring)
     nodes = m.graph_nodes(m.tokenize("the shared expert"))
     n_layers = int(info["n_layers"])
+    n_prefetch = 0
     for il in range(n_layers):
         resolve = _index(nodes, f"moetier_resolve-{il}")
         load = _index(nodes, f"moetier_load-{il}")
@@ -45,6 +46,13 @@ def test_shared_expert_runs_while_reads_do(model_and_store: tuple[Path, Path], i
             assert resolve < shexp < load
         else:
             assert load < shexp  # stock order: the compute threads read, then compute
+        if f"moetier_prefetch-{il}" in nodes:  # every layer with a next one in its group
+            n_prefetch += 1
+            prefetch = nodes.index(f"moetier_prefetch-{il}")
+            # on the ring the next layers' reads start before this layer waits for its own; the
+            # I/O threads are woken only after the compute threads did this layer's reads
+            assert resolve < prefetch < load if io_uring else load < prefetch < out
+    assert n_prefetch == n_layers - 1
 
 
 def test_overlap_output_equals_stock(model_and_store: tuple[Path, Path]) -> None:
