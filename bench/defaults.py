@@ -112,6 +112,11 @@ def main() -> None:
         help="also run the defaults with the prefetch gate off (prefetch reads every step)",
     )
     p.add_argument("--out", type=Path, required=True, help="output prefix: OUT-MODEL-DISK.* per run, OUT.md")
+    p.add_argument(
+        "--summary-only",
+        action="store_true",
+        help="run nothing: gather the runs whose JSON exists into OUT.md (the others are left out of it)",
+    )
     a = p.parse_args()
     variants = ["lru-high", "default"] + (["always-prefetch"] if a.always_prefetch else [])
     budgets = [int(x) for x in a.budgets.split(",")]
@@ -123,6 +128,9 @@ def main() -> None:
             results[(name, disk)] = out.with_suffix(".json")
             if out.with_suffix(".json").exists():
                 print(f"{out}.json: done before, kept", file=sys.stderr)
+                continue
+            if a.summary_only:
+                print(f"{out}.json: not run, left out", file=sys.stderr)
                 continue
             cmd = run_args(model, store, disk, variants, a, out)
             print("$ " + " ".join(cmd), file=sys.stderr, flush=True)

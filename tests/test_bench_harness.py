@@ -828,6 +828,15 @@ def test_defaults_runs_each_model_and_disk_once_and_ratios_pair_repeats(
     table = (tmp_path / "d.md").read_text()
     assert "| a | full speed | default | 1.10x (1.00-1.20; 11.00 vs 10.00) |" in table
     assert "| b | full speed | default | - |" in table
+    # --summary-only runs nothing: the table gathers what exists, a missing run is left out
+    cmds.clear()
+    (tmp_path / "d-a-200mbps.json").unlink()
+    monkeypatch.setattr(sys, "argv", [*argv, "--disks", "full,200", "--out", str(out), "--summary-only"])
+    defaults.main()
+    assert cmds == []
+    table = (tmp_path / "d.md").read_text()
+    assert "| a | full speed | default | 1.10x" in table and "| a | 200 MB/s |" not in table
+    assert "| b | 200 MB/s | default | 1.10x" in table
     with pytest.raises(SystemExit, match="NAME=MODEL"):
         defaults.parse_model("a.gguf")
 
