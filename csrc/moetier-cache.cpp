@@ -55,8 +55,7 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
     pass.check_states = std::make_unique<std::atomic<uint8_t>[]>(pass.checks.size());
     // the next layers' prefetches: a few layers' experts (a deeper walk's extra ones are left to their layer)
     pass.aheads.reserve((size_t) 4 * MOETIER_N_PRECISIONS * n_expert);
-    pass.ahead_cap    = pass.aheads.capacity();
-    pass.ahead_states = std::make_unique<std::atomic<uint8_t>[]>(pass.ahead_cap);
+    pass.ahead_states = std::make_unique<std::atomic<uint8_t>[]>(pass.aheads.capacity());
     bounce.resize(MOETIER_MAX_THREADS);
 }
 
@@ -302,7 +301,7 @@ void moetier_cache::gather_aheads(moetier_pass & p, const moetier_layer & layer)
         p.n_ahead_open.store(0, std::memory_order_relaxed);
         return;
     }
-    prefetcher->landing(layer, p.aheads);  // at most ahead_cap: the list's capacity
+    prefetcher->landing(layer, p.aheads);  // at most the list's capacity (ahead_states' size)
     for (size_t k = 0; k < p.aheads.size(); ++k) {
         p.ahead_states[k].store(moetier_pass::AHEAD_OPEN, std::memory_order_relaxed);
     }
@@ -578,7 +577,10 @@ void moetier_cache::resolve(moetier_layer & layer,
         prefetcher->settle(layer);
     }
     start_reads(p);
-    gather_aheads(p, layer);
+    // the next layers' reads are known after the prefetch op (which gathers them); none until then
+    p.aheads.clear();
+    p.n_ahead_open.store(0, std::memory_order_relaxed);
+    p.reads_waited.store(false, std::memory_order_relaxed);
 
     const int64_t n   = n_used * n_tokens;
     const bool    two = lo.n_slots() > 0;

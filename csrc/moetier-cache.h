@@ -97,8 +97,7 @@ struct moetier_pass {
     };
 
     std::vector<moetier_landing>            aheads;
-    std::unique_ptr<std::atomic<uint8_t>[]> ahead_states;           // [ahead_cap] ahead_state
-    size_t                                  ahead_cap = 0;          // aheads' capacity, reserved once
+    std::unique_ptr<std::atomic<uint8_t>[]> ahead_states;           // [aheads.capacity()] ahead_state
     std::atomic<int32_t>                    n_ahead_open{ 0 };
     std::atomic<int32_t>                    n_ahead_busy{ 0 };      // threads inside check_ahead
     std::atomic<bool>                       reads_waited{ false };  // thread 0 is past its waits
@@ -254,8 +253,8 @@ class moetier_cache {
     void    run_checks(moetier_pass & p, int ith) noexcept;
     // while thread 0 still waits: checks one landed ahead entry; false if none was taken
     bool    check_ahead(moetier_pass & p, int ith) noexcept;
-    // resolve, and the prefetch op after predict: the pass's ahead entries, from the prefetcher (the
-    // list is reserved once; what does not fit is left to its own layer)
+    // the prefetch op after predict: the pass's ahead entries, from the prefetcher (the list is
+    // reserved once; what does not fit is left to its own layer)
     void    gather_aheads(moetier_pass & p, const moetier_layer & layer) noexcept;
     // waits for io task id and frees it; true if it was read (false: failed, or never started)
     bool    wait_io(int32_t id) noexcept;

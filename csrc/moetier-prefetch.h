@@ -72,7 +72,7 @@ struct moetier_prefetch_i {
     // waste) the prefetches it did not need
     virtual void settle(const moetier_layer & layer) = 0;
 
-    // resolve after settle, and the prefetch op after predict: the unchecked reads into slots held
+    // the prefetch op after predict: the unchecked reads into slots held
     // for the layers after layer, appended to out up to its capacity (no allocation: out is reserved)
     virtual void landing(const moetier_layer & layer, std::vector<moetier_landing> & out) const = 0;
 
