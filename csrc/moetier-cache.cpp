@@ -65,7 +65,108 @@ void moetier_cache::add_layer(moetier_layer * layer) {
     for (auto & set : sets) {
         set->add_layer(layer->il);
     }
+    if (vram) {
+        vram->add_layer(layer->il);
+    }
     layer->cache = this;
+}
+
+void moetier_cache::set_vram(ggml_backend_dev_t             dev,
+                             bool                           host,
+                             int32_t                        n_slots,
+                             const std::string &            policy,
+                             const moetier_policy_weights & weights) {
+    GGML_ASSERT(dev != nullptr && n_slots >= n_expert_ && !simulate);
+    vram = std::make_unique<moetier_slots>(MOETIER_PRECISION_HIGH, n_slots, n_expert_,
+                                           moetier_policy_create(policy, weights, {}));
+    vram->alloc(shapes, host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev));
+    for (size_t k = 0; k < shapes.size(); ++k) {
+        GGML_ASSERT(vram->tensor(k)->nb[2] == shapes[k].expert_bytes(MOETIER_PRECISION_HIGH));
+    }
+    vram_backend.reset(ggml_backend_dev_init(host ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) : dev,
+                                             nullptr));
+    if (!vram_backend) {
+        throw std::runtime_error(format("failed to start a backend on %s for the VRAM tier's copies",
+                                        ggml_backend_dev_name(dev)));
+    }
+    vram_of.assign(n_expert_, -1);
+    ggml_backend_buffer_type_t pinned = host ? nullptr : ggml_backend_dev_host_buffer_type(dev);
+    if (pinned != nullptr) {
+        for (auto & set : sets) {
+            set->alloc(shapes, pinned);
+        }
+    }
+}
+
+void moetier_cache::upload(moetier_layer & layer,
+                           const int32_t * ram,
+                           int64_t         n_used,
+                           int64_t         n_tokens,
+                           int32_t *       out,
+                           bool            warmup) noexcept {
+    moetier_slots &       v     = *vram;
+    const moetier_slots & hi    = *sets[MOETIER_PRECISION_HIGH];
+    const int32_t         spare = v.n_slots();  // the zero expert
+    const int64_t         n     = n_used * n_tokens;
+    v.unpin_all();
+    if (warmup || failed() || pass.layer != &layer) {
+        // nothing to copy from: valid ids, distinct within a token (CUDA's batched paths need both)
+        for (int64_t i = 0; i < n; ++i) {
+            out[i] = (int32_t) ((i % n_used) % (spare + 1));
+        }
+        return;
+    }
+    moetier_layer_stats & c = layer.stats;
+    moetier_policy_ctx    pctx = policy_ctx(layer.il);
+    pctx.batch                 = n_tokens > 1;
+    std::fill(vram_of.begin(), vram_of.end(), -1);
+    missing.clear();
+    // hits first, in expert order as the RAM tier resolves: a copy must not evict an expert this layer uses
+    for (int32_t e = 0; e < n_expert_; ++e) {
+        const int32_t rs = need[e] == MOETIER_NEED_NONE ? -1 : hi.find(layer.il, e);
+        if (rs < 0 || !hi.is_pinned(rs)) {
+            continue;  // not computed in high precision
+        }
+        const int32_t s = v.find(layer.il, e);
+        pctx.rank       = rank[e];
+        if (s >= 0) {
+            v.on_hit(s, pctx);
+            v.pin(s);
+            vram_of[e] = s;
+            ++c.n_vram_hits;
+        } else {
+            missing.push_back(e);
+        }
+    }
+    const int64_t t0    = missing.empty() ? 0 : moetier_time_us();
+    uint64_t      bytes = 0;
+    for (const int32_t e : missing) {
+        pctx.rank        = rank[e];
+        const int32_t s  = v.take({ layer.il, e }, pctx);
+        const int32_t rs = hi.find(layer.il, e);
+        // the tier holds at least one layer's experts and pins only this layer's
+        GGML_ASSERT(s >= 0 && "VRAM tier: no unpinned slot");
+        for (size_t k = 0; k < shapes.size(); ++k) {
+            const ggml_tensor * src = hi.tensor(k);
+            ggml_tensor *       dst = v.tensor(k);
+            ggml_backend_tensor_set_async(vram_backend.get(), dst, (const char *) src->data + (size_t) rs * src->nb[2],
+                                          (size_t) s * dst->nb[2], dst->nb[2]);
+            bytes += dst->nb[2];
+        }
+        v.pin(s);
+        vram_of[e] = s;
+        ++c.n_vram_copies;
+    }
+    if (!missing.empty()) {
+        ggml_backend_synchronize(vram_backend.get());
+        c.n_vram_bytes += bytes;
+        c.vram_copy_us += (uint64_t) (moetier_time_us() - t0);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t rs = ram[i];
+        const int32_t s  = rs >= 0 ? vram_of[hi.key(rs).expert] : -1;
+        out[i]           = s >= 0 ? s : spare;
+    }
 }
 
 void moetier_cache::set_error(const moetier_error & err) noexcept {

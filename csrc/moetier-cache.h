@@ -140,6 +140,23 @@ class moetier_cache {
 
     void set_prefetch(moetier_prefetch_ptr p) { prefetcher = std::move(p); }
 
+    // The VRAM tier, a cache over this one (call before add_layer): n_slots high-precision slots in
+    // dev's memory (host: in host memory, computed on the CPU, which checks the tier where no GPU is),
+    // with its own policy; the RAM pools move to dev's pinned host memory, which it copies from at full
+    // speed. throws std::runtime_error
+    void set_vram(ggml_backend_dev_t             dev,
+                  bool                           host,
+                  int32_t                        n_slots,
+                  const std::string &            policy,
+                  const moetier_policy_weights & weights);
+
+    bool has_vram() const { return vram != nullptr; }
+
+    // the VRAM tier's pool tensor of projection k (nullptr without one)
+    ggml_tensor * vram_pool(size_t k) const { return vram ? vram->tensor(k) : nullptr; }
+
+    const moetier_slots * vram_slots() const { return vram.get(); }
+
     moetier_slots & slots(moetier_precision prec) { return *sets[prec]; }
 
     const moetier_slots & slots(moetier_precision prec) const { return *sets[prec]; }
@@ -176,6 +193,10 @@ class moetier_cache {
 
     uint64_t pool_bytes() const { return sets[0]->mem_bytes() + sets[1]->mem_bytes(); }
 
+    uint64_t vram_bytes() const { return vram ? vram->mem_bytes() : 0; }
+
+    int32_t n_slots_vram() const { return vram ? vram->n_slots() : 0; }
+
     int32_t n_slots(moetier_precision prec) const { return sets[prec]->n_slots(); }
 
     int32_t n_expert() const { return n_expert_; }
@@ -202,6 +223,14 @@ class moetier_cache {
     // the open pass's reads, thread ith of nth; waits for prefetches of experts the layer needs that
     // are still being read
     void load(const moetier_layer & layer, int ith, int nth) noexcept;
+
+    // The upload op (thread 0), after the load op, with a VRAM tier: every expert the layer computes in
+    // high precision gets a VRAM slot: a hit, or a copy from its RAM slot (read and checked by the load
+    // op) on the tier's own stream, waited for here. ram: the resolve's high slots [n_used, n_tokens];
+    // out: the VRAM slots, the tier's zero slot where ram is -1. During warmup (nothing was read) or
+    // after a failed read (the graph is being stopped) nothing is copied: out holds distinct valid slots.
+    void upload(moetier_layer & layer, const int32_t * ram, int64_t n_used, int64_t n_tokens, int32_t * out,
+                bool warmup) noexcept;
 
     // the prefetch op, before layer's load: logits [n_next * n_expert, n_tokens] (row stride nb1) of the
     // stacked routers
@@ -302,6 +331,12 @@ class moetier_cache {
     std::vector<int32_t>      missing;  // the resolve's experts to read, in expert order
 
     moetier_pass pass;
+
+    // the VRAM tier (set_vram): its slots, a backend of its device for the copies (a stream of their
+    // own), and per expert the VRAM slot the current upload gave it
+    std::unique_ptr<moetier_slots> vram;
+    ggml_backend_ptr               vram_backend;
+    std::vector<int32_t>           vram_of;  // [n_expert]
 
     // warm start: entry of warm per high slot (-1: none), and how many are still pending
     const moetier_warm *                warm = nullptr;

@@ -59,6 +59,25 @@ static void moetier_op_load(ggml_tensor * dst, int ith, int nth, void * userdata
     moetier_op_pass_through(dst, ith, nth);
 }
 
+static void moetier_op_upload_impl(ggml_tensor * dst, int ith, void * userdata, bool warmup) noexcept {
+    if (ith == 0) {
+        moetier_layer *     l   = (moetier_layer *) userdata;
+        const ggml_tensor * ram = dst->src[0];
+        l->cache->upload(*l, (const int32_t *) ram->data, dst->ne[0], dst->ne[1], (int32_t *) dst->data, warmup);
+    }
+}
+
+// the VRAM tier: thread 0 copies the layer's VRAM misses from their RAM slots, out: the VRAM slots
+static void moetier_op_upload(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    GGML_UNUSED(nth);
+    moetier_op_upload_impl(dst, ith, userdata, false);
+}
+
+static void moetier_op_upload_warmup(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
+    GGML_UNUSED(nth);
+    moetier_op_upload_impl(dst, ith, userdata, true);
+}
+
 // pass-through of the slots on every thread; thread 0 predicts and starts the background reads
 static void moetier_op_prefetch(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
     const moetier_layer * l = (const moetier_layer *) userdata;
@@ -137,6 +156,16 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
         ggml_format_name(loaded, "moetier_prefetch-%d", l->il);
     }
 
+    // the VRAM tier: the layer's experts are copied into VRAM slots and computed there
+    const bool in_vram = cache.has_vram();
+    if (in_vram) {
+        GGML_ASSERT(n_planes == 1 && "the VRAM tier serves exact modes only");
+        ggml_tensor * src = loaded;
+        loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &src, 1,
+                                warmup ? moetier_op_upload_warmup : moetier_op_upload, 1, l);
+        ggml_format_name(loaded, "moetier_upload-%d", l->il);
+    }
+
     ggml_tensor ** targets[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
     for (ggml_tensor ** t : targets) {
         if (*t == nullptr) {
@@ -144,7 +173,7 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
         }
         for (const auto & p : l->projs) {
             if (p.meta == *t) {
-                *t = p.pool[MOETIER_PRECISION_HIGH];
+                *t = in_vram ? p.vram_pool : p.pool[MOETIER_PRECISION_HIGH];
             }
         }
         GGML_ASSERT(moetier_model::layer_of(*t) == nullptr && "expert tensor of a served layer has no pool");
@@ -275,12 +304,21 @@ void moetier_hook_graph_sched(const llama_model &  model,
         ggml_backend_sched_get_n_backends(sched) < 2) {
         return;
     }
+    // the RAM pools, and a VRAM tier's pools in host memory (vram_host); a VRAM tier's pools in a GPU's
+    // memory are left to the scheduler, which places their mul_mat_ids on that GPU
     static const char    pool_prefix[] = "moetier_pool_";
+    static const char    vram_prefix[] = "moetier_vram_";
     ggml_tensor ** const nodes         = ggml_graph_nodes(gf);
     const int            n             = ggml_graph_n_nodes(gf);
     for (int i = 0; i < n; ++i) {
         ggml_tensor * t = nodes[i];
-        if (t->op == GGML_OP_MUL_MAT_ID && strncmp(t->src[0]->name, pool_prefix, sizeof(pool_prefix) - 1) == 0) {
+        if (t->op != GGML_OP_MUL_MAT_ID) {
+            continue;
+        }
+        const ggml_tensor * w = t->src[0];
+        if (strncmp(w->name, pool_prefix, sizeof(pool_prefix) - 1) == 0 ||
+            (strncmp(w->name, vram_prefix, sizeof(vram_prefix) - 1) == 0 && w->buffer &&
+             ggml_backend_buffer_is_host(w->buffer))) {
             ggml_backend_sched_set_tensor_backend(sched, t, backend_cpu);
         }
     }

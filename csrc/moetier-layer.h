@@ -38,6 +38,7 @@ struct moetier_proj {
     ggml_tensor * meta                       = nullptr;  // the model's tensor, created without data
     // the group's pool per precision [ne0, ne1, n_slots]
     ggml_tensor * pool[MOETIER_N_PRECISIONS] = { nullptr, nullptr };
+    ggml_tensor * vram_pool                  = nullptr;  // the group's VRAM tier pool [ne0, ne1, n_slots + 1], if any
 
     const moetier_file *       file   = nullptr;  // GGUF or store data file
     const moetier_store_proj * store  = nullptr;  // per-expert offsets and checksums when reading a store
@@ -96,4 +97,8 @@ static inline void moetier_stats_add(moetier_layer_stats & a, const moetier_laye
     a.n_loads_low += b.n_loads_low;
     a.n_skipped += b.n_skipped;
     a.n_bytes_low += b.n_bytes_low;
+    a.n_vram_hits += b.n_vram_hits;
+    a.n_vram_copies += b.n_vram_copies;
+    a.n_vram_bytes += b.n_vram_bytes;
+    a.vram_copy_us += b.vram_copy_us;
 }

@@ -42,8 +42,22 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     process_anon    = moetier_process_anon_bytes("");
     direct_io       = params.direct_io;
     policy_name     = params.policy && params.policy[0] ? params.policy : moetier_default_params().policy;
+    vram            = params.vram;
+    vram_host       = params.vram_host;
     if (const char * bad = moetier_params_check(&params)) {
         throw moetier_exception(MOETIER_ERROR_CONFIG, bad);
+    }
+    if (vram > 0 && (params.t1 < 1.0f || params.t2 < 1.0f)) {
+        throw moetier_exception(
+            MOETIER_ERROR_CONFIG,
+            format("vram=%s: the VRAM tier serves exact modes only (t1 = t2 = 1), but t1=%g t2=%g ask for "
+                   "low-precision or skipped experts; drop vram, or the thresholds",
+                   moetier_format_bytes(vram).c_str(), params.t1, params.t2));
+    }
+    if (vram == 0 && vram_host) {
+        throw moetier_exception(MOETIER_ERROR_CONFIG,
+                                "vram_host=1 places the VRAM tier in host memory, but vram=0 turns the tier off; "
+                                "give vram a budget");
     }
     // fault injection for tests (moetier-io.h); unset, no read is touched
     std::string fault_err;
@@ -151,6 +165,7 @@ moetier_model::~moetier_model() {
         }
     }
     io.reset();  // joins the I/O threads: no read may outlive the pools
+    log_totals();
     caches.clear();
     if (meta_ctx) {
         for (ggml_tensor * t = ggml_get_first_tensor(meta_ctx); t; t = ggml_get_next_tensor(meta_ctx, t)) {
@@ -158,6 +173,28 @@ moetier_model::~moetier_model() {
             t->extra = nullptr;
         }
         ggml_free(meta_ctx);
+    }
+}
+
+void moetier_model::log_totals() const {
+    // the counters of the whole run, for the tools that print no stats of their own (llama-cli,
+    // llama-perplexity, llama-batched-bench)
+    moetier_layer_stats t = {};
+    for (const auto & l : layers) {
+        moetier_stats_add(t, l->stats);
+    }
+    if (t.n_lookups == 0) {
+        return;
+    }
+    MOETIER_LOG_INFO("moetier: expert cache totals: %" PRIu64 " lookups, RAM tier %" PRIu64 " hits (%.1f%%), %" PRIu64
+                     " misses, %s read\n",
+                     t.n_lookups, t.n_hits, 100.0 * (double) t.n_hits / (double) t.n_lookups, t.n_misses,
+                     moetier_format_bytes(t.n_bytes_read).c_str());
+    if (t.n_vram_hits + t.n_vram_copies > 0) {
+        MOETIER_LOG_INFO("moetier: expert cache totals: VRAM tier %" PRIu64 " hits (%.1f%%), %" PRIu64
+                         " copies from RAM, %s copied in %.1f ms\n",
+                         t.n_vram_hits, 100.0 * (double) t.n_vram_hits / (double) t.n_lookups, t.n_vram_copies,
+                         moetier_format_bytes(t.n_vram_bytes).c_str(), (double) t.vram_copy_us / 1000.0);
     }
 }
 
@@ -241,7 +278,24 @@ ggml_tensor * moetier_model::create_tensor(const std::string & name,
     return t;
 }
 
-void moetier_model::finish_load() {
+// the device a VRAM tier serving layer il lives on: the GPU the layer runs on (the CPU device with
+// vram_host); nullptr where the layer runs on the CPU or no tier is asked for
+static ggml_backend_dev_t moetier_vram_device(const llama_model & model, int32_t il, uint64_t vram, bool host) {
+    if (vram == 0) {
+        return nullptr;
+    }
+    if (host) {
+        return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    }
+    ggml_backend_dev_t d = model.dev_layer(il);
+    if (d == nullptr) {
+        return nullptr;
+    }
+    const enum ggml_backend_dev_type t = ggml_backend_dev_type(d);
+    return t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU ? d : nullptr;
+}
+
+void moetier_model::finish_load(const llama_model & model) {
     if (layers.empty()) {
         throw std::runtime_error(
             "the model has no expert tensors (blk.N.ffn_*_exps.weight): the expert cache needs a MoE model; "
@@ -273,7 +327,11 @@ void moetier_model::finish_load() {
     for (auto & l : layers) {
         std::sort(l->projs.begin(), l->projs.end(),
                   [](const moetier_proj & a, const moetier_proj & b) { return a.name < b.name; });
-        std::string sig;
+        std::string              sig;
+        const ggml_backend_dev_t dev = moetier_vram_device(model, l->il, vram, vram_host);
+        if (dev != nullptr) {
+            sig += std::string("@") + ggml_backend_dev_name(dev) + ";";  // a VRAM tier per device
+        }
         for (const auto & p : l->projs) {
             sig += format("%s:%s:%" PRId64 "x%" PRId64 ";", p.name.c_str(), ggml_type_name(p.meta->type), p.meta->ne[0],
                           p.meta->ne[1]);
@@ -288,6 +346,9 @@ void moetier_model::finish_load() {
         std::vector<moetier_layer *> layers;
         uint64_t                     slot_bytes[2];
         int64_t                      n_slots[2];
+        ggml_backend_dev_t           dev        = nullptr;  // of its VRAM tier
+        uint64_t                     vram_bytes = 0;        // of one expert there (unpadded)
+        int64_t                      n_vram     = 0;
     };
 
     std::vector<plan> plans;
@@ -348,6 +409,52 @@ void moetier_model::finish_load() {
         }
     }
 
+    // the VRAM tier: groups whose layers run on a GPU, one layer's experts each, the rest of the budget
+    // split as the RAM tier's
+    if (vram > 0) {
+        uint64_t all_vram = 0;
+        min_vram_bytes    = 0;
+        for (auto & pl : plans) {
+            pl.dev = moetier_vram_device(model, pl.layers[0]->il, vram, vram_host);
+            if (pl.dev == nullptr) {
+                continue;
+            }
+            for (const auto & p : pl.layers[0]->projs) {
+                pl.vram_bytes += p.bytes;
+            }
+            min_vram_bytes += pl.vram_bytes * (uint64_t) n_expert;
+            all_vram += pl.vram_bytes * (uint64_t) n_expert * pl.layers.size();
+        }
+        if (all_vram == 0) {
+            const bool has_gpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr ||
+                                 ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_IGPU) != nullptr;
+            throw moetier_exception(
+                MOETIER_ERROR_CONFIG,
+                has_gpu ? format("vram=%s: no MoE layer runs on a GPU; offload the layers (-ngl 99, n_gpu_layers) "
+                                 "or drop vram",
+                                 moetier_format_bytes(vram).c_str()) :
+                          format("vram=%s: this build has no GPU backend (build with -C cmake.define.MOETIER_CUDA=ON); "
+                                 "drop vram, or set vram_host=1 to run the tier in host memory",
+                                 moetier_format_bytes(vram).c_str()));
+        }
+        if (vram < min_vram_bytes) {
+            throw moetier_exception(
+                MOETIER_ERROR_CONFIG,
+                format("vram=%s is below the minimum %s (one layer's %d experts%s); use at least %" PRIu64 " bytes",
+                       moetier_format_bytes(vram).c_str(), moetier_format_bytes(min_vram_bytes).c_str(), n_expert,
+                       plans.size() > 1 ? " per group on a GPU" : "", min_vram_bytes));
+        }
+        for (auto & pl : plans) {
+            if (pl.dev == nullptr) {
+                continue;
+            }
+            const int64_t max_slots = (int64_t) n_expert * (int64_t) pl.layers.size();
+            const double  share     = (double) (vram - min_vram_bytes) *
+                                 (double) (pl.vram_bytes * n_expert * pl.layers.size()) / (double) all_vram;
+            pl.n_vram = std::min<int64_t>(max_slots, n_expert + (int64_t) (share / (double) pl.vram_bytes));
+        }
+    }
+
     // store reads: one vectored read per expert when its projections lie back to back in the file
     for (auto & l : layers) {
         if (!store || l->projs.size() > 8) {
@@ -388,12 +495,22 @@ void moetier_model::finish_load() {
             std::make_unique<moetier_cache>(n_expert, n_slots, precision, policy_name, policy_weights, shapes));
         moetier_cache * c = caches.back().get();
         c->set_n_model_layers(std::max<int32_t>(n_model_layers, layers.back()->il + 1));
+        if (pl.dev != nullptr) {
+            c->set_vram(pl.dev, vram_host, (int32_t) pl.n_vram, policy_name, policy_weights);
+        }
         for (moetier_layer * l : pl.layers) {
             c->add_layer(l);
             for (size_t k = 0; k < l->projs.size(); ++k) {
                 l->projs[k].pool[MOETIER_PRECISION_HIGH] = c->pool(MOETIER_PRECISION_HIGH, k);
                 l->projs[k].pool[MOETIER_PRECISION_LOW]  = c->pool(MOETIER_PRECISION_LOW, k);
+                l->projs[k].vram_pool                    = c->vram_pool(k);
             }
+        }
+        if (pl.dev != nullptr) {
+            MOETIER_LOG_INFO("%s: VRAM tier on %s%s: %" PRId64 " slots of %d layers x %d experts (%s), policy %s\n",
+                             __func__, ggml_backend_dev_name(pl.dev), vram_host ? " (host memory, vram_host)" : "",
+                             pl.n_vram, (int) pl.layers.size(), n_expert,
+                             moetier_format_bytes(c->vram_bytes()).c_str(), policy_name.c_str());
         }
     }
 

@@ -50,7 +50,10 @@ struct moetier_model {
     void lock_resident_weights(const llama_model & model);
 
     // after all tensors exist: forms pool groups and allocates the pools from the budget
-    void finish_load();
+    void finish_load(const llama_model & model);
+
+    // logs the counters summed over layers (INFO), at model free
+    void log_totals() const;
 
     // then: starts the I/O pool (none if io_threads is 0: the compute threads read): an io_uring or
     // I/O threads, whose reads go through moetier-read
@@ -119,6 +122,8 @@ struct moetier_model {
     moetier_precision_rule precision;
     float                  low_frac       = 0.0f;
     uint64_t               cache_bytes    = 0;
+    uint64_t               vram           = 0;  // the VRAM tier's budget (0: none)
+    bool                   vram_host      = false;
     bool                   direct_io      = true;
     int32_t                n_model_layers = 0;  // for layer distances (set by the load hook)
     int32_t                prefetch       = 0;
@@ -155,4 +160,5 @@ struct moetier_model {
     uint64_t expert_bytes     = 0;  // all served experts, unpadded
     uint64_t expert_bytes_low = 0;  // their low versions (store only)
     uint64_t min_cache_bytes  = 0;
+    uint64_t min_vram_bytes   = 0;  // smallest VRAM budget accepted: one layer's experts per group on a GPU
 };

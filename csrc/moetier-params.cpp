@@ -20,6 +20,11 @@ static const moetier_param_info g_rows[] = {
     MOETIER_ROW(reserve, MOETIER_PARAM_TYPE_SIZE, 0, 1.8e19, true,
             "auto budget: memory left free beside what the model, KV cache and compute buffers need (e.g. for "
             "other processes)"),
+    MOETIER_ROW(vram, MOETIER_PARAM_TYPE_SIZE, 0, 1.8e19, true,
+            "VRAM tier: bytes of experts cached in the memory of the GPU each layer runs on (-ngl), over the RAM cache, "
+            "e.g. 4G; at least one layer's experts; a VRAM miss is copied from the RAM tier (read first on a RAM miss) "
+            "and every expert computes on the GPU; exact modes only (t1 = t2 = 1); 0 = off: the experts compute on "
+            "the CPU from the RAM cache"),
     MOETIER_ROW(store_dir, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
             "expert store written by `moetier pack`; none = read experts from the GGUF"),
     MOETIER_ROW(policy, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
@@ -81,6 +86,9 @@ static const moetier_param_info g_rows[] = {
             "check every expert read of a store against the store's checksums before its slot is used (CRC32C "
             "with the CPU's CRC instructions, at memory speed); 0: only the first read of each expert copy in "
             "this process, trusted after (a damaged file then goes unnoticed on later reads)"),
+    MOETIER_ROW(vram_host, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
+            "the VRAM tier's pools in host memory instead of a GPU's: the same bookkeeping, copies and graph, computed "
+            "on the CPU (checks the tier where no GPU is; slower than vram=0)"),
     MOETIER_ROW(prefetch_gate, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
             "prefetch measures whether it pays where it runs: decode steps alternate between windows of 8 with "
             "prefetch reading and standing back (the policy alone), the arm with the lower median step time runs the "
@@ -97,6 +105,7 @@ struct moetier_params moetier_default_params(void) {
     moetier_params p = {
         /*.cache_bytes =*/0,
         /*.reserve     =*/0,
+        /*.vram        =*/0,
         /*.store_dir   =*/nullptr,
         /*.policy      =*/"reuse-rank",
         /*.t1          =*/1.0f,
@@ -116,6 +125,7 @@ struct moetier_params moetier_default_params(void) {
         /*.fitted_prefetch=*/true,
         /*.lock_weights=*/true,
         /*.verify_all  =*/true,
+        /*.vram_host   =*/false,
         /*.prefetch_gate=*/true,
     };
     return p;

@@ -1,5 +1,6 @@
 #include "moetier-slots.h"
 
+#include "ggml-alloc.h"
 #include "moetier-impl.h"
 
 #include <algorithm>
@@ -23,15 +24,21 @@ moetier_slots::moetier_slots(moetier_precision prec, int32_t n_slots, int32_t n_
     policy->init(n_slots);
 }
 
-void moetier_slots::alloc(const std::vector<moetier_proj> & shapes) {
+void moetier_slots::alloc(const std::vector<moetier_proj> & shapes, ggml_backend_buffer_type_t buft) {
+    tensors.clear();
+    buf.reset();
+    ctx.reset();
+    mem      = moetier_aligned_buffer{};
+    buf_size = 0;
     const int32_t n = n_slots();
     if (n == 0) {
         return;
     }
+    const bool            device = buft != nullptr && !ggml_backend_buft_is_host(buft);
     std::vector<uint64_t> stride;
     uint64_t              total = 0;
     for (const auto & p : shapes) {
-        stride.push_back(moetier_align_up(p.expert_bytes(prec_)));
+        stride.push_back(device ? p.expert_bytes(prec_) : moetier_align_up(p.expert_bytes(prec_)));
         total += stride.back() * (uint64_t) n;
     }
     ggml_init_params ip = {
@@ -43,31 +50,57 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes) {
     if (!ctx) {
         throw std::runtime_error("failed to create the expert cache context");
     }
-    // not touched here: pages become resident as slots fill (and the memory-fit pass of
-    // common_fit_params, which loads the model with no_alloc, costs no RSS)
-    buf_size = total;
-    mem.reserve(buf_size);
-    buf.reset(ggml_backend_cpu_buffer_from_ptr(mem.data.get(), buf_size));
-    if (!buf) {
-        throw std::runtime_error("failed to create the expert cache buffer");
-    }
-    ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-
-    uint8_t * base = (uint8_t *) mem.data.get();
     for (size_t k = 0; k < shapes.size(); ++k) {
         const ggml_tensor * m    = shapes[k].meta;
         const ggml_type     type = prec_ == MOETIER_PRECISION_LOW ? shapes[k].store->type_low : m->type;
-        ggml_tensor *       t    = ggml_new_tensor_3d(ctx.get(), type, m->ne[0], m->ne[1], n);
-        // slots padded to 4096 so that aligned reads land straight in them [TAG_MOETIER_ALIGN]
-        t->nb[2]                 = stride[k];
-        t->nb[3]                 = stride[k] * (uint64_t) n;
-        ggml_format_name(t, "moetier_pool_%s%s", shapes[k].name.c_str(), prec_ == MOETIER_PRECISION_LOW ? "_low" : "");
-        if (ggml_backend_tensor_alloc(buf.get(), t, base) != GGML_STATUS_SUCCESS) {
-            throw std::runtime_error("failed to place an expert cache pool");
+        ggml_tensor *       t    = ggml_new_tensor_3d(ctx.get(), type, m->ne[0], m->ne[1], device ? n + 1 : n);
+        if (!device) {
+            // slots padded to 4096 so that aligned reads land straight in them [TAG_MOETIER_ALIGN]
+            t->nb[2] = stride[k];
+            t->nb[3] = stride[k] * (uint64_t) n;
         }
-        base += stride[k] * (uint64_t) n;
+        ggml_format_name(t, "%s%s%s", device ? "moetier_vram_" : "moetier_pool_", shapes[k].name.c_str(),
+                         prec_ == MOETIER_PRECISION_LOW ? "_low" : "");
         tensors.push_back(t);
     }
+
+    if (device) {
+        buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft));
+        if (!buf) {
+            throw std::runtime_error(format("failed to allocate the VRAM tier's %s in %s",
+                                            moetier_format_bytes(total).c_str(), ggml_backend_buft_name(buft)));
+        }
+        ggml_backend_buffer_clear(buf.get(), 0);
+        buf_size = ggml_backend_buffer_get_size(buf.get());
+    } else {
+        uint8_t * base = nullptr;
+        if (buft != nullptr) {
+            // pinned memory: its pages are locked now, not as slots fill
+            buf.reset(ggml_backend_buft_alloc_buffer(buft, total + MOETIER_ALIGN));
+            if (!buf) {
+                throw std::runtime_error(format("failed to allocate the expert cache's %s of pinned memory (%s)",
+                                                moetier_format_bytes(total).c_str(), ggml_backend_buft_name(buft)));
+            }
+            base = (uint8_t *) moetier_align_up((uint64_t) (uintptr_t) ggml_backend_buffer_get_base(buf.get()));
+        } else {
+            // not touched here: pages become resident as slots fill (and the memory-fit pass of
+            // common_fit_params, which loads the model with no_alloc, costs no RSS)
+            mem.reserve(total);
+            buf.reset(ggml_backend_cpu_buffer_from_ptr(mem.data.get(), total));
+            if (!buf) {
+                throw std::runtime_error("failed to create the expert cache buffer");
+            }
+            base = (uint8_t *) mem.data.get();
+        }
+        buf_size = total;
+        for (size_t k = 0; k < shapes.size(); ++k) {
+            if (ggml_backend_tensor_alloc(buf.get(), tensors[k], base) != GGML_STATUS_SUCCESS) {
+                throw std::runtime_error("failed to place an expert cache pool");
+            }
+            base += stride[k] * (uint64_t) n;
+        }
+    }
+    ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
 }
 
 void moetier_slots::add_layer(int32_t il) {

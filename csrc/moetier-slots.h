@@ -33,9 +33,14 @@ class moetier_slots {
     // memory API
     //
 
-    // one pool tensor per projection of shapes, [ne0, ne1, n_slots] in host memory with slots padded to
-    // 4096 (reads land straight in them). Not called for trace replay. throws std::runtime_error
-    void alloc(const std::vector<moetier_proj> & shapes);
+    // one pool tensor per projection of shapes. buft nullptr: [ne0, ne1, n_slots] in host memory with
+    // slots padded to 4096 (reads land straight in them), paged in as slots fill; a host buffer type
+    // (a GPU backend's pinned memory, which it copies from at full speed): the same layout in it; any
+    // other buffer type (the VRAM tier): [ne0, ne1, n_slots + 1] unpadded, as CUDA's kernels take
+    // them, zeroed, the extra slot (a zero expert) never assigned (MMQ reads past the last slot).
+    // Again on an allocated pool: the old memory is freed (call before the slots are used). Not
+    // called for trace replay. throws std::runtime_error
+    void alloc(const std::vector<moetier_proj> & shapes, ggml_backend_buffer_type_t buft = nullptr);
 
     ggml_tensor * tensor(size_t k) const { return k < tensors.size() ? tensors[k] : nullptr; }
 
@@ -109,7 +114,7 @@ class moetier_slots {
     moetier_policy_ptr      policy;
 
     // memory
-    moetier_aligned_buffer     mem;  // the pools' memory, 4096-aligned, paged in as slots fill
+    moetier_aligned_buffer     mem;  // the pools' memory without a buffer type, 4096-aligned, paged in as slots fill
     size_t                     buf_size = 0;
     ggml_context_ptr           ctx;
     ggml_backend_buffer_ptr    buf;

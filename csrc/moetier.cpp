@@ -55,6 +55,8 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
         info->n_slots_low += c->n_slots(MOETIER_PRECISION_LOW);
         info->n_held += c->slots(MOETIER_PRECISION_HIGH).n_experts_held();
         info->cache_bytes += c->pool_bytes();
+        info->n_slots_vram += c->n_slots_vram();
+        info->vram_bytes += c->vram_bytes();
     }
     return 0;
 }

@@ -39,6 +39,8 @@ struct moetier_params {
     uint64_t     cache_bytes;  // expert cache budget in bytes; 0 = cache off (stock llama.cpp loading);
                                // MOETIER_CACHE_AUTO = chosen at load from the memory available
     uint64_t     reserve;      // auto budget: memory left free beside the estimated needs (other processes)
+    uint64_t     vram;         // VRAM tier: bytes of experts cached in the memory of the GPU each layer runs on,
+                               // over the RAM cache (cache_bytes); 0 = off (the experts compute on the CPU)
     const char * store_dir;    // packed expert store (moetier pack); NULL = read experts from the GGUF
     const char * policy;       // eviction policy (moetier_policy_names); NULL = default
 
@@ -76,6 +78,8 @@ struct moetier_params {
                            // then takes the page cache and the expert cache's reads, never them
     bool verify_all;       // check every read of a store against its checksums (the default); false: the
                            // first read of each expert copy in this process only
+    bool vram_host;        // the VRAM tier's pools in host memory instead of a GPU's (the same bookkeeping,
+                           // copies and graph: checks the tier where no GPU is)
     bool prefetch_gate;    // prefetch measures whether it pays: decode steps alternate between windows with
                            // and without prefetch reads, the faster arm runs on and is measured again
                            // later (the default); false: prefetch always reads
@@ -202,6 +206,12 @@ struct moetier_layer_stats {
     uint64_t n_loads_low;   // misses read in low precision
     uint64_t n_skipped;     // misses not computed (score above t2)
     uint64_t n_bytes_low;   // bytes read for low-precision loads (part of n_bytes_read)
+    // the VRAM tier (moetier_params.vram): lookups are the experts a ubatch selected (n_lookups), hits
+    // the ones found in VRAM; the others were copied there from the RAM tier (read first on a RAM miss)
+    uint64_t n_vram_hits;
+    uint64_t n_vram_copies;   // experts copied from the RAM tier into VRAM
+    uint64_t n_vram_bytes;    // bytes copied into VRAM
+    uint64_t vram_copy_us;    // wall time of those copies (this layer's compute waited for them)
 };
 
 struct moetier_cache_info {
@@ -215,6 +225,8 @@ struct moetier_cache_info {
     uint64_t cache_bytes;       // bytes held by the slot pools
     uint64_t expert_bytes;      // bytes of all served experts (what stock llama.cpp loads)
     uint64_t min_cache_bytes;   // smallest budget accepted: one layer's experts per group
+    int32_t  n_slots_vram;      // VRAM tier slots over all groups (0: no VRAM tier)
+    uint64_t vram_bytes;        // bytes held by the VRAM tier's pools
     uint64_t weights_locked;    // bytes of mapped non-expert weights locked in RAM (lock_weights)
     uint64_t reads_checked;     // expert reads checked against the store's checksums (verify_all)
     float    t1;                // the precision rule in effect (moetier_params)

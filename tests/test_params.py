@@ -53,7 +53,7 @@ def test_opts_round_trip_through_the_parser() -> None:
         ("t1=1.5", r"t1=1.5: must lie in \[0, 1\]"),
         ("prefetch=9", r"prefetch=9: must lie in \[0, 8\]"),
         ("io_uring=2", "io_uring: '2' must be 0 or 1"),
-        ("policy=lru", "unknown KEY; expected one of reserve, t1, t2"),
+        ("policy=lru", "unknown KEY; expected one of reserve, vram, t1, t2"),
         ("t1=0.9,t2=0.5", "t1 must not exceed t2"),
         ("prefetch_waste=-1", r"prefetch_waste=-1: must lie in \[0, 100\]"),
     ],

@@ -65,6 +65,7 @@ class CacheConfig:
 
     budget: int | str = field(default="auto", metadata={"help": _help("cache_bytes").replace("; 0 = cache off", "")})
     reserve: int | str = field(default=0, metadata={"help": _help("reserve")})
+    vram: int | str = field(default=0, metadata={"help": _help("vram")})
     policy: str = field(default=str(_DEFAULTS.policy), metadata={"help": _help("policy")})
     direct_io: bool = field(default=bool(_DEFAULTS.direct_io), metadata={"help": _help("direct_io")})
     t1: float = field(default=round(float(_DEFAULTS.t1), 6), metadata={"help": _help("t1")})
@@ -85,10 +86,12 @@ class CacheConfig:
     lock_weights: bool = field(default=bool(_DEFAULTS.lock_weights), metadata={"help": _help("lock_weights")})
     verify_all: bool = field(default=bool(_DEFAULTS.verify_all), metadata={"help": _help("verify_all")})
     prefetch_gate: bool = field(default=bool(_DEFAULTS.prefetch_gate), metadata={"help": _help("prefetch_gate")})
+    vram_host: bool = field(default=bool(_DEFAULTS.vram_host), metadata={"help": _help("vram_host")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget", auto=True))
         object.__setattr__(self, "reserve", parse_size(self.reserve, "cache.reserve"))
+        object.__setattr__(self, "vram", parse_size(self.vram, "cache.vram"))
         if self.budget == 0:
             msg = "cache.budget: 0 turns the cache off; pass cache=None instead (on the command line: --no-cache)"
             raise ConfigError(msg)

@@ -1,0 +1,295 @@
+"""The VRAM tier on a GPU against stock llama.cpp's static placements of the same VRAM, and the
+exactness oracle, in one run (a GPU machine is at hand briefly: everything it needs is here).
+
+Model: a random-weight qwen3moe at a real MoE's shapes (n_embd 2048, 12 layers, 64 experts, top-8,
+n_ff_exp 768, q8_0 experts, 3.84 GiB), written with moetier.tools.tiny. Its routing is uniform, so
+a cache of a share of the experts hits about that share: what a cache gains there comes from its
+mechanics, not from skew.
+
+Speed (moetier-gpu-bench of the same build, bench/gpu-bench.cpp: -fa off, a 512-token prompt then 64
+decode tokens, the medians of rounds 2-3; the first warms the caches): stock with every expert in VRAM
+(-ngl 99), stock with the first N layers' experts on the CPU (-ncmoe N: 75/50/25/8/0% of expert bytes
+in VRAM), and moetier with every layer on the GPU, the RAM tier holding every expert (auto budget) and
+the VRAM tier at the same shares (1, 3, 6, 9, 12 layers' worth of experts); at 25% also with the RAM
+tier at half the experts (SSD reads) and without prefetch; and the RAM tier alone (experts computed on
+the CPU).
+
+Oracle (llama-perplexity, 2 chunks of 512 tokens, ubatch 512/8/1): moetier with every expert in the
+VRAM tier and with 25% must print stock -ngl 99's chunk perplexities exactly.
+
+usage: python3 bench/gpu.py --bin BUILD/bin --tool BUILD/moetier-gpu-bench --work DIR --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPE: dict[str, Any] = {
+    "n_expert": 64,
+    "n_expert_used": 8,
+    "n_layer": 12,
+    "n_embd": 2048,
+    "n_ff_exp": 768,
+    "n_head": 16,
+    "n_head_kv": 4,
+    "n_vocab": 2048,
+    "expert_type": "q8_0",
+    "seed": 7,
+}
+# q8_0: 34 bytes per 32 weights; gate, up and down of n_embd x n_ff_exp
+EXPERT_BYTES = 3 * SHAPE["n_embd"] * SHAPE["n_ff_exp"] * 34 // 32
+ALL_EXPERTS = EXPERT_BYTES * SHAPE["n_expert"] * SHAPE["n_layer"]
+
+
+def _tiny() -> Any:
+    """moetier.tools.tiny without the package (whose import needs the built module)."""
+    path = Path(__file__).resolve().parents[1] / "python" / "moetier" / "tools" / "tiny.py"
+    spec = importlib.util.spec_from_file_location("moetier_tiny", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write_inputs(work: Path) -> tuple[Path, Path]:
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "qwen3moe-64x-q8.gguf"
+    if not model.exists():
+        t0 = time.time()
+        _tiny().write_tiny_model(str(model), "qwen3moe", **SHAPE)
+        print(f"wrote {model} ({model.stat().st_size / 2**30:.2f} GiB) in {time.time() - t0:.0f} s", flush=True)
+    text = work / "text.txt"
+    if not text.exists():
+        words = (
+            "the cache of experts lives in memory that a graphics card reads at full speed while the rest waits".split()
+        )
+        lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(24)) + f" {i}." for i in range(600)]
+        text.write_text("\n".join(lines))
+    return model, text
+
+
+DEADLINE = 0.0
+
+
+def run(cmd: list[str], log: Path, timeout: float = 120) -> tuple[int, str]:
+    t0 = time.time()
+    if DEADLINE and t0 > DEADLINE:
+        print(f"  [skipped: past the deadline] {log.name}", flush=True)
+        return 125, ""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, rc = p.stdout + "\n" + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        parts = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        out, rc = "\n".join([*parts, "TIMEOUT"]), 124
+    log.write_text(" ".join(cmd) + "\n\n" + out)
+    print(f"  [{time.time() - t0:5.1f} s rc {rc}] {log.name}", flush=True)
+    return rc, out
+
+
+ROUND = re.compile(r"round (\d+): pp \d+ tok ([\d.]+) tok/s, tg \d+ tok ([\d.]+) tok/s")
+STATS = re.compile(
+    r"moetier: (\d+) lookups, RAM tier (\d+) hits (\d+) misses (\d+) bytes read; VRAM tier (\d+) slots, (\d+) hits, "
+    r"(\d+) copies, (\d+) bytes copied in ([\d.]+) ms"
+)
+
+
+def bench(tool: Path, model: Path, name: str, extra: list[str], logs: Path, threads: int) -> dict[str, Any]:
+    """Rounds of moetier-gpu-bench; the medians of the rounds after the first (which warms the caches)."""
+    cmd = [str(tool), "-m", str(model), "-c", "1024", "-b", "512", "-ub", "512", "-npp", "512", "-ntg", "64",
+           "-ngl", "99", "-fa", "off", "-t", str(threads), *extra]  # fmt: skip
+    rc, out = run(cmd, logs / f"bench-{name}.log")
+    rounds = [(float(m.group(2)), float(m.group(3))) for m in ROUND.finditer(out) if m.group(1) != "0"]
+    r: dict[str, Any] = {"name": name, "args": " ".join(extra), "rc": rc}
+    if rounds:
+        r["pp_tps"] = statistics.median(x[0] for x in rounds)
+        r["tg_tps"] = statistics.median(x[1] for x in rounds)
+    m = STATS.search(out)
+    if m:
+        v = [float(x) for x in m.groups()]
+        r.update(lookups=v[0], ram_hit_pct=round(100 * v[1] / max(1, v[0]), 1), bytes_read=v[3], vram_slots=v[4])
+        r.update(vram_hit_pct=round(100 * v[5] / max(1, v[0]), 1), vram_copies=v[6], vram_bytes=v[7], copy_ms=v[8])
+    return r
+
+
+def perplexity(
+    bin_dir: Path, model: Path, text: Path, name: str, extra: list[str], logs: Path, threads: int
+) -> dict[str, Any]:
+    cmd = [
+        str(bin_dir / "llama-perplexity"),
+        "-m",
+        str(model),
+        "-f",
+        str(text),
+        "-c",
+        "512",
+        "-b",
+        "512",
+        "--chunks",
+        "2",
+        "-ngl",
+        "99",
+        "-fa",
+        "off",
+        "-t",
+        str(threads),
+        "--seed",
+        "1",
+        *extra,
+    ]
+    rc, out = run(cmd, logs / f"ppl-{name}.log")
+    chunks = re.findall(r"\[(\d+)\]([\d.]+|nan|inf)", out)
+    final = re.search(r"Final estimate: PPL = ([\d.]+|nan|inf)", out)
+    return {"name": name, "rc": rc, "chunks": [c[1] for c in chunks], "final": final.group(1) if final else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bin", type=Path, required=True, help="folder of llama-perplexity")
+    ap.add_argument("--tool", type=Path, required=True, help="moetier-gpu-bench (bench/gpu-bench.cpp)")
+    ap.add_argument("--work", type=Path, required=True, help="folder for the model and text (written if missing)")
+    ap.add_argument("--out", type=Path, required=True, help="folder for results and logs")
+    ap.add_argument("--threads", type=int, default=16, help="CPU threads (stock's CPU experts, our reads)")
+    ap.add_argument("--skip-oracle", action="store_true", help="speed only")
+    ap.add_argument("--inputs-only", action="store_true", help="write the model and text, run nothing")
+    ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds after which no new run starts")
+    args = ap.parse_args()
+    if args.inputs_only:
+        write_inputs(args.work)
+        return 0
+    logs = args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    model, text = write_inputs(args.work)
+    global DEADLINE
+    DEADLINE = args.deadline
+    res: dict[str, Any] = {"expert_bytes": ALL_EXPERTS, "shape": SHAPE, "speed": [], "oracle": []}
+
+    def save() -> None:
+        (args.out / "gpu-results.json").write_text(json.dumps(res, indent=1))
+
+    t = args.threads
+    gib = 2**30
+    print("speed", flush=True)
+    speed = res["speed"]
+    speed.append(bench(args.tool, model, "stock-all-vram", [], logs, t))
+    save()
+    # VRAM shares as whole layers' worth of experts, the shares stock's -ncmoe places
+    n_layer = SHAPE["n_layer"]
+    for k in (3, 6, 1, 12, 9):
+        vram = EXPERT_BYTES * SHAPE["n_expert"] * k
+        speed.append(
+            bench(
+                args.tool,
+                model,
+                f"moetier-vram{round(100 * k / n_layer)}",
+                ["--expert-cache", "auto", "--expert-opt", f"vram={vram}"],
+                logs,
+                t,
+            )
+        )
+        save()
+    for k in (3, 6, 9, 1, 0):
+        speed.append(
+            bench(
+                args.tool,
+                model,
+                f"stock-ncmoe{n_layer - k}-vram{round(100 * k / n_layer)}",
+                ["-ncmoe", str(n_layer - k)],
+                logs,
+                t,
+            )
+        )
+        save()
+    vram25 = math.ceil(ALL_EXPERTS * 0.25)
+    speed.append(
+        bench(
+            args.tool,
+            model,
+            "moetier-vram25-ram50",
+            ["--expert-cache", str(ALL_EXPERTS // 2 + gib // 8), "--expert-opt", f"vram={vram25}"],
+            logs,
+            t,
+        )
+    )
+    speed.append(
+        bench(
+            args.tool,
+            model,
+            "moetier-vram25-noprefetch",
+            ["--expert-cache", "auto", "--expert-opt", f"vram={vram25},prefetch=0"],
+            logs,
+            t,
+        )
+    )
+    speed.append(bench(args.tool, model, "moetier-ram-only-cpu-experts", ["--expert-cache", "auto"], logs, t))
+    save()
+
+    if not args.skip_oracle:
+        print("oracle", flush=True)
+        for ub in (512, 8, 1):
+            ref = perplexity(args.bin, model, text, f"stock-ub{ub}", ["-ub", str(ub)], logs, t)
+            res["oracle"].append(ref)
+            for frac in (100, 25):
+                vram = math.ceil(ALL_EXPERTS * frac / 100)
+                r = perplexity(
+                    args.bin,
+                    model,
+                    text,
+                    f"moetier-vram{frac}-ub{ub}",
+                    ["-ub", str(ub), "--expert-cache", "auto", "--expert-opt", f"vram={vram}"],
+                    logs,
+                    t,
+                )
+                r["exact"] = bool(r["chunks"]) and r["chunks"] == ref["chunks"]
+                res["oracle"].append(r)
+                save()
+
+    by = {r["name"]: r for r in speed}
+    lines = [
+        "| run | VRAM share | pp512 tok/s | tg tok/s | tg vs stock same VRAM | VRAM hits | RAM hits |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    stock_at = {
+        100: "stock-all-vram",
+        75: "stock-ncmoe3-vram75",
+        50: "stock-ncmoe6-vram50",
+        25: "stock-ncmoe9-vram25",
+        8: "stock-ncmoe11-vram8",
+    }
+    for r in speed:
+        m = re.search(r"vram(\d+)", r["name"])
+        share = int(m.group(1)) if m else 0
+        base = by.get(stock_at.get(share, ""), {})
+        ratio = (
+            f"{r['tg_tps'] / base['tg_tps']:.2f}x"
+            if r["name"].startswith("moetier") and "tg_tps" in r and "tg_tps" in base
+            else ""
+        )
+        lines.append(
+            f"| {r['name']} | {share}% | {r.get('pp_tps', 'fail')} | {r.get('tg_tps', 'fail')} | {ratio} | "
+            f"{r.get('vram_hit_pct', '')} | {r.get('ram_hit_pct', '')} |"
+        )
+    for r in res["oracle"]:
+        lines.append(
+            f"oracle {r['name']}: rc {r['rc']} final {r['final']} exact {r.get('exact', 'ref')} "
+            f"chunks {','.join(r['chunks'][:2])}"
+        )
+    summary = "\n".join(lines)
+    (args.out / "gpu-summary.md").write_text(summary + "\n")
+    save()
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

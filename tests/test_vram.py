@@ -1,0 +1,69 @@
+"""The VRAM tier: a cache of experts in a GPU's memory over the RAM cache. Its code runs here over host
+memory (vram_host=1: the same bookkeeping, copies and graph, computed on the CPU), which checks it on
+a CPU-only build: exact against stock at every VRAM budget, per-tier counters that add up, and clear
+errors for what it cannot do. What a GPU measured is in bench/results/gpu.md (bench/gpu.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, ConfigError, Model, ModelError
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model: ModelFactory) -> Path:
+    return tiny_model("qwen2moe", n_expert=8, n_expert_used=4, n_layer=3)
+
+
+def _min_budget(path: Path) -> int:
+    return int(Model(path, cache=CacheConfig(budget="64M")).cache_info()["min_cache_bytes"])
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_exact_at_every_vram_budget(model_path: Path, layers: int) -> None:
+    """One, two or all three layers' experts in the VRAM tier, the RAM tier at two: greedy tokens and
+    logits (a 40-token ubatch, as a prompt) equal stock's."""
+    mn = _min_budget(model_path)
+    stock = Model(model_path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    m = Model(model_path, cache=CacheConfig(budget=mn * 2, vram=mn * layers, vram_host=True))
+    info = m.cache_info()
+    assert info["n_slots_vram"] == 8 * layers and info["vram_bytes"] >= mn * layers
+    assert m.generate(tokens, max_tokens=16).tokens == stock.generate(tokens, max_tokens=16).tokens
+    s = m.stats()
+    # every expert computed went through the VRAM tier: a hit there, or a copy from the RAM tier
+    assert s.n_vram_hits + s.n_vram_copies == s.n_lookups > 0
+    assert s.n_vram_bytes == s.n_vram_copies * (mn // 8)
+    if layers == 3:
+        assert s.n_vram_copies <= 24  # every expert fits: each is copied once at most
+    else:
+        assert s.n_vram_copies > 24  # too small for every expert: evictions and copies again
+    assert np.array_equal(m.logits(tokens[:40]), stock.logits(tokens[:40]))
+
+
+def test_vram_tier_over_a_small_ram_tier(model_path: Path) -> None:
+    """The RAM tier at one layer's experts (every VRAM miss that misses there is read first)."""
+    mn = _min_budget(model_path)
+    stock = Model(model_path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    m = Model(model_path, cache=CacheConfig(budget=mn, vram=mn * 3, vram_host=True))
+    assert m.generate(tokens, max_tokens=12).tokens == stock.generate(tokens, max_tokens=12).tokens
+    s = m.stats()
+    assert s.n_misses > 0 and s.n_vram_hits > 0
+
+
+def test_vram_errors(model_path: Path) -> None:
+    mn = _min_budget(model_path)
+    with pytest.raises((ConfigError, ModelError), match="below the minimum"):
+        Model(model_path, cache=CacheConfig(budget=mn, vram=mn // 2, vram_host=True))
+    with pytest.raises(ConfigError, match="exact modes only"):
+        Model(model_path, cache=CacheConfig(budget=mn, vram=mn, t1=0.5, t2=0.9))
+    with pytest.raises((ConfigError, ModelError), match="vram_host=1 places the VRAM tier in host memory"):
+        Model(model_path, cache=CacheConfig(budget=mn, vram_host=True))
+    # this build computes on the CPU: a tier asked of a GPU names the build and the way out
+    with pytest.raises((ConfigError, ModelError), match="no GPU backend|no MoE layer runs on a GPU"):
+        Model(model_path, cache=CacheConfig(budget=mn, vram=mn))
