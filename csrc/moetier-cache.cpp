@@ -83,11 +83,11 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
     for (size_t k = 0; k < shapes.size(); ++k) {
         GGML_ASSERT(vram->tensor(k)->nb[2] == shapes[k].expert_bytes(MOETIER_PRECISION_HIGH));
     }
-    vram_backend.reset(ggml_backend_dev_init(host ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) : dev,
-                                             nullptr));
+    vram_backend.reset(
+        ggml_backend_dev_init(host ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) : dev, nullptr));
     if (!vram_backend) {
-        throw std::runtime_error(format("failed to start a backend on %s for the VRAM tier's copies",
-                                        ggml_backend_dev_name(dev)));
+        throw std::runtime_error(
+            format("failed to start a backend on %s for the VRAM tier's copies", ggml_backend_dev_name(dev)));
     }
     vram_of.assign(n_expert_, -1);
     ggml_backend_buffer_type_t pinned = host ? nullptr : ggml_backend_dev_host_buffer_type(dev);
@@ -116,7 +116,7 @@ void moetier_cache::upload(moetier_layer & layer,
         }
         return;
     }
-    moetier_layer_stats & c = layer.stats;
+    moetier_layer_stats & c    = layer.stats;
     moetier_policy_ctx    pctx = policy_ctx(layer.il);
     pctx.batch                 = n_tokens > 1;
     std::fill(vram_of.begin(), vram_of.end(), -1);

@@ -229,8 +229,12 @@ class moetier_cache {
     // op) on the tier's own stream, waited for here. ram: the resolve's high slots [n_used, n_tokens];
     // out: the VRAM slots, the tier's zero slot where ram is -1. During warmup (nothing was read) or
     // after a failed read (the graph is being stopped) nothing is copied: out holds distinct valid slots.
-    void upload(moetier_layer & layer, const int32_t * ram, int64_t n_used, int64_t n_tokens, int32_t * out,
-                bool warmup) noexcept;
+    void upload(moetier_layer & layer,
+                const int32_t * ram,
+                int64_t         n_used,
+                int64_t         n_tokens,
+                int32_t *       out,
+                bool            warmup) noexcept;
 
     // the prefetch op, before layer's load: logits [n_next * n_expert, n_tokens] (row stride nb1) of the
     // stacked routers

@@ -161,7 +161,7 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     if (in_vram) {
         GGML_ASSERT(n_planes == 1 && "the VRAM tier serves exact modes only");
         ggml_tensor * src = loaded;
-        loaded = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &src, 1,
+        loaded            = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &src, 1,
                                 warmup ? moetier_op_upload_warmup : moetier_op_upload, 1, l);
         ggml_format_name(loaded, "moetier_upload-%d", l->il);
     }
@@ -295,6 +295,14 @@ void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexc
 //
 // backend placement
 //
+
+uint32_t moetier_hook_graph_extra_nodes(const llama_model & model) noexcept {
+    const moetier_model * m = model.moetier.get();
+    // per served layer: resolve, prefetch, load and upload ops, the stacked routers' matmul, the
+    // low-precision matmuls and adds, views; and a CUDA build's split copies around them (several
+    // per layer, times the scheduler's copies with pipeline parallelism)
+    return m == nullptr ? 0 : 64u * (uint32_t) m->layers.size();
+}
 
 void moetier_hook_graph_sched(const llama_model &  model,
                               ggml_backend_sched * sched,

@@ -88,8 +88,14 @@ ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
 // shared expert, the stacked routers) are moved ahead of its load op to compute while they run
 void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexcept;
 
+// llama_context::graph_max_nodes: the nodes a graph needs beyond stock's for the expert cache (its ops
+// per served layer, and the scheduler's copies of their inputs between backends, which its hash set
+// must hold); 0 without a cache
+uint32_t moetier_hook_graph_extra_nodes(const llama_model & model) noexcept;
+
 // llama_context, after a graph is built and before the scheduler splits it: the mul_mat_ids over the
-// cache's pools run on the CPU backend. Another backend cannot run them: the pools' slots are padded
+// RAM tier's pools (and over a VRAM tier's pools in host memory, vram_host) run on the CPU backend; a
+// VRAM tier's pools in a GPU's memory are left to the scheduler, which runs them there. Another backend cannot run them: the pools' slots are padded
 // for O_DIRECT reads, which CUDA's quantized matmul refuses (it asserts a contiguous src0) and its
 // f16 path turns into NaN (measured on an H100), and it leaves the row of a negative slot id (a
 // skipped expert, the other precision's rows) unwritten where the CPU gives a zero row (patch 0003).

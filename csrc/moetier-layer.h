@@ -40,10 +40,10 @@ struct moetier_proj {
     ggml_tensor * pool[MOETIER_N_PRECISIONS] = { nullptr, nullptr };
     ggml_tensor * vram_pool                  = nullptr;  // the group's VRAM tier pool [ne0, ne1, n_slots + 1], if any
 
-    const moetier_file *       file   = nullptr;  // GGUF or store data file
-    const moetier_store_proj * store  = nullptr;  // per-expert offsets and checksums when reading a store
-    uint64_t                   offset = 0;        // GGUF: file offset of expert 0
-    uint64_t                   bytes  = 0;        // unpadded bytes of one high-precision expert
+    const moetier_file *       file   = nullptr;         // GGUF or store data file
+    const moetier_store_proj * store  = nullptr;         // per-expert offsets and checksums when reading a store
+    uint64_t                   offset = 0;               // GGUF: file offset of expert 0
+    uint64_t                   bytes  = 0;               // unpadded bytes of one high-precision expert
 
     uint64_t expert_offset(int32_t e, moetier_precision prec) const {
         if (store) {

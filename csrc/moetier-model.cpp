@@ -509,8 +509,8 @@ void moetier_model::finish_load(const llama_model & model) {
         if (pl.dev != nullptr) {
             MOETIER_LOG_INFO("%s: VRAM tier on %s%s: %" PRId64 " slots of %d layers x %d experts (%s), policy %s\n",
                              __func__, ggml_backend_dev_name(pl.dev), vram_host ? " (host memory, vram_host)" : "",
-                             pl.n_vram, (int) pl.layers.size(), n_expert,
-                             moetier_format_bytes(c->vram_bytes()).c_str(), policy_name.c_str());
+                             pl.n_vram, (int) pl.layers.size(), n_expert, moetier_format_bytes(c->vram_bytes()).c_str(),
+                             policy_name.c_str());
         }
     }
 

@@ -28,8 +28,8 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes, ggml_backend
     tensors.clear();
     buf.reset();
     ctx.reset();
-    mem      = moetier_aligned_buffer{};
-    buf_size = 0;
+    mem             = moetier_aligned_buffer{};
+    buf_size        = 0;
     const int32_t n = n_slots();
     if (n == 0) {
         return;

@@ -209,9 +209,9 @@ struct moetier_layer_stats {
     // the VRAM tier (moetier_params.vram): lookups are the experts a ubatch selected (n_lookups), hits
     // the ones found in VRAM; the others were copied there from the RAM tier (read first on a RAM miss)
     uint64_t n_vram_hits;
-    uint64_t n_vram_copies;   // experts copied from the RAM tier into VRAM
-    uint64_t n_vram_bytes;    // bytes copied into VRAM
-    uint64_t vram_copy_us;    // wall time of those copies (this layer's compute waited for them)
+    uint64_t n_vram_copies;  // experts copied from the RAM tier into VRAM
+    uint64_t n_vram_bytes;   // bytes copied into VRAM
+    uint64_t vram_copy_us;   // wall time of those copies (this layer's compute waited for them)
 };
 
 struct moetier_cache_info {

@@ -5,13 +5,18 @@ errors for what it cannot do. What a GPU measured is in bench/results/gpu.md (be
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from _server import serve
 from conftest import LONG_PROMPT, ModelFactory
 from moetier import CacheConfig, ConfigError, Model, ModelError
+from moetier.stats import fetch, render
 
 
 @pytest.fixture(scope="module")
@@ -65,5 +70,31 @@ def test_vram_errors(model_path: Path) -> None:
     with pytest.raises((ConfigError, ModelError), match="vram_host=1 places the VRAM tier in host memory"):
         Model(model_path, cache=CacheConfig(budget=mn, vram_host=True))
     # this build computes on the CPU: a tier asked of a GPU names the build and the way out
-    with pytest.raises((ConfigError, ModelError), match="no GPU backend|no MoE layer runs on a GPU"):
+    with pytest.raises((ConfigError, ModelError), match=r"no GPU backend|no MoE layer runs on a GPU"):
         Model(model_path, cache=CacheConfig(budget=mn, vram=mn))
+
+
+def test_cli_run_shows_the_vram_tier(model_path: Path) -> None:
+    mn = _min_budget(model_path)
+    cmd = [sys.executable, "-m", "moetier.cli", "run", "-m", str(model_path), "-p", LONG_PROMPT, "-n", "8",
+           "--cache", str(mn * 2), "--cache-vram", str(mn * 2), "--cache-vram-host"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"VRAM tier hit rate [\d.]+% \(\d+/\d+, \d+ copies from RAM", r.stderr), r.stderr
+
+
+def test_server_metrics_count_the_vram_tier(model_path: Path, tmp_path: Path) -> None:
+    mn = _min_budget(model_path)
+    args = ["-m", str(model_path), "--cache", str(mn * 2), "--cache-vram", str(mn * 2), "--cache-vram-host"]
+    with serve(args, tmp_path / "server.log") as srv:
+        srv.complete(LONG_PROMPT, n_predict=8)
+        lookups = srv.metric("expert_cache_lookups_total")
+        hits, copies = srv.metric("expert_cache_vram_hits_total"), srv.metric("expert_cache_vram_copies_total")
+        assert lookups > 0 and hits + copies == lookups and copies > 0
+        assert srv.metric("expert_cache_vram_bytes_total") == copies * (mn // 8)
+        assert "VRAM tier" in render(srv.url, fetch(srv.url))
+
+
+def test_n_gpu_layers_is_checked(model_path: Path) -> None:
+    with pytest.raises(ConfigError, match="n_gpu_layers"):
+        Model(model_path, n_gpu_layers=-1)

@@ -10,12 +10,14 @@ namespace py = pybind11;
 py_model::py_model(const std::string &          path,
                    const moetier_params &       params,
                    const llama_context_params & cparams,
-                   bool                         repack) :
+                   bool                         repack,
+                   int32_t                      n_gpu_layers) :
     path_(path),
     cparams_(cparams) {
     llama_model_params mp = llama_model_default_params();
     // repacked weights are anonymous copies: a memory cap cannot page them out like mmap'ed ones
     mp.use_extra_bufts    = repack;
+    mp.n_gpu_layers       = n_gpu_layers;
 
     llama_model *      m    = nullptr;
     moetier_error_kind kind = MOETIER_ERROR_NONE;

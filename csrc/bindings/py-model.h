@@ -23,10 +23,12 @@ using py_context_ptr = std::unique_ptr<llama_context, py_context_deleter>;
 class py_model {
   public:
     // throws moetier_py_error (the kind the C API reports) naming path
+    // n_gpu_layers: layers offloaded to a GPU (a CUDA build), as -ngl
     py_model(const std::string &          path,
              const moetier_params &       params,
              const llama_context_params & cparams,
-             bool                         repack);
+             bool                         repack,
+             int32_t                      n_gpu_layers = 0);
 
     // the context's abort callback points at this object
     py_model(const py_model &)             = delete;

@@ -155,7 +155,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         raise ConfigError(msg)
     cache = None if ns.no_cache else _cache_config(ns)
     ctx = _context_config(ns)
-    m = Model(ns.model, store=ns.store, cache=cache, context=ctx)
+    m = Model(ns.model, store=ns.store, cache=cache, context=ctx, n_gpu_layers=ns.n_gpu_layers)
     for w in m.warnings:
         sys.stderr.write(f"moetier: warning: {w}\n")
     if cache is not None and cache.budget_bytes == AUTO:
@@ -193,10 +193,16 @@ def _stats_line(m: Any, r: Any) -> str:
             f" read low, {100 * s.n_skipped / miss:.1f}% skipped"
         )
     rate = s.n_bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
+    vram = ""
+    if info.get("n_slots_vram", 0):
+        vram = (
+            f" | VRAM tier hit rate {100 * s.vram_hit_rate:.1f}% ({s.n_vram_hits}/{s.n_lookups},"
+            f" {s.n_vram_copies} copies from RAM, {format_size(s.n_vram_bytes)} in {s.total.vram_copy_us / 1e3:.1f} ms)"
+        )
     return (
         f"{head} | {mode} | cache hit rate {100 * s.hit_rate:.1f}% ({s.n_hits}/{s.n_lookups} lookups,"
         f" {s.n_misses} misses: {s.n_loads_high} read high, {s.n_loads_low} low, {s.n_skipped} skipped)"
-        f" | read {format_size(s.n_bytes_read)} at {format_size(rate)}/s"
+        f" | read {format_size(s.n_bytes_read)} at {format_size(rate)}/s{vram}"
     )
 
 
@@ -610,6 +616,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--store", metavar="DIR", default=None, help="expert store written by `moetier pack` (default: read the GGUF)"
     )
     r.add_argument("--no-cache", action="store_true", help="stock llama.cpp: load every expert (the baseline)")
+    r.add_argument(
+        "-ngl",
+        "--n-gpu-layers",
+        type=int,
+        default=0,
+        help="layers offloaded to a GPU (a CUDA build; with --cache-vram their experts are cached in its memory)",
+    )
     r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     rc = r.add_argument_group("expert cache")
@@ -795,7 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SIZE_FLAGS = ("--cache", "--cache-budget", "--cache-reserve", "--budget")
+SIZE_FLAGS = ("--cache", "--cache-budget", "--cache-reserve", "--cache-vram", "--budget")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

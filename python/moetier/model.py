@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from . import _core
 from .config import CacheConfig, ContextConfig
-from .errors import ModelError, StoreError
+from .errors import ConfigError, ModelError, StoreError
 
 # The counters cross the boundary as the C structs themselves (csrc/moetier.h moetier_layer_stats,
 # moetier_prefetch_stats): their fields are named once, in C.
@@ -27,7 +27,8 @@ class CacheStats:
     """Expert cache counters summed over layers (`total`, also reachable as attributes: stats.n_hits)
     with the per-layer detail. A lookup is one distinct expert needed by a layer in one ubatch;
     n_misses = n_loads_high + n_loads_low + n_skipped; n_hits_low counts hits served by a cached
-    low-precision version."""
+    low-precision version. With a VRAM tier (CacheConfig.vram), n_vram_hits lookups were found in VRAM
+    and n_vram_copies copied there from the RAM tier (n_vram_bytes, in vram_copy_us)."""
 
     total: LayerStats = dataclasses.field(default_factory=LayerStats)
     layers: tuple[LayerStats, ...] = ()
@@ -35,6 +36,11 @@ class CacheStats:
     @property
     def hit_rate(self) -> float:
         return self.total.n_hits / self.total.n_lookups if self.total.n_lookups else 0.0
+
+    @property
+    def vram_hit_rate(self) -> float:
+        """Share of lookups found in the VRAM tier (0 without one)."""
+        return self.total.n_vram_hits / self.total.n_lookups if self.total.n_lookups else 0.0
 
     @property
     def read_seconds(self) -> float:
@@ -105,7 +111,8 @@ class Model:
 
     repack=False turns off llama.cpp's repacked CPU kernels (its CPU_REPACK copies of quantized
     weights): the weights are then used straight from the file mapping, which a memory cap can page
-    out, as `--no-repack` does in the llama.cpp tools."""
+    out, as `--no-repack` does in the llama.cpp tools. n_gpu_layers offloads that many layers to a
+    GPU (a CUDA build), as `-ngl`; with CacheConfig.vram their experts are cached in its memory."""
 
     def __init__(
         self,
@@ -117,6 +124,7 @@ class Model:
         n_ctx: int | None = None,
         n_threads: int | None = None,
         repack: bool = True,
+        n_gpu_layers: int = 0,
     ) -> None:
         self.path = check_gguf(path)
         if store is not None and cache is None:
@@ -134,7 +142,10 @@ class Model:
         self.store = Path(store) if store is not None else None
         params = cache.params(self.store, n_ctx=ctx.n_ctx) if cache else _core.Params()
         # errors come typed from the core: ConfigError, StoreError (at load and at decode alike), ModelError
-        self._m = _core.Model(str(self.path), params, ctx.params(), repack)
+        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or n_gpu_layers < 0:
+            msg = f"n_gpu_layers: {n_gpu_layers!r} must be a non-negative integer (layers offloaded to a GPU)"
+            raise ConfigError(msg)
+        self._m = _core.Model(str(self.path), params, ctx.params(), repack, n_gpu_layers)
 
     @property
     def n_vocab(self) -> int:

@@ -246,6 +246,14 @@ def _cache_rows(w: _View) -> None:
             f"p50 {_seconds(h.quantile(0.5))}  p90 {_seconds(h.quantile(0.9))}  p99 {_seconds(h.quantile(0.99))}  "
             f"mean {_seconds(h.mean)}  ({_num(h.count)} reads{at})",
         )
+    vhits, vcopies = w.v(EC + "vram_hits_total"), w.v(EC + "vram_copies_total")
+    if vhits is not None and (vhits or vcopies):
+        vbytes = w.v(EC + "vram_bytes_total") or 0.0
+        w.row(
+            "VRAM tier",
+            f"hit rate {_pct(vhits, lookups)}  ({_num(vhits)} hits, {_num(vcopies or 0.0)} copies from RAM,"
+            f" {format_size(vbytes)} copied)",
+        )
     used, wasted = w.v(EC + "prefetch_used_total"), w.v(EC + "prefetch_wasted_total")
     if used is not None or wasted is not None:
         u, x = used or 0.0, wasted or 0.0

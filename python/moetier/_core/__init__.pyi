@@ -29,6 +29,7 @@ class Params:
 
     cache_bytes: int
     reserve: int
+    vram: int
     store_dir: str
     policy: str
     t1: float
@@ -48,6 +49,7 @@ class Params:
     fitted_prefetch: bool
     lock_weights: bool
     verify_all: bool
+    vram_host: bool
     prefetch_gate: bool
     def __init__(self) -> None: ...
     def check(self) -> str | None: ...
@@ -88,6 +90,10 @@ class LayerStats:
     n_loads_low: int
     n_skipped: int
     n_bytes_low: int
+    n_vram_hits: int
+    n_vram_copies: int
+    n_vram_bytes: int
+    vram_copy_us: int
     def __init__(self) -> None: ...
     def _asdict(self) -> dict[str, int]: ...
 
@@ -118,7 +124,9 @@ class PrefetchStats:
     def _asdict(self) -> dict[str, Any]: ...
 
 class Model:
-    def __init__(self, path: str, params: Params, context: ContextParams, repack: bool = True) -> None: ...
+    def __init__(
+        self, path: str, params: Params, context: ContextParams, repack: bool = True, n_gpu_layers: int = 0
+    ) -> None: ...
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
     def detokenize(self, tokens: list[int]) -> bytes: ...
     def logits(self, tokens: list[int]) -> npt.NDArray[np.float32]: ...
