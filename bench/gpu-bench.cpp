@@ -86,10 +86,11 @@ int main(int argc, char ** argv) {
         moetier_model_cache_info(model, &c);
         printf(
             "moetier: %llu lookups, RAM tier %llu hits %llu misses %llu bytes read; VRAM tier %d slots, %llu hits, "
-            "%llu copies, %llu bytes copied in %.1f ms\n",
+            "%llu copies, %llu bytes copied in %.1f ms, %llu on the CPU\n",
             (unsigned long long) t.n_lookups, (unsigned long long) t.n_hits, (unsigned long long) t.n_misses,
             (unsigned long long) t.n_bytes_read, c.n_slots_vram, (unsigned long long) t.n_vram_hits,
-            (unsigned long long) t.n_vram_copies, (unsigned long long) t.n_vram_bytes, t.vram_copy_us / 1000.0);
+            (unsigned long long) t.n_vram_copies, (unsigned long long) t.n_vram_bytes, t.vram_copy_us / 1000.0,
+            (unsigned long long) t.n_vram_cpu);
     }
     return 0;
 }

@@ -1,9 +1,13 @@
 #include "moetier-cache.h"
 
+#include "ggml-cpu.h"
 #include "moetier-impl.h"
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <thread>
 #if defined(__x86_64__) || defined(__i386__)
@@ -12,6 +16,12 @@
 
 // upper bound on compute threads that may run the load op; bounce buffers are per thread index
 static constexpr int MOETIER_MAX_THREADS = 512;
+
+// cooperative compute: ubatches of at most this many tokens (decode) split their VRAM misses between
+// copies and the CPU; larger ones (prompts) copy every miss, as the GPU computes many tokens at once
+static constexpr int64_t MOETIER_VRAM_CPU_MAX_TOKENS = 8;
+// upload's vram_of: the expert computes on the CPU from its RAM slot
+static constexpr int32_t MOETIER_VRAM_ON_CPU         = -2;
 
 // a thread that found nothing to do for `idle` rounds: spin a little (as ggml's barrier does), then
 // give the core away (thread 0 may be asleep in a wait for the disk, and a core may be shared)
@@ -73,13 +83,17 @@ void moetier_cache::add_layer(moetier_layer * layer) {
 
 void moetier_cache::set_vram(ggml_backend_dev_t             dev,
                              bool                           host,
+                             bool                           cpu,
                              int32_t                        n_slots,
+                             int32_t                        n_used,
                              const std::string &            policy,
                              const moetier_policy_weights & weights) {
     GGML_ASSERT(dev != nullptr && n_slots >= n_expert_ && !simulate);
-    vram = std::make_unique<moetier_slots>(MOETIER_PRECISION_HIGH, n_slots, n_expert_,
-                                           moetier_policy_create(policy, weights, {}));
-    vram->alloc(shapes, host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev));
+    vram   = std::make_unique<moetier_slots>(MOETIER_PRECISION_HIGH, n_slots, n_expert_,
+                                             moetier_policy_create(policy, weights, {}));
+    n_zero = std::max<int32_t>(1, n_used);
+    vram->alloc(shapes, host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev), /*vram =*/true,
+                n_zero);
     for (size_t k = 0; k < shapes.size(); ++k) {
         GGML_ASSERT(vram->tensor(k)->nb[2] == shapes[k].expert_bytes(MOETIER_PRECISION_HIGH));
     }
@@ -96,6 +110,62 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
             set->alloc(shapes, pinned);
         }
     }
+    cooperative = cpu;
+    if (cooperative) {
+        measure_vram_costs();
+    }
+}
+
+void moetier_cache::measure_vram_costs() {
+    if (const char * env = getenv("MOETIER_VRAM_COSTS")) {
+        if (sscanf(env, "%f,%f", &copy_us, &cpu_us) != 2 || !(copy_us > 0.0f) || !(cpu_us > 0.0f)) {
+            throw std::runtime_error(
+                format("MOETIER_VRAM_COSTS=%s: expected COPY_US,CPU_US, two positive numbers", env));
+        }
+        return;
+    }
+    moetier_slots & hi = *sets[MOETIER_PRECISION_HIGH];
+    // slot 0 of each tier, before any expert is in them: zeros (the timing of garbage is not the point)
+    for (size_t k = 0; k < shapes.size(); ++k) {
+        memset(hi.tensor(k)->data, 0, hi.tensor(k)->nb[2]);
+    }
+    std::vector<int64_t> t_copy, t_cpu;
+    for (int rep = 0; rep < 5; ++rep) {
+        const int64_t t0 = moetier_time_us();
+        for (size_t k = 0; k < shapes.size(); ++k) {
+            ggml_backend_tensor_set_async(vram_backend.get(), vram->tensor(k), hi.tensor(k)->data, 0,
+                                          vram->tensor(k)->nb[2]);
+        }
+        ggml_backend_synchronize(vram_backend.get());
+        t_copy.push_back(moetier_time_us() - t0);
+    }
+
+    // the CPU: one token through each projection of slot 0, on as many threads as a context gets
+    ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead() + 1024 * 1024, nullptr, false };
+    ggml_context_ptr ctx(ggml_init(ip));
+    if (!ctx) {
+        throw std::runtime_error("failed to create the context that measures the CPU's cost per expert");
+    }
+    ggml_cgraph * gf = ggml_new_graph(ctx.get());
+    for (size_t k = 0; k < shapes.size(); ++k) {
+        const ggml_tensor * pool = hi.tensor(k);
+        ggml_tensor *       w = ggml_view_2d(ctx.get(), (ggml_tensor *) pool, pool->ne[0], pool->ne[1], pool->nb[1], 0);
+        ggml_tensor *       x = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_F32, pool->ne[0]);
+        for (int64_t i = 0; i < pool->ne[0]; ++i) {
+            ((float *) x->data)[i] = 0.01f * (float) (i % 7);
+        }
+        ggml_build_forward_expand(gf, ggml_mul_mat(ctx.get(), w, x));
+    }
+    const int n_threads = std::max(1, (int) std::thread::hardware_concurrency());
+    for (int rep = 0; rep < 5; ++rep) {
+        const int64_t t0 = moetier_time_us();
+        ggml_graph_compute_with_ctx(ctx.get(), gf, n_threads);
+        t_cpu.push_back(moetier_time_us() - t0);
+    }
+    std::sort(t_copy.begin(), t_copy.end());
+    std::sort(t_cpu.begin(), t_cpu.end());
+    copy_us = std::max(1.0f, (float) t_copy[t_copy.size() / 2]);
+    cpu_us  = std::max(1.0f, (float) t_cpu[t_cpu.size() / 2]);
 }
 
 void moetier_cache::upload(moetier_layer & layer,
@@ -106,13 +176,16 @@ void moetier_cache::upload(moetier_layer & layer,
                            bool            warmup) noexcept {
     moetier_slots &       v     = *vram;
     const moetier_slots & hi    = *sets[MOETIER_PRECISION_HIGH];
-    const int32_t         spare = v.n_slots();  // the zero expert
+    const int32_t         spare = v.n_slots();  // the first zero expert, n_zero of them
     const int64_t         n     = n_used * n_tokens;
     v.unpin_all();
     if (warmup || failed() || pass.layer != &layer) {
         // nothing to copy from: valid ids, distinct within a token (CUDA's batched paths need both)
         for (int64_t i = 0; i < n; ++i) {
-            out[i] = (int32_t) ((i % n_used) % (spare + 1));
+            out[i] = (int32_t) ((i % n_used) % (spare + n_zero));
+            if (cooperative) {
+                out[n + i] = -1;
+            }
         }
         return;
     }
@@ -138,8 +211,35 @@ void moetier_cache::upload(moetier_layer & layer,
             missing.push_back(e);
         }
     }
-    const int64_t t0    = missing.empty() ? 0 : moetier_time_us();
+    // cooperative compute, in decode: the most used misses are copied, the others computed on the CPU,
+    // the split that makes both take about as long (m misses: k copies, m - k on the CPU)
+    int32_t * cpu_plane = cooperative ? out + n : nullptr;
+    size_t    n_copy    = missing.size();
+    if (cooperative && n_tokens <= MOETIER_VRAM_CPU_MAX_TOKENS && !missing.empty() && layer.uses) {
+        const double m     = (double) missing.size();
+        const double kstar = m * cpu_us / (copy_us + cpu_us);
+        size_t       best  = 0;
+        double       cost  = m * cpu_us;
+        for (size_t k : { (size_t) std::floor(kstar), (size_t) std::ceil(kstar) }) {
+            k              = std::min(k, missing.size());
+            const double c = std::max((double) k * copy_us, (m - (double) k) * cpu_us);
+            if (c < cost) {
+                cost = c;
+                best = k;
+            }
+        }
+        n_copy = best;
+        std::stable_sort(missing.begin(), missing.end(), [&](int32_t a, int32_t b) {
+            return layer.uses[a].load(std::memory_order_relaxed) > layer.uses[b].load(std::memory_order_relaxed);
+        });
+    }
+    const int64_t t0    = n_copy == 0 ? 0 : moetier_time_us();
     uint64_t      bytes = 0;
+    for (size_t i = n_copy; i < missing.size(); ++i) {
+        vram_of[missing[i]] = MOETIER_VRAM_ON_CPU;
+        ++c.n_vram_cpu;
+    }
+    missing.resize(n_copy);
     for (const int32_t e : missing) {
         pctx.rank        = rank[e];
         const int32_t s  = v.take({ layer.il, e }, pctx);
@@ -165,7 +265,10 @@ void moetier_cache::upload(moetier_layer & layer,
     for (int64_t i = 0; i < n; ++i) {
         const int32_t rs = ram[i];
         const int32_t s  = rs >= 0 ? vram_of[hi.key(rs).expert] : -1;
-        out[i]           = s >= 0 ? s : spare;
+        out[i]           = s >= 0 ? s : spare + (int32_t) (i % n_used) % n_zero;
+        if (cpu_plane) {
+            cpu_plane[i] = s == MOETIER_VRAM_ON_CPU ? rs : -1;
+        }
     }
 }
 

@@ -144,11 +144,23 @@ class moetier_cache {
     // dev's memory (host: in host memory, computed on the CPU, which checks the tier where no GPU is),
     // with its own policy; the RAM pools move to dev's pinned host memory, which it copies from at full
     // speed. throws std::runtime_error
+    // cpu: cooperative compute (moetier_params.vram_cpu), whose costs are measured here.
+    // n_used: the model's experts per token (the zero slots, one per position).
     void set_vram(ggml_backend_dev_t             dev,
                   bool                           host,
+                  bool                           cpu,
                   int32_t                        n_slots,
+                  int32_t                        n_used,
                   const std::string &            policy,
                   const moetier_policy_weights & weights);
+
+    // cooperative compute's cost model (0 without it): microseconds to copy one expert into VRAM, and
+    // for the CPU to compute one expert for one token
+    float vram_copy_us() const { return copy_us; }
+
+    float vram_cpu_us() const { return cpu_us; }
+
+    bool vram_cpu() const { return vram != nullptr && cooperative; }
 
     bool has_vram() const { return vram != nullptr; }
 
@@ -226,9 +238,13 @@ class moetier_cache {
 
     // The upload op (thread 0), after the load op, with a VRAM tier: every expert the layer computes in
     // high precision gets a VRAM slot: a hit, or a copy from its RAM slot (read and checked by the load
-    // op) on the tier's own stream, waited for here. ram: the resolve's high slots [n_used, n_tokens];
-    // out: the VRAM slots, the tier's zero slot where ram is -1. During warmup (nothing was read) or
-    // after a failed read (the graph is being stopped) nothing is copied: out holds distinct valid slots.
+    // op) on the tier's own stream, waited for here. With cooperative compute, a decode ubatch's misses
+    // are split between copies (the most used experts) and the CPU, so that the copies and the CPU take
+    // about the same time. ram: the resolve's high slots [n_used, n_tokens]; out: the VRAM slots, a zero
+    // slot (one per position k) where ram is -1 or the CPU computes, then (cooperative compute) a second plane:
+    // the RAM slots of the experts the CPU computes, -1 elsewhere. During warmup (nothing was read) or
+    // after a failed read (the graph is being stopped) nothing is copied: out holds distinct valid
+    // slots (and no CPU plane).
     void upload(moetier_layer & layer,
                 const int32_t * ram,
                 int64_t         n_used,
@@ -340,7 +356,15 @@ class moetier_cache {
     // own), and per expert the VRAM slot the current upload gave it
     std::unique_ptr<moetier_slots> vram;
     ggml_backend_ptr               vram_backend;
-    std::vector<int32_t>           vram_of;  // [n_expert]
+    std::vector<int32_t>           vram_of;          // [n_expert]
+    bool                           cooperative = false;
+    int32_t                        n_zero      = 1;  // the VRAM pools' zero slots, after its n_slots
+    float                          copy_us     = 0.0f;
+    float                          cpu_us      = 0.0f;
+
+    // cooperative compute's costs on this machine (copy_us, cpu_us); MOETIER_VRAM_COSTS=COPY_US,CPU_US
+    // sets them instead (tests: each outcome of the rule on purpose)
+    void measure_vram_costs();
 
     // warm start: entry of warm per high slot (-1: none), and how many are still pending
     const moetier_warm *                warm = nullptr;

@@ -157,11 +157,13 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     }
 
     // the VRAM tier: the layer's experts are copied into VRAM slots and computed there
-    const bool in_vram = cache.has_vram();
+    // (with cooperative compute, a second plane: the RAM slots of the misses the CPU computes)
+    const bool    in_vram  = cache.has_vram();
+    const int64_t n_upload = cache.vram_cpu() ? 2 : 1;
     if (in_vram) {
         GGML_ASSERT(n_planes == 1 && "the VRAM tier serves exact modes only");
         ggml_tensor * src = loaded;
-        loaded            = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &src, 1,
+        loaded            = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_upload, 1, &src, 1,
                                 warmup ? moetier_op_upload_warmup : moetier_op_upload, 1, l);
         ggml_format_name(loaded, "moetier_upload-%d", l->il);
     }
@@ -179,6 +181,12 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
         GGML_ASSERT(moetier_model::layer_of(*t) == nullptr && "expert tensor of a served layer has no pool");
     }
     moe.layer = l;
+    if (in_vram && n_upload == 2) {
+        moe.ids        = ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], 0);
+        moe.low_ids    = ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], loaded->nb[2]);
+        moe.second_ram = true;
+        return moe;
+    }
     if (n_planes == 1) {
         moe.ids = loaded;
         return moe;
@@ -197,9 +205,12 @@ ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
         return cur;
     }
     for (const auto & p : moe.layer->projs) {
-        if (p.pool[MOETIER_PRECISION_HIGH] == as && p.pool[MOETIER_PRECISION_LOW] != nullptr) {
-            ggml_tensor * low = ggml_mul_mat_id(ctx, p.pool[MOETIER_PRECISION_LOW], b, moe.low_ids);
-            return ggml_add(ctx, cur, low);
+        // the second product: the low-precision pools, or the RAM tier's computed on the CPU (cooperative
+        // compute); per token and expert one of the two is a zero row, so the sum is the other exactly
+        ggml_tensor * first  = moe.second_ram ? p.vram_pool : p.pool[MOETIER_PRECISION_HIGH];
+        ggml_tensor * second = moe.second_ram ? p.pool[MOETIER_PRECISION_HIGH] : p.pool[MOETIER_PRECISION_LOW];
+        if (first == as && second != nullptr) {
+            return ggml_add(ctx, cur, ggml_mul_mat_id(ctx, second, b, moe.low_ids));
         }
     }
     return cur;

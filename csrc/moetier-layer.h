@@ -38,12 +38,12 @@ struct moetier_proj {
     ggml_tensor * meta                       = nullptr;  // the model's tensor, created without data
     // the group's pool per precision [ne0, ne1, n_slots]
     ggml_tensor * pool[MOETIER_N_PRECISIONS] = { nullptr, nullptr };
-    ggml_tensor * vram_pool                  = nullptr;  // the group's VRAM tier pool [ne0, ne1, n_slots + 1], if any
+    ggml_tensor * vram_pool = nullptr;            // the group's VRAM tier pool [ne0, ne1, n_slots + zero slots], if any
 
-    const moetier_file *       file   = nullptr;         // GGUF or store data file
-    const moetier_store_proj * store  = nullptr;         // per-expert offsets and checksums when reading a store
-    uint64_t                   offset = 0;               // GGUF: file offset of expert 0
-    uint64_t                   bytes  = 0;               // unpadded bytes of one high-precision expert
+    const moetier_file *       file   = nullptr;  // GGUF or store data file
+    const moetier_store_proj * store  = nullptr;  // per-expert offsets and checksums when reading a store
+    uint64_t                   offset = 0;        // GGUF: file offset of expert 0
+    uint64_t                   bytes  = 0;        // unpadded bytes of one high-precision expert
 
     uint64_t expert_offset(int32_t e, moetier_precision prec) const {
         if (store) {
@@ -101,4 +101,5 @@ static inline void moetier_stats_add(moetier_layer_stats & a, const moetier_laye
     a.n_vram_copies += b.n_vram_copies;
     a.n_vram_bytes += b.n_vram_bytes;
     a.vram_copy_us += b.vram_copy_us;
+    a.n_vram_cpu += b.n_vram_cpu;
 }

@@ -44,6 +44,7 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     policy_name     = params.policy && params.policy[0] ? params.policy : moetier_default_params().policy;
     vram            = params.vram;
     vram_host       = params.vram_host;
+    vram_cpu        = params.vram_cpu;
     if (const char * bad = moetier_params_check(&params)) {
         throw moetier_exception(MOETIER_ERROR_CONFIG, bad);
     }
@@ -54,10 +55,11 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
                    "low-precision or skipped experts; drop vram, or the thresholds",
                    moetier_format_bytes(vram).c_str(), params.t1, params.t2));
     }
-    if (vram == 0 && vram_host) {
-        throw moetier_exception(MOETIER_ERROR_CONFIG,
-                                "vram_host=1 places the VRAM tier in host memory, but vram=0 turns the tier off; "
-                                "give vram a budget");
+    if (vram == 0 && (vram_host || vram_cpu)) {
+        throw moetier_exception(
+            MOETIER_ERROR_CONFIG,
+            format("%s works on the VRAM tier, but vram=0 turns the tier off; give vram a budget",
+                   vram_host ? "vram_host=1 (the tier in host memory)" : "vram_cpu=1 (the CPU computing VRAM misses)"));
     }
     // fault injection for tests (moetier-io.h); unset, no read is touched
     std::string fault_err;
@@ -349,6 +351,7 @@ void moetier_model::finish_load(const llama_model & model) {
         ggml_backend_dev_t           dev        = nullptr;  // of its VRAM tier
         uint64_t                     vram_bytes = 0;        // of one expert there (unpadded)
         int64_t                      n_vram     = 0;
+        int32_t                      n_used     = 1;        // experts a token selects (the VRAM tier's zero slots)
     };
 
     std::vector<plan> plans;
@@ -422,7 +425,12 @@ void moetier_model::finish_load(const llama_model & model) {
             for (const auto & p : pl.layers[0]->projs) {
                 pl.vram_bytes += p.bytes;
             }
-            min_vram_bytes += pl.vram_bytes * (uint64_t) n_expert;
+            // one layer's experts, and the zero slots (one per expert a token selects)
+            pl.n_used = 1;
+            for (const moetier_layer * l : pl.layers) {
+                pl.n_used = std::max<int32_t>(pl.n_used, (int32_t) model.hparams.n_expert_used((uint32_t) l->il));
+            }
+            min_vram_bytes += pl.vram_bytes * (uint64_t) (n_expert + pl.n_used);
             all_vram += pl.vram_bytes * (uint64_t) n_expert * pl.layers.size();
         }
         if (all_vram == 0) {
@@ -440,7 +448,8 @@ void moetier_model::finish_load(const llama_model & model) {
         if (vram < min_vram_bytes) {
             throw moetier_exception(
                 MOETIER_ERROR_CONFIG,
-                format("vram=%s is below the minimum %s (one layer's %d experts%s); use at least %" PRIu64 " bytes",
+                format("vram=%s is below the minimum %s (one layer's %d experts and a zero slot per expert a token "
+                       "selects%s); use at least %" PRIu64 " bytes",
                        moetier_format_bytes(vram).c_str(), moetier_format_bytes(min_vram_bytes).c_str(), n_expert,
                        plans.size() > 1 ? " per group on a GPU" : "", min_vram_bytes));
         }
@@ -496,7 +505,7 @@ void moetier_model::finish_load(const llama_model & model) {
         moetier_cache * c = caches.back().get();
         c->set_n_model_layers(std::max<int32_t>(n_model_layers, layers.back()->il + 1));
         if (pl.dev != nullptr) {
-            c->set_vram(pl.dev, vram_host, (int32_t) pl.n_vram, policy_name, policy_weights);
+            c->set_vram(pl.dev, vram_host, vram_cpu, (int32_t) pl.n_vram, pl.n_used, policy_name, policy_weights);
         }
         for (moetier_layer * l : pl.layers) {
             c->add_layer(l);
@@ -511,6 +520,12 @@ void moetier_model::finish_load(const llama_model & model) {
                              __func__, ggml_backend_dev_name(pl.dev), vram_host ? " (host memory, vram_host)" : "",
                              pl.n_vram, (int) pl.layers.size(), n_expert, moetier_format_bytes(c->vram_bytes()).c_str(),
                              policy_name.c_str());
+            if (c->vram_cpu()) {
+                MOETIER_LOG_INFO(
+                    "%s: cooperative compute: one expert costs %.0f us to copy into VRAM, %.0f us on the "
+                    "CPU per token\n",
+                    __func__, c->vram_copy_us(), c->vram_cpu_us());
+            }
         }
     }
 

@@ -122,10 +122,11 @@ struct moetier_model {
     moetier_precision_rule precision;
     float                  low_frac       = 0.0f;
     uint64_t               cache_bytes    = 0;
-    uint64_t               vram           = 0;  // the VRAM tier's budget (0: none)
+    uint64_t               vram           = 0;      // the VRAM tier's budget (0: none)
     bool                   vram_host      = false;
+    bool                   vram_cpu       = false;  // cooperative compute under the VRAM tier
     bool                   direct_io      = true;
-    int32_t                n_model_layers = 0;  // for layer distances (set by the load hook)
+    int32_t                n_model_layers = 0;      // for layer distances (set by the load hook)
     int32_t                prefetch       = 0;
     int32_t                io_threads     = 1;
     float                  prefetch_waste = 0.25f;  // the prefetch byte cap's share (moetier-prefetch.h)

@@ -86,6 +86,10 @@ static const moetier_param_info g_rows[] = {
             "check every expert read of a store against the store's checksums before its slot is used (CRC32C "
             "with the CPU's CRC instructions, at memory speed); 0: only the first read of each expert copy in "
             "this process, trusted after (a damaged file then goes unnoticed on later reads)"),
+    MOETIER_ROW(vram_cpu, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
+            "cooperative compute under the VRAM tier: in decode, the CPU computes the VRAM misses that cost less "
+            "there than a copy (the coldest first; the costs are measured at load), from the RAM tier, while the GPU "
+            "computes the rest, the results added; where an expert computes may change the output's last bits"),
     MOETIER_ROW(vram_host, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
             "the VRAM tier's pools in host memory instead of a GPU's: the same bookkeeping, copies and graph, computed "
             "on the CPU (checks the tier where no GPU is; slower than vram=0)"),
@@ -125,6 +129,7 @@ struct moetier_params moetier_default_params(void) {
         /*.fitted_prefetch=*/true,
         /*.lock_weights=*/true,
         /*.verify_all  =*/true,
+        /*.vram_cpu    =*/false,
         /*.vram_host   =*/false,
         /*.prefetch_gate=*/true,
     };

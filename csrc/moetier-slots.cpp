@@ -24,7 +24,10 @@ moetier_slots::moetier_slots(moetier_precision prec, int32_t n_slots, int32_t n_
     policy->init(n_slots);
 }
 
-void moetier_slots::alloc(const std::vector<moetier_proj> & shapes, ggml_backend_buffer_type_t buft) {
+void moetier_slots::alloc(const std::vector<moetier_proj> & shapes,
+                          ggml_backend_buffer_type_t        buft,
+                          bool                              vram,
+                          int32_t                           n_zero) {
     tensors.clear();
     buf.reset();
     ctx.reset();
@@ -34,7 +37,8 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes, ggml_backend
     if (n == 0) {
         return;
     }
-    const bool            device = buft != nullptr && !ggml_backend_buft_is_host(buft);
+    GGML_ASSERT(!vram || (buft != nullptr && n_zero >= 1));
+    const bool            device = vram;
     std::vector<uint64_t> stride;
     uint64_t              total = 0;
     for (const auto & p : shapes) {
@@ -53,7 +57,7 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes, ggml_backend
     for (size_t k = 0; k < shapes.size(); ++k) {
         const ggml_tensor * m    = shapes[k].meta;
         const ggml_type     type = prec_ == MOETIER_PRECISION_LOW ? shapes[k].store->type_low : m->type;
-        ggml_tensor *       t    = ggml_new_tensor_3d(ctx.get(), type, m->ne[0], m->ne[1], device ? n + 1 : n);
+        ggml_tensor *       t    = ggml_new_tensor_3d(ctx.get(), type, m->ne[0], m->ne[1], device ? n + n_zero : n);
         if (!device) {
             // slots padded to 4096 so that aligned reads land straight in them [TAG_MOETIER_ALIGN]
             t->nb[2] = stride[k];

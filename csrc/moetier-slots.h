@@ -33,14 +33,19 @@ class moetier_slots {
     // memory API
     //
 
-    // one pool tensor per projection of shapes. buft nullptr: [ne0, ne1, n_slots] in host memory with
-    // slots padded to 4096 (reads land straight in them), paged in as slots fill; a host buffer type
-    // (a GPU backend's pinned memory, which it copies from at full speed): the same layout in it; any
-    // other buffer type (the VRAM tier): [ne0, ne1, n_slots + 1] unpadded, as CUDA's kernels take
-    // them, zeroed, the extra slot (a zero expert) never assigned (MMQ reads past the last slot).
-    // Again on an allocated pool: the old memory is freed (call before the slots are used). Not
-    // called for trace replay. throws std::runtime_error
-    void alloc(const std::vector<moetier_proj> & shapes, ggml_backend_buffer_type_t buft = nullptr);
+    // one pool tensor per projection of shapes. A RAM tier's pool (vram false): [ne0, ne1, n_slots]
+    // with slots padded to 4096 (reads land straight in them), in host memory paged in as slots fill
+    // (buft nullptr), or in a GPU backend's pinned host buffer type (which it copies from at full
+    // speed). The VRAM tier's pool (vram true) in buft: [ne0, ne1, n_slots + n_zero] unpadded, as
+    // CUDA's kernels take them, zeroed, the n_zero extra slots (zero experts) never assigned: the ids
+    // of what the GPU does not compute (one per position of a token's experts: CUDA's batched paths
+    // need distinct ids within a token), and MMQ reads past the last slot. Again on an allocated pool:
+    // the old memory is freed (call before the slots are used). Not called for trace replay.
+    // throws std::runtime_error
+    void alloc(const std::vector<moetier_proj> & shapes,
+               ggml_backend_buffer_type_t        buft   = nullptr,
+               bool                              vram   = false,
+               int32_t                           n_zero = 1);
 
     ggml_tensor * tensor(size_t k) const { return k < tensors.size() ? tensors[k] : nullptr; }
 

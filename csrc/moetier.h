@@ -78,6 +78,8 @@ struct moetier_params {
                            // then takes the page cache and the expert cache's reads, never them
     bool verify_all;       // check every read of a store against its checksums (the default); false: the
                            // first read of each expert copy in this process only
+    bool vram_cpu;         // cooperative compute: the CPU computes the VRAM misses that cost it less than a
+                           // copy, from the RAM tier, while the GPU computes the rest (results added)
     bool vram_host;        // the VRAM tier's pools in host memory instead of a GPU's (the same bookkeeping,
                            // copies and graph: checks the tier where no GPU is)
     bool prefetch_gate;    // prefetch measures whether it pays: decode steps alternate between windows with
@@ -212,6 +214,7 @@ struct moetier_layer_stats {
     uint64_t n_vram_copies;  // experts copied from the RAM tier into VRAM
     uint64_t n_vram_bytes;   // bytes copied into VRAM
     uint64_t vram_copy_us;   // wall time of those copies (this layer's compute waited for them)
+    uint64_t n_vram_cpu;     // VRAM misses computed on the CPU from the RAM tier (vram_cpu)
 };
 
 struct moetier_cache_info {
@@ -227,6 +230,8 @@ struct moetier_cache_info {
     uint64_t min_cache_bytes;   // smallest budget accepted: one layer's experts per group
     int32_t  n_slots_vram;      // VRAM tier slots over all groups (0: no VRAM tier)
     uint64_t vram_bytes;        // bytes held by the VRAM tier's pools
+    float    vram_copy_us;      // vram_cpu's cost model, measured at load: microseconds to copy one expert into
+    float    vram_cpu_us;       // VRAM, and for the CPU to compute one expert for one token (0 without vram_cpu)
     uint64_t weights_locked;    // bytes of mapped non-expert weights locked in RAM (lock_weights)
     uint64_t reads_checked;     // expert reads checked against the store's checksums (verify_all)
     float    t1;                // the precision rule in effect (moetier_params)

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +29,11 @@ def _min_budget(path: Path) -> int:
     return int(Model(path, cache=CacheConfig(budget="64M")).cache_info()["min_cache_bytes"])
 
 
+def _vram(mn: int, layers: int) -> int:
+    """A VRAM budget of `layers` layers' experts (mn: one layer's 8), plus its 4 zero slots (top-4)."""
+    return mn * layers + 4 * (mn // 8)
+
+
 @pytest.mark.parametrize("layers", [1, 2, 3])
 def test_exact_at_every_vram_budget(model_path: Path, layers: int) -> None:
     """One, two or all three layers' experts in the VRAM tier, the RAM tier at two: greedy tokens and
@@ -35,7 +41,7 @@ def test_exact_at_every_vram_budget(model_path: Path, layers: int) -> None:
     mn = _min_budget(model_path)
     stock = Model(model_path)
     tokens = stock.tokenize(LONG_PROMPT)
-    m = Model(model_path, cache=CacheConfig(budget=mn * 2, vram=mn * layers, vram_host=True))
+    m = Model(model_path, cache=CacheConfig(budget=mn * 2, vram=_vram(mn, layers), vram_host=True))
     info = m.cache_info()
     assert info["n_slots_vram"] == 8 * layers and info["vram_bytes"] >= mn * layers
     assert m.generate(tokens, max_tokens=16).tokens == stock.generate(tokens, max_tokens=16).tokens
@@ -55,7 +61,7 @@ def test_vram_tier_over_a_small_ram_tier(model_path: Path) -> None:
     mn = _min_budget(model_path)
     stock = Model(model_path)
     tokens = stock.tokenize(LONG_PROMPT)
-    m = Model(model_path, cache=CacheConfig(budget=mn, vram=mn * 3, vram_host=True))
+    m = Model(model_path, cache=CacheConfig(budget=mn, vram=_vram(mn, 3), vram_host=True))
     assert m.generate(tokens, max_tokens=12).tokens == stock.generate(tokens, max_tokens=12).tokens
     s = m.stats()
     assert s.n_misses > 0 and s.n_vram_hits > 0
@@ -66,18 +72,19 @@ def test_vram_errors(model_path: Path) -> None:
     with pytest.raises((ConfigError, ModelError), match="below the minimum"):
         Model(model_path, cache=CacheConfig(budget=mn, vram=mn // 2, vram_host=True))
     with pytest.raises(ConfigError, match="exact modes only"):
-        Model(model_path, cache=CacheConfig(budget=mn, vram=mn, t1=0.5, t2=0.9))
-    with pytest.raises((ConfigError, ModelError), match="vram_host=1 places the VRAM tier in host memory"):
-        Model(model_path, cache=CacheConfig(budget=mn, vram_host=True))
+        Model(model_path, cache=CacheConfig(budget=mn, vram=_vram(mn, 1), t1=0.5, t2=0.9))
+    for knob in ("vram_host", "vram_cpu"):
+        with pytest.raises((ConfigError, ModelError), match=rf"{knob}=1 \(.*\) works on the VRAM tier, but vram=0"):
+            Model(model_path, cache=CacheConfig(budget=mn, **{knob: True}))
     # this build computes on the CPU: a tier asked of a GPU names the build and the way out
     with pytest.raises((ConfigError, ModelError), match=r"no GPU backend|no MoE layer runs on a GPU"):
-        Model(model_path, cache=CacheConfig(budget=mn, vram=mn))
+        Model(model_path, cache=CacheConfig(budget=mn, vram=_vram(mn, 1)))
 
 
 def test_cli_run_shows_the_vram_tier(model_path: Path) -> None:
     mn = _min_budget(model_path)
     cmd = [sys.executable, "-m", "moetier.cli", "run", "-m", str(model_path), "-p", LONG_PROMPT, "-n", "8",
-           "--cache", str(mn * 2), "--cache-vram", str(mn * 2), "--cache-vram-host"]  # fmt: skip
+           "--cache", str(mn * 2), "--cache-vram", str(_vram(mn, 2)), "--cache-vram-host"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert re.search(r"VRAM tier hit rate [\d.]+% \(\d+/\d+, \d+ copies from RAM", r.stderr), r.stderr
@@ -85,7 +92,7 @@ def test_cli_run_shows_the_vram_tier(model_path: Path) -> None:
 
 def test_server_metrics_count_the_vram_tier(model_path: Path, tmp_path: Path) -> None:
     mn = _min_budget(model_path)
-    args = ["-m", str(model_path), "--cache", str(mn * 2), "--cache-vram", str(mn * 2), "--cache-vram-host"]
+    args = ["-m", str(model_path), "--cache", str(mn * 2), "--cache-vram", str(_vram(mn, 2)), "--cache-vram-host"]
     with serve(args, tmp_path / "server.log") as srv:
         srv.complete(LONG_PROMPT, n_predict=8)
         lookups = srv.metric("expert_cache_lookups_total")
@@ -98,3 +105,54 @@ def test_server_metrics_count_the_vram_tier(model_path: Path, tmp_path: Path) ->
 def test_n_gpu_layers_is_checked(model_path: Path) -> None:
     with pytest.raises(ConfigError, match="n_gpu_layers"):
         Model(model_path, n_gpu_layers=-1)
+
+
+def _decode_counts(m: Model, tokens: list[int]) -> tuple[Any, Any, list[int]]:
+    """The counters of the prompt (one ubatch) and of 12 decoded tokens, and the tokens."""
+    snap: dict[str, Any] = {}
+
+    def first() -> None:
+        snap["prompt"] = m.stats()
+        m.reset_stats()
+
+    out = m.generate(tokens, max_tokens=12, on_first_token=first)
+    return snap["prompt"], m.stats(), out.tokens
+
+
+@pytest.mark.parametrize(
+    ("costs", "outcome"),
+    [("1,1000", "copy"), ("1000,1", "cpu"), ("100,100", "split")],
+)
+def test_cooperative_compute_rule(model_path: Path, monkeypatch: pytest.MonkeyPatch, costs: str, outcome: str) -> None:
+    """The rule on purpose (MOETIER_VRAM_COSTS=COPY_US,CPU_US): a cheap copy copies every decode miss,
+    a cheap CPU computes them all there, equal costs split them; prompts copy every miss whatever the
+    costs. Here both sides compute on the CPU (vram_host), so the output equals stock's exactly."""
+    monkeypatch.setenv("MOETIER_VRAM_COSTS", costs)
+    mn = _min_budget(model_path)
+    stock = Model(model_path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    m = Model(model_path, cache=CacheConfig(budget=mn * 3, vram=_vram(mn, 1), vram_host=True, vram_cpu=True))
+    info = m.cache_info()
+    assert (info["vram_copy_us"], info["vram_cpu_us"]) == tuple(float(x) for x in costs.split(","))
+    prompt, decode, out = _decode_counts(m, tokens)
+    # a prompt's ubatch copies every miss; its last layer runs on the last token alone (llama.cpp computes
+    # only the rows it outputs there), a decode-sized ubatch
+    assert prompt.n_vram_copies > 0 and all(ls.n_vram_cpu == 0 for ls in prompt.layers[:-1])
+    for s in (prompt, decode):
+        assert s.n_vram_hits + s.n_vram_copies + s.n_vram_cpu == s.n_lookups
+    if outcome == "copy":
+        assert decode.n_vram_cpu == 0 and decode.n_vram_copies > 0
+    elif outcome == "cpu":
+        assert decode.n_vram_copies == 0 and decode.n_vram_cpu > 0
+    else:
+        assert decode.n_vram_copies > 0 and decode.n_vram_cpu > 0
+    assert out == stock.generate(tokens, max_tokens=12).tokens
+
+
+def test_cooperative_costs_are_measured(model_path: Path) -> None:
+    mn = _min_budget(model_path)
+    m = Model(model_path, cache=CacheConfig(budget=mn * 3, vram=_vram(mn, 1), vram_host=True, vram_cpu=True))
+    info = m.cache_info()
+    assert info["vram_copy_us"] >= 1.0 and info["vram_cpu_us"] >= 1.0
+    alone = Model(model_path, cache=CacheConfig(budget=mn * 3, vram=_vram(mn, 1), vram_host=True))
+    assert alone.cache_info()["vram_cpu_us"] == 0

@@ -21,7 +21,7 @@ namespace py = pybind11;
 // clang-format off
 #define MOETIER_LAYER_STATS_FIELDS(X) \
     X(layer) X(n_lookups) X(n_hits) X(n_misses) X(n_bytes_read) X(read_us) X(n_hits_low) X(n_loads_high) \
-    X(n_loads_low) X(n_skipped) X(n_bytes_low) X(n_vram_hits) X(n_vram_copies) X(n_vram_bytes) X(vram_copy_us)
+    X(n_loads_low) X(n_skipped) X(n_bytes_low) X(n_vram_hits) X(n_vram_copies) X(n_vram_bytes) X(vram_copy_us) X(n_vram_cpu)
 #define MOETIER_PREFETCH_STATS_FIELDS(X) \
     X(n_issued) X(n_hits) X(n_waits) X(n_claimed) X(n_cancelled) X(n_wasted) X(bytes_read) X(bytes_wasted) \
     X(n_capped) X(n_busy) X(n_steps_on) X(n_steps_off) X(step_us_on) X(step_us_off)
@@ -206,6 +206,8 @@ py::dict cache_info(const llama_model * model) {
     d["min_cache_bytes"]  = info.min_cache_bytes;
     d["n_slots_vram"]     = info.n_slots_vram;
     d["vram_bytes"]       = info.vram_bytes;
+    d["vram_copy_us"]     = info.vram_copy_us;
+    d["vram_cpu_us"]      = info.vram_cpu_us;
     d["weights_locked"]   = info.weights_locked;
     d["reads_checked"]    = info.reads_checked;
     d["t1"]               = info.t1;

@@ -49,6 +49,7 @@ class Params:
     fitted_prefetch: bool
     lock_weights: bool
     verify_all: bool
+    vram_cpu: bool
     vram_host: bool
     prefetch_gate: bool
     def __init__(self) -> None: ...
@@ -94,6 +95,7 @@ class LayerStats:
     n_vram_copies: int
     n_vram_bytes: int
     vram_copy_us: int
+    n_vram_cpu: int
     def __init__(self) -> None: ...
     def _asdict(self) -> dict[str, int]: ...
 
