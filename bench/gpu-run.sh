@@ -2,8 +2,10 @@
 # The GPU measurements of bench/results/gpu.md in one call on a GPU machine that reaches no network.
 #
 #   bench/gpu-run.sh pack        here: .gpu/llama.tgz (the patched llama.cpp tree without its models,
-#                                docs, tests and other backends, ~10 MB) and .gpu/site (the gguf
-#                                package); add /.gpu/ to .git/info/exclude and carry .gpu
+#                                docs, tests and other backends, ~10 MB), .gpu/site (the gguf
+#                                package) and .gpu/routing-dsv2lite.bin (DeepSeek-V2-Lite's routing
+#                                trace, TRACE=NPZ for another); add /.gpu/ to .git/info/exclude and
+#                                carry .gpu
 #   bench/gpu-run.sh run OUT     there: unpacks the tree, writes the model while it builds
 #                                moetier-gpu-bench and llama-perplexity for the GPU (sm_90 unless
 #                                CUDA_ARCH is set), runs bench/gpu.py; results and logs.tgz in OUT
@@ -25,6 +27,12 @@ pack)
         --exclude=llama.cpp/ggml/src/ggml-vulkan llama.cpp
     rm -rf .gpu/site && mkdir -p .gpu/site
     cp -r "$(python3 -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')" .gpu/site/
+    # DeepSeek-V2-Lite's routing, its first 20,000 tokens (read from ../shared/traces, never committed)
+    trace=${TRACE:-../shared/traces/deepseek-v2-lite-chat-puffin/trace.npz}
+    if [ -f "$trace" ]; then
+        python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu import write_routing_file; from pathlib import Path
+print(write_routing_file(Path('$trace'), Path('.gpu/routing-dsv2lite.bin'), 20000))"
+    fi
     du -sh .gpu
     ;;
 run)
@@ -35,8 +43,16 @@ run)
     if [ ! -f vendor/llama.cpp/CMakeLists.txt ]; then
         mkdir -p vendor && tar xzf .gpu/llama.tgz -C vendor
     fi
-    python3 bench/gpu.py --inputs-only --work /tmp/moetier-gpu --bin - --tool - --out "$out" >"$out/inputs.log" 2>&1 &
+    python3 bench/gpu.py --inputs-only uniform --work /tmp/moetier-gpu --bin - --tool - --out "$out" \
+        >"$out/inputs.log" 2>&1 &
     writer=$!
+    trace_args=()
+    if [ -f .gpu/routing-dsv2lite.bin ]; then
+        python3 bench/gpu.py --inputs-only trace --work /tmp/moetier-gpu --bin - --tool - --out "$out" \
+            >"$out/inputs-trace.log" 2>&1 &
+        writer_trace=$!
+        trace_args=(--trace .gpu/routing-dsv2lite.bin)
+    fi
     cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOETIER_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DGGML_CUDA_FA=OFF >"$out/cmake.log" 2>&1 ||
         { tail -20 "$out/cmake.log"; exit 1; }
@@ -44,14 +60,18 @@ run)
         { grep -m5 -B2 -A8 error "$out/build.log"; exit 1; }
     echo "built in $(($(date +%s) - t0)) s"
     wait "$writer" || { cat "$out/inputs.log"; exit 1; }
+    if [ -n "${writer_trace:-}" ]; then
+        wait "$writer_trace" || { cat "$out/inputs-trace.log"; exit 1; }
+        cat "$out/inputs-trace.log"
+    fi
     cat "$out/inputs.log"
     python3 bench/gpu.py --bin build/gpu/bin --tool build/gpu/moetier-gpu-bench --work /tmp/moetier-gpu \
-        --out "$out" --threads "$(nproc)" --deadline $((t0 + ${DEADLINE:-520})) 2>&1 | tee "$out/gpu.log"
+        --out "$out" --threads "$(nproc)" --deadline $((t0 + ${DEADLINE:-520})) "${trace_args[@]}" 2>&1 | tee "$out/gpu.log"
     tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
     echo "done in $(($(date +%s) - t0)) s"
     ;;
 *)
-    sed -n 2,11p "$0"
+    sed -n 2,14p "$0"
     exit 2
     ;;
 esac

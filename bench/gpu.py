@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -45,8 +46,17 @@ SHAPE: dict[str, Any] = {
     "expert_type": "q8_0",
     "seed": 7,
 }
-# q8_0: 34 bytes per 32 weights; gate, up and down of n_embd x n_ff_exp
-EXPERT_BYTES = 3 * SHAPE["n_embd"] * SHAPE["n_ff_exp"] * 34 // 32
+# DeepSeek-V2-Lite's routing geometry (26 MoE layers, top-6 of 64) at half its expert width, so that
+# it is written in the time the build takes; routed by its trace (MOETIER_ROUTING_TRACE)
+TRACE_SHAPE: dict[str, Any] = {**SHAPE, "n_layer": 26, "n_expert_used": 6, "n_embd": 1024, "n_ff_exp": 704}
+
+
+def expert_bytes(shape: dict[str, Any]) -> int:
+    """q8_0: 34 bytes per 32 weights; gate, up and down of n_embd x n_ff_exp."""
+    return 3 * int(shape["n_embd"]) * int(shape["n_ff_exp"]) * 34 // 32
+
+
+EXPERT_BYTES = expert_bytes(SHAPE)
 ALL_EXPERTS = EXPERT_BYTES * SHAPE["n_expert"] * SHAPE["n_layer"]
 
 
@@ -60,13 +70,21 @@ def _tiny() -> Any:
     return mod
 
 
-def write_inputs(work: Path) -> tuple[Path, Path]:
-    work.mkdir(parents=True, exist_ok=True)
-    model = work / "qwen3moe-64x-q8.gguf"
-    if not model.exists():
+def write_model(path: Path, shape: dict[str, Any]) -> Path:
+    if not path.exists():
         t0 = time.time()
-        _tiny().write_tiny_model(str(model), "qwen3moe", **SHAPE)
-        print(f"wrote {model} ({model.stat().st_size / 2**30:.2f} GiB) in {time.time() - t0:.0f} s", flush=True)
+        _tiny().write_tiny_model(str(path), "qwen3moe", **shape)
+        print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.time() - t0:.0f} s", flush=True)
+    return path
+
+
+def write_inputs(work: Path, which: str = "uniform") -> tuple[Path, Path]:
+    """The model ("uniform": SHAPE, "trace": TRACE_SHAPE) and the oracle's text."""
+    work.mkdir(parents=True, exist_ok=True)
+    if which == "trace":
+        model = write_model(work / "qwen3moe-dsv2lite-geometry-q8.gguf", TRACE_SHAPE)
+    else:
+        model = write_model(work / "qwen3moe-64x-q8.gguf", SHAPE)
     text = work / "text.txt"
     if not text.exists():
         words = (
@@ -80,13 +98,32 @@ def write_inputs(work: Path) -> tuple[Path, Path]:
 DEADLINE = 0.0
 
 
-def run(cmd: list[str], log: Path, timeout: float = 120) -> tuple[int, str]:
+def write_routing_file(npz: Path, out: Path, max_tokens: int = 0) -> tuple[int, int, int, int]:
+    """A trace.npz of ../shared/traces (ids uint8 [T, L, K], n_experts) as the engine's routing file
+    (csrc/moetier-routing.h: "MTRT", version, n_tokens, n_layers, n_used, n_expert, uint16 ids); the
+    first max_tokens tokens (0: all). Returns its geometry (tokens, layers, top-k, experts)."""
+    import numpy as np
+
+    d = np.load(npz)
+    ids = d["ids"][: max_tokens or None].astype("<u2")
+    n_tokens, n_layers, k = (int(x) for x in ids.shape)
+    n_expert = int(d["n_experts"])
+    head = np.array([1, n_tokens, n_layers, k, n_expert], dtype="<u4")
+    with open(out, "wb") as f:
+        f.write(b"MTRT")
+        f.write(head.tobytes())
+        f.write(np.ascontiguousarray(ids).tobytes())
+    return n_tokens, n_layers, k, n_expert
+
+
+def run(cmd: list[str], log: Path, timeout: float = 120, env: dict[str, str] | None = None) -> tuple[int, str]:
     t0 = time.time()
     if DEADLINE and t0 > DEADLINE:
         print(f"  [skipped: past the deadline] {log.name}", flush=True)
         return 125, ""
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        full = {**os.environ, **env} if env else None
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full)
         out, rc = p.stdout + "\n" + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         parts = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
@@ -103,11 +140,13 @@ STATS = re.compile(
 )
 
 
-def bench(tool: Path, model: Path, name: str, extra: list[str], logs: Path, threads: int) -> dict[str, Any]:
+def bench(
+    tool: Path, model: Path, name: str, extra: list[str], logs: Path, threads: int, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Rounds of moetier-gpu-bench; the medians of the rounds after the first (which warms the caches)."""
     cmd = [str(tool), "-m", str(model), "-c", "1024", "-b", "512", "-ub", "512", "-npp", "512", "-ntg", "64",
            "-ngl", "99", "-fa", "off", "-t", str(threads), *extra]  # fmt: skip
-    rc, out = run(cmd, logs / f"bench-{name}.log")
+    rc, out = run(cmd, logs / f"bench-{name}.log", env=env)
     rounds = [(float(m.group(2)), float(m.group(3))) for m in ROUND.finditer(out) if m.group(1) != "0"]
     r: dict[str, Any] = {"name": name, "args": " ".join(extra), "rc": rc}
     if rounds:
@@ -161,11 +200,20 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder for results and logs")
     ap.add_argument("--threads", type=int, default=16, help="CPU threads (stock's CPU experts, our reads)")
     ap.add_argument("--skip-oracle", action="store_true", help="speed only")
-    ap.add_argument("--inputs-only", action="store_true", help="write the model and text, run nothing")
+    ap.add_argument(
+        "--inputs-only", choices=("uniform", "trace"), default=None, help="write that model and the text, run nothing"
+    )
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="routing file (write_routing_file of DeepSeek-V2-Lite's trace.npz): also runs the trace-geometry model "
+        "with that routing",
+    )
     ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds after which no new run starts")
     args = ap.parse_args()
     if args.inputs_only:
-        write_inputs(args.work)
+        write_inputs(args.work, args.inputs_only)
         return 0
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -179,57 +227,44 @@ def main() -> int:
 
     t = args.threads
     gib = 2**30
-    n_layer, n_expert = SHAPE["n_layer"], SHAPE["n_expert"]
-
-    def vram_for(k: int) -> int:
-        """k layers' worth of experts in the VRAM tier, and its zero slots (one per expert a token selects)."""
-        return EXPERT_BYTES * (n_expert * k + SHAPE["n_expert_used"])
-
-    def ours(name: str, k: int, opts: str = "", cache: str = "auto") -> None:
-        extra = ["--expert-cache", cache, "--expert-opt", f"vram={vram_for(k)}{opts}"]
-        speed.append(bench(args.tool, model, f"moetier-vram{round(100 * k / n_layer)}{name}", extra, logs, t))
-        save()
-
-    print("speed", flush=True)
     speed = res["speed"]
-    speed.append(bench(args.tool, model, "stock-all-vram", [], logs, t))
-    save()
-    # VRAM shares as whole layers' worth of experts, the shares stock's -ncmoe places; the most
-    # telling runs first (a run past the deadline is skipped)
-    ours("", 3)
-    ours("-cpu", 3, ",vram_cpu=1")
-    speed.append(bench(args.tool, model, "stock-ncmoe9-vram25", ["-ncmoe", "9"], logs, t))
-    for k in (12, 6, 1, 9):
-        ours("", k)
-    for k in (6, 1, 9):
-        ours("-cpu", k, ",vram_cpu=1")
-    for k in (6, 3, 1, 0):
-        speed.append(
-            bench(
-                args.tool,
-                model,
-                f"stock-ncmoe{n_layer - k}-vram{round(100 * k / n_layer)}",
-                ["-ncmoe", str(n_layer - k)],
-                logs,
-                t,
-            )
-        )
-        save()
-    ours("-ram50", 3, cache=str(ALL_EXPERTS // 2 + gib // 8))
-    ours("-noprefetch", 3, ",prefetch=0")
-    speed.append(bench(args.tool, model, "moetier-ram-only-cpu-experts", ["--expert-cache", "auto"], logs, t))
-    save()
 
-    if not args.skip_oracle:
-        print("oracle", flush=True)
-        for ub in (512, 32, 8, 1):
+    def layers_vram(shape: dict[str, Any], k: int) -> int:
+        """k layers' worth of experts in the VRAM tier, and its zero slots (one per expert a token selects)."""
+        return expert_bytes(shape) * (int(shape["n_expert"]) * k + int(shape["n_expert_used"]))
+
+    def share(shape: dict[str, Any], k: int) -> int:
+        return round(100 * k / int(shape["n_layer"]))
+
+    def stock(m: Path, shape: dict[str, Any], k: int, tag: str = "", env: dict[str, str] | None = None) -> None:
+        n = int(shape["n_layer"])
+        extra = ["-ncmoe", str(n - k)] if k < n else []
+        name = f"stock{tag}-" + (f"ncmoe{n - k}-vram{share(shape, k)}" if k < n else "all-vram")
+        speed.append(bench(args.tool, m, name, extra, logs, t))
+        save()
+
+    def ours(m: Path, shape: dict[str, Any], k: int, name: str = "", opts: str = "", cache: str = "auto",
+             env: dict[str, str] | None = None) -> None:  # fmt: skip
+        extra = ["--expert-cache", cache, "--expert-opt", f"vram={layers_vram(shape, k)}{opts}"]
+        speed.append(bench(args.tool, m, f"moetier{name}-vram{share(shape, k)}", extra, logs, t, env))
+        save()
+
+    def oracle(ubs: tuple[int, ...]) -> None:
+        for ub in ubs:
             ref = perplexity(args.bin, model, text, f"stock-ub{ub}", ["-ub", str(ub)], logs, t)
             res["oracle"].append(ref)
             for k, opts in ((12, ""), (3, ""), (3, ",vram_cpu=1")):
                 if opts and ub > 8:
                     continue  # cooperative compute works on decode-sized ubatches only
-                extra = ["-ub", str(ub), "--expert-cache", "auto", "--expert-opt", f"vram={vram_for(k)}{opts}"]
-                name = f"moetier-vram{round(100 * k / n_layer)}{'-cpu' if opts else ''}-ub{ub}"
+                extra = [
+                    "-ub",
+                    str(ub),
+                    "--expert-cache",
+                    "auto",
+                    "--expert-opt",
+                    f"vram={layers_vram(SHAPE, k)}{opts}",
+                ]
+                name = f"moetier-vram{share(SHAPE, k)}{'-cpu' if opts else ''}-ub{ub}"
                 r = perplexity(args.bin, model, text, name, extra, logs, t)
                 r["exact"] = bool(r["chunks"]) and r["chunks"] == ref["chunks"]
                 if r["final"] and ref["final"]:
@@ -237,30 +272,66 @@ def main() -> int:
                 res["oracle"].append(r)
                 save()
 
-    by = {r["name"]: r for r in speed}
+    print("speed", flush=True)
+    # the most telling runs first (a run past the deadline is skipped)
+    stock(model, SHAPE, 12)
+    ours(model, SHAPE, 3)
+    ours(model, SHAPE, 3, "-cpu", ",vram_cpu=1")
+    stock(model, SHAPE, 3)
+    tmodel = None
+    if args.trace is not None:
+        # real routing: prefetch off (the stacked routers predict the model's own random routing)
+        tmodel, _ = write_inputs(args.work, "trace")
+        tenv = {"MOETIER_ROUTING_TRACE": str(args.trace.resolve())}
+        stock(tmodel, TRACE_SHAPE, 6, "-trace-geometry")
+        ours(tmodel, TRACE_SHAPE, 6, "-trace", ",prefetch=0", env=tenv)
+        ours(tmodel, TRACE_SHAPE, 6, "-trace-cpu", ",prefetch=0,vram_cpu=1", env=tenv)
+    if not args.skip_oracle:
+        print("oracle", flush=True)
+        oracle((1, 512, 8))
+    for k in (12, 6, 1, 9):
+        ours(model, SHAPE, k)
+    for k in (6, 1, 9):
+        ours(model, SHAPE, k, "-cpu", ",vram_cpu=1")
+    for k in (6, 9, 1, 0):
+        stock(model, SHAPE, k)
+    if tmodel is not None:
+        stock(tmodel, TRACE_SHAPE, 26, "-trace-geometry")
+        stock(tmodel, TRACE_SHAPE, 13, "-trace-geometry")
+        ours(tmodel, TRACE_SHAPE, 13, "-trace", ",prefetch=0", env=tenv)
+        ours(tmodel, TRACE_SHAPE, 13, "-trace-cpu", ",prefetch=0,vram_cpu=1", env=tenv)
+    ours(model, SHAPE, 3, "-ram50", cache=str(ALL_EXPERTS // 2 + gib // 8))
+    ours(model, SHAPE, 3, "-noprefetch", ",prefetch=0")
+    speed.append(bench(args.tool, model, "moetier-ram-only-cpu-experts", ["--expert-cache", "auto"], logs, t))
+    save()
+    if not args.skip_oracle:
+        oracle((32,))
+
     lines = [
         "| run | VRAM share | pp512 tok/s | tg tok/s | tg vs stock same VRAM | VRAM hits | on the CPU | RAM hits |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    stock_at = {
-        100: "stock-all-vram",
-        75: "stock-ncmoe3-vram75",
-        50: "stock-ncmoe6-vram50",
-        25: "stock-ncmoe9-vram25",
-        8: "stock-ncmoe11-vram8",
-    }
+
+    def stock_for(r: dict[str, Any]) -> dict[str, Any]:
+        """Stock's run with the same model and share of experts in VRAM."""
+        trace = "trace" in r["name"]
+        m = re.search(r"vram(\d+)$", r["name"])
+        for x in speed:
+            if x["name"].startswith("stock") and ("trace" in x["name"]) == trace:
+                if (m and x["name"].endswith(f"vram{m.group(1)}")) or (
+                    "all-vram" in x["name"] and m and m.group(1) == "100"
+                ):
+                    return x
+        return {}
+
     for r in speed:
-        m = re.search(r"vram(\d+)", r["name"])
-        share = int(m.group(1)) if m else 0
-        base = by.get(stock_at.get(share, ""), {})
-        ratio = (
-            f"{r['tg_tps'] / base['tg_tps']:.2f}x"
-            if r["name"].startswith("moetier") and "tg_tps" in r and "tg_tps" in base
-            else ""
-        )
+        m = re.search(r"vram(\d+)$", r["name"])
+        base = stock_for(r) if r["name"].startswith("moetier") else {}
+        ratio = f"{r['tg_tps'] / base['tg_tps']:.2f}x" if "tg_tps" in r and "tg_tps" in base else ""
+        pct = m.group(1) if m else 100 if "all-vram" in r["name"] else 0
         lines.append(
-            f"| {r['name']} | {share}% | {r.get('pp_tps', 'fail')} | {r.get('tg_tps', 'fail')} | {ratio} | "
-            f"{r.get('vram_hit_pct', '')} | {r.get('vram_cpu_pct', '')} | {r.get('ram_hit_pct', '')} |"
+            f"| {r['name']} | {pct}% | {r.get('pp_tps', 'fail')} | {r.get('tg_tps', 'fail')} | "
+            f"{ratio} | {r.get('vram_hit_pct', '')} | {r.get('vram_cpu_pct', '')} | {r.get('ram_hit_pct', '')} |"
         )
     for r in res["oracle"]:
         lines.append(

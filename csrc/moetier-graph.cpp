@@ -10,6 +10,7 @@
 #include "moetier-hooks.h"
 #include "moetier-layer.h"
 #include "moetier-model.h"
+#include "moetier-routing.h"
 
 #include <cstring>
 #include <unordered_set>
@@ -23,8 +24,15 @@ static void moetier_op_resolve_impl(ggml_tensor * dst, void * userdata, bool war
     moetier_layer *     l   = (moetier_layer *) userdata;
     const ggml_tensor * ids = dst->src[0];
     const ggml_tensor * w   = dst->src[1];
-    l->cache->resolve(*l, (const int32_t *) ids->data, w ? (const float *) w->data : nullptr, ids->ne[0], ids->ne[1],
-                      ids->nb[1], w ? w->nb[1] : 0, (int32_t *) dst->data, warmup);
+    const int32_t *     e   = (const int32_t *) ids->data;
+    size_t              nb1 = ids->nb[1];
+    if (l->routing && !warmup && ids->ne[0] == l->routing->n_used()) {
+        // benchmarks only: the experts a routing trace chose (the model's gate weights stay)
+        e   = l->routing->ids(l->routing_layer, ids->ne[1]);
+        nb1 = (size_t) ids->ne[0] * sizeof(int32_t);
+    }
+    l->cache->resolve(*l, e, w ? (const float *) w->data : nullptr, ids->ne[0], ids->ne[1], nb1, w ? w->nb[1] : 0,
+                      (int32_t *) dst->data, warmup);
 }
 
 // note: the CPU backend calls a custom op on every thread whatever its n_tasks, so the serial

@@ -62,6 +62,7 @@ void moetier_hook_model_loaded(llama_model & model) {
         m->choose_budget(model);
         m->lock_resident_weights(model);
         m->finish_load(model);
+        m->init_routing(model);
         m->init_io();
         m->init_prefetch(model);
         m->init_warm();

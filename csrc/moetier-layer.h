@@ -16,6 +16,7 @@
 #include <vector>
 
 class moetier_cache;
+class moetier_routing;
 
 enum moetier_precision : int32_t {
     MOETIER_PRECISION_HIGH = 0,  // the model's own type
@@ -75,6 +76,10 @@ struct moetier_layer {
     moetier_latency_hist *    read_hist  = nullptr;  // the model's read latencies (every read of the layer adds one)
     std::atomic<uint64_t> *   n_checked  = nullptr;  // the model's count of reads checked against the store's checksums
     bool                      verify_all = true;     // check every read of a store, not only each copy's first
+    // benchmarks only (MOETIER_ROUTING_TRACE): the trace whose choices replace the router's, and this
+    // layer's index among the served layers; nullptr: the model's own routing
+    moetier_routing *         routing    = nullptr;
+    int32_t                   routing_layer = -1;
     // per expert, for the warm-start sidecar: lookups (seeded from the sidecar, halved) and the
     // group's tick of the last one; atomics: the sidecar is also written while decoding runs
     std::unique_ptr<std::atomic<uint32_t>[]> uses;

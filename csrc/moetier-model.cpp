@@ -6,6 +6,7 @@
 #include "moetier-predictor.h"
 #include "moetier-prefetch.h"
 #include "moetier-read.h"
+#include "moetier-routing.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -176,6 +177,31 @@ moetier_model::~moetier_model() {
         }
         ggml_free(meta_ctx);
     }
+}
+
+void moetier_model::init_routing(const llama_model & model) {
+    const char * path = getenv("MOETIER_ROUTING_TRACE");
+    if (path == nullptr || path[0] == '\0') {
+        return;
+    }
+    routing              = std::make_unique<moetier_routing>(path);
+    const int32_t n_used = (int32_t) model.hparams.n_expert_used((uint32_t) layers[0]->il);
+    if (routing->n_layers() != (int32_t) layers.size() || routing->n_expert() != n_expert ||
+        routing->n_used() != n_used) {
+        throw std::runtime_error(
+            format("MOETIER_ROUTING_TRACE=%s: the trace routes %d MoE layers, top-%d of %d experts; "
+                   "the model has %zu, top-%d of %d: write a model of the trace's geometry",
+                   path, routing->n_layers(), routing->n_used(), routing->n_expert(), layers.size(), n_used, n_expert));
+    }
+    for (size_t i = 0; i < layers.size(); ++i) {
+        layers[i]->routing       = routing.get();
+        layers[i]->routing_layer = (int32_t) i;
+    }
+    warn(
+        format("MOETIER_ROUTING_TRACE=%s: every MoE layer's experts are taken from this routing trace, not from the "
+               "model's router: speed and cache figures are those of the traced model's routing, and the output is "
+               "meaningless (a benchmark mode)",
+               path));
 }
 
 void moetier_model::log_totals() const {

@@ -52,6 +52,10 @@ struct moetier_model {
     // after all tensors exist: forms pool groups and allocates the pools from the budget
     void finish_load(const llama_model & model);
 
+    // benchmarks only: MOETIER_ROUTING_TRACE=FILE replaces the routers' choices by a trace's (a loud
+    // warning); throws std::runtime_error if the trace's geometry is not the model's
+    void init_routing(const llama_model & model);
+
     // logs the counters summed over layers (INFO), at model free
     void log_totals() const;
 
@@ -133,6 +137,7 @@ struct moetier_model {
     bool                   prefetch_gate  = true;   // prefetch measures whether it pays (moetier_prefetch_gate)
     bool                   use_uring      = true;
 
+    std::unique_ptr<moetier_routing>           routing;   // MOETIER_ROUTING_TRACE, else nullptr
     std::vector<std::string>                   warnings;  // of the load, in order (moetier_model_warning)
     std::vector<std::string>                   paths;     // GGUF files, split order
     std::vector<std::unique_ptr<moetier_file>> files;     // opened on demand for GGUF reads
