@@ -51,6 +51,8 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
     shapes(std::move(shapes_)) {
     GGML_ASSERT(n_slots[MOETIER_PRECISION_HIGH] >= n_expert && n_expert > 0 && n_slots[MOETIER_PRECISION_LOW] >= 0);
     GGML_ASSERT(n_slots[MOETIER_PRECISION_LOW] == 0 || shapes[0].store != nullptr);
+    vram_env        = env;
+    vram_env.record = nullptr;  // a decision log is the RAM tier's
     for (int32_t prec = 0; prec < MOETIER_N_PRECISIONS; ++prec) {
         sets[prec] = std::make_unique<moetier_slots>((moetier_precision) prec, n_slots[prec], n_expert,
                                                      moetier_policy_create(policy, weights, env));
@@ -88,10 +90,14 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
                              int32_t                        n_used,
                              const std::string &            policy,
                              const moetier_policy_weights & weights) {
-    GGML_ASSERT(dev != nullptr && n_slots >= n_expert_ && !simulate);
+    GGML_ASSERT((dev != nullptr || simulate) && n_slots >= n_expert_);
     vram   = std::make_unique<moetier_slots>(MOETIER_PRECISION_HIGH, n_slots, n_expert_,
-                                             moetier_policy_create(policy, weights, {}));
+                                             moetier_policy_create(policy, weights, vram_env));
     n_zero = std::max<int32_t>(1, n_used);
+    vram_of.assign(n_expert_, -1);
+    if (simulate) {
+        return;  // replay: the bookkeeping only
+    }
     vram->alloc(shapes, host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev), /*vram =*/true,
                 n_zero);
     for (size_t k = 0; k < shapes.size(); ++k) {
@@ -103,7 +109,6 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
         throw std::runtime_error(
             format("failed to start a backend on %s for the VRAM tier's copies", ggml_backend_dev_name(dev)));
     }
-    vram_of.assign(n_expert_, -1);
     ggml_backend_buffer_type_t pinned = host ? nullptr : ggml_backend_dev_host_buffer_type(dev);
     if (pinned != nullptr) {
         for (auto & set : sets) {
@@ -233,7 +238,7 @@ void moetier_cache::upload(moetier_layer & layer,
             return layer.uses[a].load(std::memory_order_relaxed) > layer.uses[b].load(std::memory_order_relaxed);
         });
     }
-    const int64_t t0    = n_copy == 0 ? 0 : moetier_time_us();
+    const int64_t t0    = n_copy == 0 || simulate ? 0 : moetier_time_us();
     uint64_t      bytes = 0;
     for (size_t i = n_copy; i < missing.size(); ++i) {
         vram_of[missing[i]] = MOETIER_VRAM_ON_CPU;
@@ -246,7 +251,10 @@ void moetier_cache::upload(moetier_layer & layer,
         const int32_t rs = hi.find(layer.il, e);
         // the tier holds at least one layer's experts and pins only this layer's
         GGML_ASSERT(s >= 0 && "VRAM tier: no unpinned slot");
-        for (size_t k = 0; k < shapes.size(); ++k) {
+        for (size_t k = 0; k < shapes.size() && simulate; ++k) {
+            bytes += shapes[k].expert_bytes(MOETIER_PRECISION_HIGH);
+        }
+        for (size_t k = 0; k < shapes.size() && !simulate; ++k) {
             const ggml_tensor * src = hi.tensor(k);
             ggml_tensor *       dst = v.tensor(k);
             ggml_backend_tensor_set_async(vram_backend.get(), dst, (const char *) src->data + (size_t) rs * src->nb[2],
@@ -258,9 +266,11 @@ void moetier_cache::upload(moetier_layer & layer,
         ++c.n_vram_copies;
     }
     if (!missing.empty()) {
-        ggml_backend_synchronize(vram_backend.get());
+        if (!simulate) {
+            ggml_backend_synchronize(vram_backend.get());
+            c.vram_copy_us += (uint64_t) (moetier_time_us() - t0);
+        }
         c.n_vram_bytes += bytes;
-        c.vram_copy_us += (uint64_t) (moetier_time_us() - t0);
     }
     for (int64_t i = 0; i < n; ++i) {
         const int32_t rs = ram[i];

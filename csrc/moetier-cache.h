@@ -357,6 +357,7 @@ class moetier_cache {
     std::unique_ptr<moetier_slots> vram;
     ggml_backend_ptr               vram_backend;
     std::vector<int32_t>           vram_of;          // [n_expert]
+    moetier_policy_env             vram_env;         // what the tier's policy sees (replay: the trace's future)
     bool                           cooperative = false;
     int32_t                        n_zero      = 1;  // the VRAM pools' zero slots, after its n_slots
     float                          copy_us     = 0.0f;

@@ -74,6 +74,14 @@ moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
                                  std::min(p.n_slots_low, p.n_expert * p.n_layers) };
     moetier_cache cache(p.n_expert, n_slots, p.rule, p.policy, p.weights, { proj }, /*simulate =*/true, env);
     cache.set_n_model_layers(p.n_layers);
+    if (p.n_slots_vram > 0) {
+        if (p.n_slots_vram < p.n_expert) {
+            throw std::invalid_argument(
+                format("replay: %d VRAM slots is below one layer's %d experts", p.n_slots_vram, p.n_expert));
+        }
+        cache.set_vram(nullptr, false, false, std::min(p.n_slots_vram, p.n_expert * p.n_layers), p.n_used, p.policy,
+                       p.weights);
+    }
     std::vector<std::unique_ptr<moetier_layer>> layers;
     for (int32_t il = 0; il < p.n_layers; ++il) {
         layers.push_back(std::make_unique<moetier_layer>());
@@ -83,6 +91,7 @@ moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
     }
 
     std::vector<int32_t> out(2 * p.n_used);
+    std::vector<int32_t> vout(2 * p.n_used);
     size_t               next_seq = 0;
     const size_t         row      = (size_t) p.n_used * sizeof(int32_t);
     for (int64_t t = 0; t < n_tokens; ++t) {
@@ -96,6 +105,9 @@ moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
             const int64_t off = (t * p.n_layers + il) * p.n_used;
             cache.resolve(*layers[il], ids + off, weights ? weights + off : nullptr, p.n_used, 1, row, row, out.data(),
                           false);
+            if (p.n_slots_vram > 0) {
+                cache.upload(*layers[il], out.data(), p.n_used, 1, vout.data(), false);
+            }
         }
     }
     cache.sync();

@@ -20,6 +20,7 @@ struct moetier_replay_params {
     uint64_t               bytes_low    = 0;
     int32_t                n_slots_high = 0;  // slots of the (single) pool group
     int32_t                n_slots_low  = 0;
+    int32_t                n_slots_vram = 0;  // a VRAM tier over the cache (0: none), driven by the engine's tier code
     std::string            policy       = moetier_default_params().policy;
     moetier_policy_weights weights;
     moetier_precision_rule rule;

@@ -110,6 +110,29 @@ def test_belady_cost_reads_fewer_bytes_in_mixed_precision() -> None:
     assert c.n_bytes_read <= b.n_bytes_read < lru.n_bytes_read
 
 
+def test_vram_tier_in_replay() -> None:
+    """The engine's VRAM tier code over the replayed cache: its counters add up, a tier as large as the
+    cache under the same policy makes the cache's decisions (it sees the same lookups), Belady bounds it,
+    and one that holds every expert copies each once."""
+    ids = synthetic(4)
+    n_lookups = _replay(ids, "lru", 24).n_lookups
+
+    def tier(policy: str, n_ram: int, n_vram: int) -> _core.LayerStats:
+        return _core.replay(ids, None, 16, 1000, 0, n_ram, 0, policy, W, 1.0, 1.0, [0], n_vram)
+
+    for policy in ("lru", "reuse-rank"):
+        s = tier(policy, 24, 20)
+        assert s.n_vram_hits + s.n_vram_copies == s.n_lookups == n_lookups
+        assert s.n_vram_bytes == 1000 * s.n_vram_copies and s.n_vram_cpu == 0
+        same = tier(policy, 24, 24)
+        assert same.n_vram_copies == same.n_misses
+    assert tier("belady", 64, 20).n_vram_copies <= tier("lru", 64, 20).n_vram_copies
+    every = tier("lru", 64, 64)
+    assert every.n_vram_copies == len({(il, int(e)) for t in ids for il, row in enumerate(t) for e in row})
+    with pytest.raises(ValueError, match="8 VRAM slots is below one layer's 16 experts"):
+        tier("lru", 24, 8)
+
+
 def test_offline_policies_are_replay_only() -> None:
     assert set(_core.offline_policy_names()) == {"belady", "belady-cost"}
     assert not set(_core.offline_policy_names()) & set(_core.policy_names())
@@ -292,6 +315,11 @@ def test_trace_and_replay_commands(moe: Path, tmp_path: Path, tiny_model: ModelF
         assert all(best["hit_rate"] >= r["hit_rate"] - 1e-12 for r in rows.values())
         assert rows["lru"]["gap_closed"] == 0 and rows["belady"]["gap_closed"] == 1
         assert rows["lru"]["mb_per_token"] == pytest.approx(rows["lru"]["n_bytes_read"] / n / 1e6)
+    # a VRAM tier of 10% over each budget: its columns, fewer of its hits than the cache's
+    vr = rp.replay(trace, moe, [25, 50], ["lru"], progress=False, vram=10)
+    assert vr["vram"] == 10 and "VRAM hit rate" in rp.table(vr)
+    for r in vr["rows"]:
+        assert 0 < r["vram_hit_rate"] <= r["hit_rate"] and r["vram_mb_per_token"] > 0
     # a trace of another model, an unknown policy, a damaged trace: errors that say so
     other = tiny_model("qwen3moe", n_expert=8, n_expert_used=2, n_layer=4, expert_type="f16")
     with pytest.raises(ConfigError, match=r"t\.npz: the trace has 4 MoE layers of 16 experts"):

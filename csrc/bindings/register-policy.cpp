@@ -99,7 +99,8 @@ moetier_layer_stats run_replay(const py_ids &                      ids,
                                float                               t1,
                                float                               t2,
                                const std::vector<int64_t> &        seq_starts,
-                               std::vector<moetier_decision_row> * rows) {
+                               std::vector<moetier_decision_row> * rows,
+                               int32_t                             n_slots_vram = 0) {
     if (ids.ndim() != 3) {
         throw std::invalid_argument("replay: ids [n_tokens, n_layers, n_used]");
     }
@@ -122,6 +123,7 @@ moetier_layer_stats run_replay(const py_ids &                      ids,
     p.bytes_low    = bytes_low;
     p.n_slots_high = n_slots_high;
     p.n_slots_low  = n_slots_low;
+    p.n_slots_vram = n_slots_vram;
     p.policy       = policy;
     p.weights      = { w[0], w[1], w[2], w[3] };
     p.rule.t1      = t1;
@@ -190,14 +192,15 @@ void register_policy(py::module_ & m) {
         "replay",
         [](const py_ids & ids, py::object weights, int32_t n_expert, uint64_t bytes_high, uint64_t bytes_low,
            int32_t n_slots_high, int32_t n_slots_low, const std::string & policy, const std::vector<float> & w,
-           float t1, float t2, const std::vector<int64_t> & seq_starts) {
+           float t1, float t2, const std::vector<int64_t> & seq_starts, int32_t n_slots_vram) {
             return run_replay(ids, weights, n_expert, bytes_high, bytes_low, n_slots_high, n_slots_low, policy, w, t1,
-                              t2, seq_starts, nullptr);
+                              t2, seq_starts, nullptr, n_slots_vram);
         },
         py::arg("ids"), py::arg("weights"), py::arg("n_expert"), py::arg("bytes_high"), py::arg("bytes_low"),
         py::arg("n_slots_high"), py::arg("n_slots_low"), py::arg("policy"), py::arg("policy_weights"), py::arg("t1"),
-        py::arg("t2"), py::arg("seq_starts") = std::vector<int64_t>{ 0 },
-        "run a routing trace through the cache's bookkeeping (no reads): the counters it would produce");
+        py::arg("t2"), py::arg("seq_starts") = std::vector<int64_t>{ 0 }, py::arg("n_slots_vram") = 0,
+        "run a routing trace through the cache's bookkeeping (no reads): the counters it would produce; "
+        "n_slots_vram: a VRAM tier over it (the n_vram_* counters)");
 
     m.def(
         "replay_decisions",

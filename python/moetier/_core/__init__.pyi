@@ -216,6 +216,7 @@ def replay(
     t1: float,
     t2: float,
     seq_starts: list[int] = ...,
+    n_slots_vram: int = 0,
 ) -> LayerStats: ...
 
 class Policy:

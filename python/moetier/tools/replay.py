@@ -86,7 +86,8 @@ def geometry(
 def replay_one(
     trace: Trace, geo: dict[str, int], policy: str, t1: float, t2: float, weights: Sequence[float]
 ) -> dict[str, Any]:
-    """One policy at one geometry: the engine's counters and what they mean per token."""
+    """One policy at one geometry: the engine's counters and what they mean per token (with a VRAM tier,
+    geo["n_slots_vram"], its hits and copies too)."""
     c = _core.replay(
         trace.ids,
         trace.weights,
@@ -100,6 +101,7 @@ def replay_one(
         t1,
         t2,
         list(trace.seq_starts),
+        geo.get("n_slots_vram", 0),
     )._asdict()
     n = max(1, int(trace.ids.shape[0]))
     return {
@@ -107,6 +109,8 @@ def replay_one(
         "pct": geo["pct"],
         **c,
         "hit_rate": c["n_hits"] / c["n_lookups"] if c["n_lookups"] else 0.0,
+        "vram_hit_rate": c["n_vram_hits"] / c["n_lookups"] if c["n_lookups"] else 0.0,
+        "vram_mb_per_token": c["n_vram_bytes"] / n / 1e6,
         "mb_per_token": c["n_bytes_read"] / n / 1e6,
         "misses_per_token": c["n_misses"] / n,
     }
@@ -133,9 +137,14 @@ def replay(
     weights: Sequence[float] = (0.25, 0.25, 0.25, 0.25),
     tokens: int = 0,
     progress: bool = True,
+    vram: float = 0.0,
 ) -> dict[str, Any]:
     """Every policy at every budget; the report with, per budget, the share of the gap between LRU
-    and Belady in bytes each policy closes."""
+    and Belady in bytes each policy closes. vram: a VRAM tier over the cache of that % of the experts
+    (its hits and the bytes copied into it per token are in the rows; each tier runs the policy)."""
+    if not 0 <= vram <= 100:
+        msg = f"replay: vram={vram:g}: a share of the experts in [0, 100]"
+        raise ConfigError(msg)
     offline = set(_core.offline_policy_names())
     for p in policies:
         why = None if p in offline else _core.policy_error(p)
@@ -162,6 +171,9 @@ def replay(
     facts = probe(model, store)
     for pct in budgets:
         geo = geometry(model, store, facts, pct, t1, t2, lf)
+        if vram > 0:
+            n_all = geo["n_layers"] * geo["n_expert"]
+            geo["n_slots_vram"] = min(n_all, max(geo["n_expert"], round(n_all * vram / 100)))
         check_trace(trace, geo, trace_path)
         geos.append(geo)
         for p in policies:
@@ -184,6 +196,7 @@ def replay(
         "t2": t2,
         "low_frac": lf,
         "weights": list(weights),
+        "vram": vram,
         "geometry": geos,
         "rows": rows,
     }
@@ -198,6 +211,10 @@ def table(rep: dict[str, Any]) -> str:
         "| budget | slots | policy | hit rate | misses/token | MB/token | low loads | skipped | gap closed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    if rep.get("vram"):
+        out[0] += f" A VRAM tier of {rep['vram']:g}% of the experts over the cache: its hit rate and MB copied in."
+        out[2] = out[2][:-1] + " VRAM hit rate | VRAM MB/token |"
+        out[3] += "---|---|"
     for geo in rep["geometry"]:
         rows = sorted((r for r in rep["rows"] if r["pct"] == geo["pct"]), key=lambda r: r["n_bytes_read"])
         for r in rows:
@@ -207,6 +224,7 @@ def table(rep: dict[str, Any]) -> str:
                 f"| {100 * r['hit_rate']:.1f}% "
                 f"| {r['misses_per_token']:.2f} | {r['mb_per_token']:.2f} | {r['n_loads_low']} | {r['n_skipped']} "
                 f"| {'' if g is None else f'{100 * g:.0f}%'} |"
+                + (f" {100 * r['vram_hit_rate']:.1f}% | {r['vram_mb_per_token']:.2f} |" if rep.get("vram") else "")
             )
     return "\n".join(out) + "\n"
 
@@ -307,6 +325,13 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         "--weights", default="0.25,0.25,0.25,0.25", help="w_lru,w_lfu,w_lhu,w_fld of policy multi (default: equal)"
     )
     p.add_argument("--tokens", type=int, default=0, help="replay only the first N tokens (default: all)")
+    p.add_argument(
+        "--vram",
+        type=float,
+        default=0.0,
+        help="a VRAM tier over the cache of this %% of the experts (the engine's tier code): its hits and the MB "
+        "copied into it per token beside the cache's (default 0: none)",
+    )
     p.add_argument("-o", "--output", default=None, help="JSON report to write; OUT.md and OUT.png beside it")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
@@ -330,6 +355,7 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         w,
         a.tokens,
         not a.quiet,
+        a.vram,
     )
     md = table(rep)
     sys.stdout.write(md)
