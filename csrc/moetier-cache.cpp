@@ -71,7 +71,14 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
     bounce.resize(MOETIER_MAX_THREADS);
 }
 
-moetier_cache::~moetier_cache() = default;
+moetier_cache::~moetier_cache() {
+    if (vram_event) {
+        if (copies_pending) {
+            ggml_backend_event_synchronize(vram_event);
+        }
+        ggml_backend_event_free(vram_event);
+    }
+}
 
 void moetier_cache::add_layer(moetier_layer * layer) {
     for (auto & set : sets) {
@@ -103,8 +110,11 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
     for (size_t k = 0; k < shapes.size(); ++k) {
         GGML_ASSERT(vram->tensor(k)->nb[2] == shapes[k].expert_bytes(MOETIER_PRECISION_HIGH));
     }
+    vram_dev = dev;
     vram_backend.reset(
         ggml_backend_dev_init(host ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) : dev, nullptr));
+    // a device with events copies asynchronously (nullptr: the CPU device of vram_host, copies are memcpy)
+    vram_event = host ? nullptr : ggml_backend_event_new(dev);
     if (!vram_backend) {
         throw std::runtime_error(
             format("failed to start a backend on %s for the VRAM tier's copies", ggml_backend_dev_name(dev)));
@@ -266,7 +276,13 @@ void moetier_cache::upload(moetier_layer & layer,
         ++c.n_vram_copies;
     }
     if (!missing.empty()) {
-        if (!simulate) {
+        if (!simulate && vram_event && vram_compute) {
+            // the compute stream waits for the copies, this thread does not (vram_copy_us: issuing them)
+            ggml_backend_event_record(vram_event, vram_backend.get());
+            ggml_backend_event_wait(vram_compute, vram_event);
+            copies_pending = true;
+            c.vram_copy_us += (uint64_t) (moetier_time_us() - t0);
+        } else if (!simulate) {
             ggml_backend_synchronize(vram_backend.get());
             c.vram_copy_us += (uint64_t) (moetier_time_us() - t0);
         }
@@ -421,6 +437,11 @@ void moetier_cache::sync() noexcept {
 }
 
 void moetier_cache::finish(moetier_pass & p) noexcept {
+    if (copies_pending) {
+        // the pass's RAM slots may be evicted and read into next: its copies must have left them
+        ggml_backend_event_synchronize(vram_event);
+        copies_pending = false;
+    }
     if (p.layer == nullptr) {
         return;
     }

@@ -169,6 +169,14 @@ class moetier_cache {
 
     const moetier_slots * vram_slots() const { return vram.get(); }
 
+    // the device of the VRAM tier (nullptr without one)
+    ggml_backend_dev_t vram_device() const { return vram_dev; }
+
+    // the scheduler's backend that computes on the VRAM tier's device (graph hook, per built graph):
+    // with it, the upload op's copies are not waited for on the host; that backend's stream waits for
+    // them instead, so the CPU computes its share (cooperative compute) while they run
+    void set_vram_compute(ggml_backend_t b) { vram_compute = b; }
+
     moetier_slots & slots(moetier_precision prec) { return *sets[prec]; }
 
     const moetier_slots & slots(moetier_precision prec) const { return *sets[prec]; }
@@ -356,12 +364,16 @@ class moetier_cache {
     // own), and per expert the VRAM slot the current upload gave it
     std::unique_ptr<moetier_slots> vram;
     ggml_backend_ptr               vram_backend;
-    std::vector<int32_t>           vram_of;          // [n_expert]
-    moetier_policy_env             vram_env;         // what the tier's policy sees (replay: the trace's future)
-    bool                           cooperative = false;
-    int32_t                        n_zero      = 1;  // the VRAM pools' zero slots, after its n_slots
-    float                          copy_us     = 0.0f;
-    float                          cpu_us      = 0.0f;
+    std::vector<int32_t>           vram_of;   // [n_expert]
+    moetier_policy_env             vram_env;  // what the tier's policy sees (replay: the trace's future)
+    ggml_backend_dev_t             vram_dev       = nullptr;
+    ggml_backend_t                 vram_compute   = nullptr;  // not owned: the scheduler's
+    ggml_backend_event_t           vram_event     = nullptr;  // the copies' last event; nullptr: synchronous copies
+    bool                           copies_pending = false;    // copies in flight from RAM slots pinned by this pass
+    bool                           cooperative    = false;
+    int32_t                        n_zero         = 1;        // the VRAM pools' zero slots, after its n_slots
+    float                          copy_us        = 0.0f;
+    float                          cpu_us         = 0.0f;
 
     // cooperative compute's costs on this machine (copy_us, cpu_us); MOETIER_VRAM_COSTS=COPY_US,CPU_US
     // sets them instead (tests: each outcome of the rule on purpose)

@@ -315,6 +315,25 @@ void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexc
 // backend placement
 //
 
+void moetier_hook_graph_compute(const llama_model & model, ggml_backend_sched * sched) noexcept {
+    if (model.moetier == nullptr || sched == nullptr) {
+        return;
+    }
+    for (const auto & c : model.moetier->caches) {
+        if (c->vram_device() == nullptr) {
+            continue;
+        }
+        ggml_backend_t compute = nullptr;
+        for (int b = 0; b < ggml_backend_sched_get_n_backends(sched); ++b) {
+            ggml_backend_t be = ggml_backend_sched_get_backend(sched, b);
+            if (ggml_backend_get_device(be) == c->vram_device()) {
+                compute = be;
+            }
+        }
+        c->set_vram_compute(compute);  // nullptr: no such backend here, the copies are waited for on the host
+    }
+}
+
 uint32_t moetier_hook_graph_extra_nodes(const llama_model & model) noexcept {
     const moetier_model * m = model.moetier.get();
     // per served layer: resolve, prefetch, load and upload ops, the stacked routers' matmul, the

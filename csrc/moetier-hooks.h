@@ -91,6 +91,11 @@ ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
 // shared expert, the stacked routers) are moved ahead of its load op to compute while they run
 void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexcept;
 
+// llama_context, before each graph compute (a reused graph too): the VRAM tiers' copies are waited
+// for on this context's backend of their device, not on the host (several contexts of one model each
+// set theirs before they compute)
+void moetier_hook_graph_compute(const llama_model & model, ggml_backend_sched * sched) noexcept;
+
 // llama_context::graph_max_nodes: the nodes a graph needs beyond stock's for the expert cache (its ops
 // per served layer, and the scheduler's copies of their inputs between backends, which its hash set
 // must hold); 0 without a cache
