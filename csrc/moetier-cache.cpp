@@ -87,6 +87,7 @@ void moetier_cache::add_layer(moetier_layer * layer) {
     if (vram) {
         vram->add_layer(layer->il);
     }
+    layers_.push_back(layer);
     layer->cache = this;
 }
 
@@ -95,6 +96,7 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
                              bool                           cpu,
                              int32_t                        n_slots,
                              int32_t                        n_used,
+                             bool                           pin_ram,
                              const std::string &            policy,
                              const moetier_policy_weights & weights) {
     GGML_ASSERT((dev != nullptr || simulate) && n_slots >= n_expert_);
@@ -119,7 +121,7 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
         throw std::runtime_error(
             format("failed to start a backend on %s for the VRAM tier's copies", ggml_backend_dev_name(dev)));
     }
-    ggml_backend_buffer_type_t pinned = host ? nullptr : ggml_backend_dev_host_buffer_type(dev);
+    ggml_backend_buffer_type_t pinned = host || !pin_ram ? nullptr : ggml_backend_dev_host_buffer_type(dev);
     if (pinned != nullptr) {
         for (auto & set : sets) {
             set->alloc(shapes, pinned);
@@ -129,6 +131,35 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
     if (cooperative) {
         measure_vram_costs();
     }
+}
+
+void moetier_cache::preload_vram() {
+    GGML_ASSERT(vram && !simulate && (int64_t) vram->n_slots() == (int64_t) n_expert_ * (int64_t) layers_.size());
+    moetier_slots &        v  = *vram;
+    const moetier_slots &  hi = *sets[MOETIER_PRECISION_HIGH];
+    moetier_aligned_buffer bb;
+    for (moetier_layer * l : layers_) {
+        const moetier_policy_ctx pctx = policy_ctx(l->il);
+        for (int32_t e = 0; e < n_expert_; ++e) {
+            // the RAM tier's slot e holds nothing yet: a staging area
+            moetier_error err;
+            if (!moetier_read_expert(*l, MOETIER_PRECISION_HIGH, e, e, bb, err)) {
+                throw std::runtime_error(err.msg);
+            }
+            const int32_t s = v.take({ l->il, e }, pctx);
+            GGML_ASSERT(s >= 0);
+            for (size_t k = 0; k < shapes.size(); ++k) {
+                ggml_backend_tensor_set(v.tensor(k),
+                                        (const char *) hi.tensor(k)->data + (size_t) e * hi.tensor(k)->nb[2],
+                                        (size_t) s * v.tensor(k)->nb[2], v.tensor(k)->nb[2]);
+            }
+        }
+        for (int32_t e = 1; e < n_expert_; ++e) {
+            GGML_ASSERT(v.find(l->il, e) == v.find(l->il, 0) + e &&
+                        "VRAM tier: a layer's preloaded slots are consecutive");
+        }
+    }
+    vram_static_ = true;
 }
 
 void moetier_cache::measure_vram_costs() {

@@ -145,12 +145,15 @@ class moetier_cache {
     // with its own policy; the RAM pools move to dev's pinned host memory, which it copies from at full
     // speed. throws std::runtime_error
     // cpu: cooperative compute (moetier_params.vram_cpu), whose costs are measured here.
-    // n_used: the model's experts per token (the zero slots, one per position).
+    // n_used: the model's experts per token (the zero slots, one per position). pin_ram: the RAM pools
+    // move to dev's pinned memory (not when the tier holds every expert: preload_vram, then the RAM
+    // tier only stages the load).
     void set_vram(ggml_backend_dev_t             dev,
                   bool                           host,
                   bool                           cpu,
                   int32_t                        n_slots,
                   int32_t                        n_used,
+                  bool                           pin_ram,
                   const std::string &            policy,
                   const moetier_policy_weights & weights);
 
@@ -168,6 +171,18 @@ class moetier_cache {
     ggml_tensor * vram_pool(size_t k) const { return vram ? vram->tensor(k) : nullptr; }
 
     const moetier_slots * vram_slots() const { return vram.get(); }
+
+    // A VRAM tier with a slot for every expert of the group: reads each (checked) through the RAM tier's
+    // first slots and copies it into VRAM, each layer's experts in consecutive slots in expert order;
+    // from then on the layers compute from their VRAM slots as stock llama.cpp computes from its expert
+    // tensors (vram_static), with no slot choice per layer. throws std::runtime_error naming the file
+    void preload_vram();
+
+    // the layers compute straight from their VRAM slots (preload_vram)
+    bool vram_static() const { return vram_static_; }
+
+    // layer il's first VRAM slot with vram_static (its experts follow in expert order)
+    int32_t vram_base(int32_t il) const { return vram->find(il, 0); }
 
     // the device of the VRAM tier (nullptr without one)
     ggml_backend_dev_t vram_device() const { return vram_dev; }
@@ -370,10 +385,12 @@ class moetier_cache {
     ggml_backend_t                 vram_compute   = nullptr;  // not owned: the scheduler's
     ggml_backend_event_t           vram_event     = nullptr;  // the copies' last event; nullptr: synchronous copies
     bool                           copies_pending = false;    // copies in flight from RAM slots pinned by this pass
-    bool                           cooperative    = false;
-    int32_t                        n_zero         = 1;        // the VRAM pools' zero slots, after its n_slots
-    float                          copy_us        = 0.0f;
-    float                          cpu_us         = 0.0f;
+    bool                           vram_static_   = false;
+    std::vector<moetier_layer *>   layers_;                   // the group's layers, in add_layer order
+    bool                           cooperative = false;
+    int32_t                        n_zero      = 1;           // the VRAM pools' zero slots, after its n_slots
+    float                          copy_us     = 0.0f;
+    float                          cpu_us      = 0.0f;
 
     // cooperative compute's costs on this machine (copy_us, cpu_us); MOETIER_VRAM_COSTS=COPY_US,CPU_US
     // sets them instead (tests: each outcome of the rule on purpose)

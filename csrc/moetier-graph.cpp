@@ -115,10 +115,27 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     if (l == nullptr) {
         return moe;
     }
-    moetier_cache & cache    = *l->cache;
-    const int64_t   n_used   = selected_experts->ne[0];
-    const int64_t   n_tokens = selected_experts->ne[1];
-    const int64_t   n_planes = cache.has_low() ? 2 : 1;
+    moetier_cache & cache = *l->cache;
+    if (cache.vram_static()) {
+        // every expert of the group is in VRAM, each layer's in consecutive slots: the mul_mat_ids take
+        // the layer's slots as a view with the router's ids, as stock takes its expert tensors
+        const int32_t  base       = cache.vram_base(l->il);
+        ggml_tensor ** targets[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
+        for (ggml_tensor ** t : targets) {
+            for (const auto & p : l->projs) {
+                if (*t != nullptr && p.meta == *t) {
+                    ggml_tensor * v = p.vram_pool;
+                    *t              = ggml_view_3d(ctx, v, v->ne[0], v->ne[1], cache.n_expert(), v->nb[1], v->nb[2],
+                                                   (size_t) base * v->nb[2]);
+                }
+            }
+        }
+        moe.layer = l;
+        return moe;
+    }
+    const int64_t n_used   = selected_experts->ne[0];
+    const int64_t n_tokens = selected_experts->ne[1];
+    const int64_t n_planes = cache.has_low() ? 2 : 1;
 
     // the precision rule reads the weights only if it can pick anything but high
     ggml_tensor * args[2] = { selected_experts, nullptr };

@@ -531,7 +531,9 @@ void moetier_model::finish_load(const llama_model & model) {
         moetier_cache * c = caches.back().get();
         c->set_n_model_layers(std::max<int32_t>(n_model_layers, layers.back()->il + 1));
         if (pl.dev != nullptr) {
-            c->set_vram(pl.dev, vram_host, vram_cpu, (int32_t) pl.n_vram, pl.n_used, policy_name, policy_weights);
+            const bool all_of_them = pl.n_vram == (int64_t) n_expert * (int64_t) pl.layers.size();
+            c->set_vram(pl.dev, vram_host, vram_cpu, (int32_t) pl.n_vram, pl.n_used, !all_of_them, policy_name,
+                        policy_weights);
         }
         for (moetier_layer * l : pl.layers) {
             c->add_layer(l);
@@ -540,6 +542,14 @@ void moetier_model::finish_load(const llama_model & model) {
                 l->projs[k].pool[MOETIER_PRECISION_LOW]  = c->pool(MOETIER_PRECISION_LOW, k);
                 l->projs[k].vram_pool                    = c->vram_pool(k);
             }
+        }
+        if (pl.dev != nullptr && pl.n_vram == (int64_t) n_expert * (int64_t) pl.layers.size()) {
+            // every expert fits: loaded now, computed as stock computes its experts
+            c->preload_vram();
+            MOETIER_LOG_INFO(
+                "%s: VRAM tier holds every expert of its %d layers: read at load; they compute from "
+                "VRAM with no per-layer slot choice\n",
+                __func__, (int) pl.layers.size());
         }
         if (pl.dev != nullptr) {
             MOETIER_LOG_INFO("%s: VRAM tier on %s%s: %" PRId64 " slots of %d layers x %d experts (%s), policy %s\n",

@@ -79,8 +79,8 @@ moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
             throw std::invalid_argument(
                 format("replay: %d VRAM slots is below one layer's %d experts", p.n_slots_vram, p.n_expert));
         }
-        cache.set_vram(nullptr, false, false, std::min(p.n_slots_vram, p.n_expert * p.n_layers), p.n_used, p.policy,
-                       p.weights);
+        cache.set_vram(nullptr, false, false, std::min(p.n_slots_vram, p.n_expert * p.n_layers), p.n_used, false,
+                       p.policy, p.weights);
     }
     std::vector<std::unique_ptr<moetier_layer>> layers;
     for (int32_t il = 0; il < p.n_layers; ++il) {
