@@ -441,8 +441,10 @@ void moetier_model::finish_load(const llama_model & model) {
     // the VRAM tier: groups whose layers run on a GPU, one layer's experts each, the rest of the budget
     // split as the RAM tier's
     if (vram > 0) {
-        uint64_t all_vram = 0;
-        min_vram_bytes    = 0;
+        const bool        auto_vram = vram == MOETIER_CACHE_AUTO;
+        const std::string vram_text = auto_vram ? "auto" : moetier_format_bytes(vram);
+        uint64_t          all_vram  = 0;
+        min_vram_bytes              = 0;
         for (auto & pl : plans) {
             pl.dev = moetier_vram_device(model, pl.layers[0]->il, vram, vram_host);
             if (pl.dev == nullptr) {
@@ -466,17 +468,52 @@ void moetier_model::finish_load(const llama_model & model) {
                 MOETIER_ERROR_CONFIG,
                 has_gpu ? format("vram=%s: no MoE layer runs on a GPU; offload the layers (-ngl 99, n_gpu_layers) "
                                  "or drop vram",
-                                 moetier_format_bytes(vram).c_str()) :
+                                 vram_text.c_str()) :
                           format("vram=%s: this build has no GPU backend (build with -C cmake.define.MOETIER_CUDA=ON); "
                                  "drop vram, or set vram_host=1 to run the tier in host memory",
-                                 moetier_format_bytes(vram).c_str()));
+                                 vram_text.c_str()));
+        }
+        std::string vram_note;
+        if (auto_vram) {
+            // each GPU's free memory now (the dense layers are on it) less what the context will put there:
+            // the KV cache of its layers, the compute buffers (a prompt ubatch's logits too), a margin
+            const moetier_budget_needs      needs = budget_needs(model);
+            const uint32_t                  n_lay = std::max<uint32_t>(1, model.hparams.n_layer());
+            std::vector<ggml_backend_dev_t> devs;
+            for (const auto & pl : plans) {
+                if (pl.dev != nullptr && std::find(devs.begin(), devs.end(), pl.dev) == devs.end()) {
+                    devs.push_back(pl.dev);
+                }
+            }
+            vram = 0;
+            for (ggml_backend_dev_t d : devs) {
+                size_t free = 0, total = 0;
+                ggml_backend_dev_memory(d, &free, &total);
+                uint32_t n_on = 0;
+                for (uint32_t il = 0; il < n_lay; ++il) {
+                    n_on += vram_host || model.dev_layer((int) il) == d;
+                }
+                const uint64_t kv      = needs.kv * n_on / n_lay;
+                const uint64_t compute = needs.compute + (uint64_t) 4 * 512 * model.vocab.n_tokens();
+                const uint64_t margin  = std::max<uint64_t>((uint64_t) 512 << 20, free / 32);
+                const uint64_t need    = kv + compute + margin;
+                const uint64_t avail   = free > need ? free - need : 0;
+                vram += avail;
+                vram_note +=
+                    format("%s%s: %s free - KV cache %s - compute buffers %s - margin %s = %s",
+                           vram_note.empty() ? "" : "; ", ggml_backend_dev_name(d), moetier_format_bytes(free).c_str(),
+                           moetier_format_bytes(kv).c_str(), moetier_format_bytes(compute).c_str(),
+                           moetier_format_bytes(margin).c_str(), moetier_format_bytes(avail).c_str());
+            }
         }
         if (vram < min_vram_bytes) {
             throw moetier_exception(
                 MOETIER_ERROR_CONFIG,
-                format("vram=%s is below the minimum %s (one layer's %d experts and a zero slot per expert a token "
+                format("vram=%s%s is below the minimum %s (one layer's %d experts and a zero slot per expert a token "
                        "selects%s); use at least %" PRIu64 " bytes",
-                       moetier_format_bytes(vram).c_str(), moetier_format_bytes(min_vram_bytes).c_str(), n_expert,
+                       vram_text.c_str(),
+                       auto_vram ? (" (" + moetier_format_bytes(vram) + ": " + vram_note + ")").c_str() : "",
+                       moetier_format_bytes(min_vram_bytes).c_str(), n_expert,
                        plans.size() > 1 ? " per group on a GPU" : "", min_vram_bytes));
         }
         for (auto & pl : plans) {
@@ -487,6 +524,9 @@ void moetier_model::finish_load(const llama_model & model) {
             const double  share     = (double) (vram - min_vram_bytes) *
                                  (double) (pl.vram_bytes * n_expert * pl.layers.size()) / (double) all_vram;
             pl.n_vram = std::min<int64_t>(max_slots, n_expert + (int64_t) (share / (double) pl.vram_bytes));
+        }
+        if (auto_vram) {
+            MOETIER_LOG_INFO("%s: vram auto: %s\n", __func__, vram_note.c_str());
         }
     }
 

@@ -20,9 +20,10 @@ static const moetier_param_info g_rows[] = {
     MOETIER_ROW(reserve, MOETIER_PARAM_TYPE_SIZE, 0, 1.8e19, true,
             "auto budget: memory left free beside what the model, KV cache and compute buffers need (e.g. for "
             "other processes)"),
-    MOETIER_ROW(vram, MOETIER_PARAM_TYPE_SIZE, 0, 1.8e19, true,
+    MOETIER_ROW(vram, MOETIER_PARAM_TYPE_SIZE, 0, 1.8446744073709552e19, true,
             "VRAM tier: bytes of experts cached in the memory of the GPU each layer runs on (-ngl), over the RAM cache, "
-            "e.g. 4G; at least one layer's experts; a VRAM miss is copied from the RAM tier (read first on a RAM miss) "
+            "e.g. 4G, or auto (the GPU's free memory at load less the KV cache, compute buffers and a margin); at least "
+            "one layer's experts; a VRAM miss is copied from the RAM tier (read first on a RAM miss) "
             "and every expert computes on the GPU; exact modes only (t1 = t2 = 1); 0 = off: the experts compute on "
             "the CPU from the RAM cache"),
     MOETIER_ROW(store_dir, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
@@ -314,8 +315,10 @@ static std::string moetier_params_set_opt(moetier_params * p, const std::string 
     char * rest = nullptr;
     switch (info->type) {
         case MOETIER_PARAM_TYPE_SIZE:
-            if (!moetier_parse_size(value.c_str(), (uint64_t *) f)) {
-                return format("expert cache option %s: '%s' is not a size (e.g. 512M)", key.c_str(), value.c_str());
+            // vram takes auto as the cache budget does
+            if (!(key == "vram" ? moetier_parse_cache_size : moetier_parse_size)(value.c_str(), (uint64_t *) f)) {
+                return format("expert cache option %s: '%s' is not a size (e.g. 512M)%s", key.c_str(), value.c_str(),
+                              key == "vram" ? " or auto" : "");
             }
             return "";
         case MOETIER_PARAM_TYPE_FLOAT:

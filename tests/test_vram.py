@@ -16,7 +16,8 @@ import pytest
 
 from _server import serve
 from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, ConfigError, Model, ModelError
+from moetier import CacheConfig, ConfigError, Model, ModelError, _core
+from moetier.config import AUTO
 from moetier.stats import fetch, render
 
 
@@ -158,3 +159,20 @@ def test_cooperative_costs_are_measured(model_path: Path) -> None:
     assert info["vram_copy_us"] >= 1.0 and info["vram_cpu_us"] >= 1.0
     alone = Model(model_path, cache=CacheConfig(budget=mn * 3, vram=_vram(mn, 1), vram_host=True))
     assert alone.cache_info()["vram_cpu_us"] == 0
+
+
+def test_vram_auto(model_path: Path) -> None:
+    """vram=auto: the device's free memory less what the context needs; here (vram_host: the host's
+    memory) every expert of the tiny model fits, so all are read at load. The option takes auto in
+    --expert-opt too, and says what it took."""
+    mn = _min_budget(model_path)
+    cfg = CacheConfig(budget=mn, vram="auto", vram_host=True)
+    assert "vram=auto" in cfg.opts()
+    m = Model(model_path, cache=cfg)
+    info = m.cache_info()
+    assert info["n_slots_vram"] == 24 and m.stats().n_lookups == 0
+    p = _core.Params()
+    p.set_opts("vram=auto")
+    assert p.vram == AUTO
+    with pytest.raises(ConfigError, match=r"vram: 'lots' is not a size \(e\.g\. 512M\) or auto"):
+        p.set_opts("vram=lots")

@@ -92,7 +92,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_size(self.budget, "cache.budget", auto=True))
         object.__setattr__(self, "reserve", parse_size(self.reserve, "cache.reserve"))
-        object.__setattr__(self, "vram", parse_size(self.vram, "cache.vram"))
+        object.__setattr__(self, "vram", parse_size(self.vram, "cache.vram", auto=True))
         if self.budget == 0:
             msg = "cache.budget: 0 turns the cache off; pass cache=None instead (on the command line: --no-cache)"
             raise ConfigError(msg)
@@ -142,6 +142,9 @@ class CacheConfig:
             row = PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]
             if row["is_opt"]:
                 v = getattr(self, f.name)
+                if row["type"] == "size" and v == AUTO:
+                    out.append(f"{f.name}=auto")
+                    continue
                 out.append(f"{f.name}={int(v) if row['type'] in ('bool', 'int', 'size') else float(v)!r}")
         return ",".join(out)
 
