@@ -191,3 +191,30 @@ def test_plain_import_after_moetier_loads_moetiers_libllama() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert Path(r.stdout.strip()).resolve().parent == Path(moetier.__file__).resolve().parent
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool) -> None:
+    """`python -m moetier.lcpp install` installs llama-cpp-python's Python package without its native
+    build: from the sdist the moetier build fetched when it is there, else from the index (pip itself
+    is not run here)."""
+    import moetier.lcpp as lcpp
+
+    monkeypatch.setenv("MOETIER_CACHE", str(tmp_path))
+    sdist = tmp_path / f"llama_cpp_python-{lcpp.LLAMA_CPP_VERSION}.tar.gz"
+    if cached:
+        sdist.write_bytes(b"x")
+    calls: list[tuple[list[str], dict[str, str]]] = []
+
+    def fake_run(cmd: list[str], env: dict[str, str], check: bool) -> subprocess.CompletedProcess[bytes]:
+        calls.append((cmd, env))
+        return subprocess.CompletedProcess(cmd, 3)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert lcpp.install(["install"]) == 3  # pip's return code
+    ((cmd, env),) = calls
+    target = str(sdist) if cached else f"llama-cpp-python=={lcpp.LLAMA_CPP_VERSION}"
+    assert cmd == [sys.executable, "-m", "pip", "install", "-q", target]
+    assert env["CMAKE_ARGS"] == "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"
+    with pytest.raises(SystemExit):
+        lcpp.install(["uninstall"])

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from conftest import LONG_PROMPT, ModelFactory
 from moetier import CacheConfig, Model, PackConfig, pack
@@ -83,3 +84,24 @@ def test_low_type_list_falls_back_per_projection(tiny_model: ModelFactory, tmp_p
         low_row[p["name"]] * p["ne"][1] for p in m["layers"][0]["projections"]
     )
     assert not np.array_equal(got, ref) and np.corrcoef(got, ref)[0, 1] > 0.99
+
+
+def test_pack_default_place_and_progress(
+    tiny_model: ModelFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without out_dir the store goes beside the model (MODEL.experts); progress=True draws a bar in
+    bytes that ends at the store's data size; progress=None draws none when stderr is not a terminal."""
+    src = tiny_model("qwen2moe", n_expert=4, n_expert_used=2, n_layer=2)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(src.read_bytes())
+    out = pack(model, progress=None)
+    assert out == tmp_path / "m.experts" and (out / "manifest.json").is_file()
+    assert capsys.readouterr().err == ""
+    pack(model, tmp_path / "again", progress=True)
+    err = capsys.readouterr().err
+    size = (tmp_path / "again" / "experts.bin").stat().st_size
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert last.startswith("pack m.gguf: 100%"), last
+    done = last.split("|")[2].split()[0]  # "197k/197k": scaled units, the whole total done
+    assert done.split("/")[0] == done.split("/")[1] and done.endswith("k") and "B/s" in last, last
+    assert size > 1000

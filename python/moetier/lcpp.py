@@ -76,6 +76,64 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
+def _llama_init(
+    self: Any,
+    llama_cpp: Any,
+    model_path: str,
+    args: tuple[Any, ...],
+    cache: CacheConfig | None,
+    store: str | os.PathLike[str] | None,
+    kwargs: dict[str, Any],
+) -> None:
+    """moetier.Llama.__init__: the load configured for the cache, then llama_cpp.Llama's own.
+
+    (A module-level function rather than the method's body: the class is built once per process, and
+    a test harness that swaps function bodies at call time, as mutation testing does, reaches this.)"""
+    if store is not None and cache is None:
+        msg = f"{store}: an expert store needs an expert cache; pass cache=CacheConfig(...)"
+        raise ConfigError(msg)
+    self.expert_cache_config = cache
+    path = str(model_path)
+    with _load_lock:
+        # a configuration left pending for this path (by a load that never ran) must not
+        # reach this one: None is stock
+        params = cache.params(store, n_ctx=int(kwargs.get("n_ctx", 512))) if cache is not None else None
+        _core.configure_load(path, params)
+        try:
+            llama_cpp.Llama.__init__(self, path, *args, **kwargs)
+        except ValueError as e:
+            why = _core.last_error()
+            raise ModelError(f"{path}: {why}" if why else str(e)) from None
+        finally:
+            _core.configure_load(path, None)
+    self._moetier_model = ctypes.cast(self._model.model, ctypes.c_void_p).value or 0
+    if cache is not None and not _core.has_cache_at(self._moetier_model):
+        # the configuration never reached this libllama (another copy of it is loaded): running
+        # stock here would ignore the cache silently
+        loaded = sorted(
+            {ln.split()[-1] for ln in Path("/proc/self/maps").read_text().splitlines() if ln.endswith("/libllama.so")}
+        )
+        llama_cpp.Llama.close(self)
+        msg = (
+            f"{path}: the expert cache was configured but libllama did not create it "
+            f"(libllama loaded: {', '.join(loaded)})"
+        )
+        raise ModelError(msg)
+    if cache is not None:
+        # a failed expert read stops the graph instead of computing with an empty slot
+        lib = llama_cpp.llama_cpp._lib
+        self._moetier_abort = llama_cpp.ggml_abort_callback(
+            ctypes.cast(lib.moetier_abort_callback, ctypes.c_void_p).value
+        )
+        llama_cpp.llama_set_abort_callback(self._ctx.ctx, self._moetier_abort, ctypes.c_void_p(self._moetier_model))
+
+
+def _llama_close(self: Any, llama_cpp: Any) -> None:
+    self._moetier_model = 0  # the model is freed: its address must not be used again
+    if hasattr(self, "_stack"):  # not when __init__ refused the arguments before llama_cpp's own ran
+        llama_cpp.Llama.close(self)
+
+
 def _llama_class() -> type:
     llama_cpp = import_llama_cpp()
 
@@ -93,54 +151,10 @@ def _llama_class() -> type:
             store: str | os.PathLike[str] | None = None,
             **kwargs: Any,
         ) -> None:
-            if store is not None and cache is None:
-                msg = f"{store}: an expert store needs an expert cache; pass cache=CacheConfig(...)"
-                raise ConfigError(msg)
-            self.expert_cache_config = cache
-            path = str(model_path)
-            with _load_lock:
-                # a configuration left pending for this path (by a load that never ran) must not
-                # reach this one: None is stock
-                params = cache.params(store, n_ctx=int(kwargs.get("n_ctx", 512))) if cache is not None else None
-                _core.configure_load(path, params)
-                try:
-                    super().__init__(path, *args, **kwargs)
-                except ValueError as e:
-                    why = _core.last_error()
-                    raise ModelError(f"{path}: {why}" if why else str(e)) from None
-                finally:
-                    _core.configure_load(path, None)
-            self._moetier_model = ctypes.cast(self._model.model, ctypes.c_void_p).value or 0
-            if cache is not None and not _core.has_cache_at(self._moetier_model):
-                # the configuration never reached this libllama (another copy of it is loaded): running
-                # stock here would ignore the cache silently
-                loaded = sorted(
-                    {
-                        ln.split()[-1]
-                        for ln in Path("/proc/self/maps").read_text().splitlines()
-                        if ln.endswith("/libllama.so")
-                    }
-                )
-                super().close()
-                msg = (
-                    f"{path}: the expert cache was configured but libllama did not create it "
-                    f"(libllama loaded: {', '.join(loaded)})"
-                )
-                raise ModelError(msg)
-            if cache is not None:
-                # a failed expert read stops the graph instead of computing with an empty slot
-                lib = llama_cpp.llama_cpp._lib
-                self._moetier_abort = llama_cpp.ggml_abort_callback(
-                    ctypes.cast(lib.moetier_abort_callback, ctypes.c_void_p).value
-                )
-                llama_cpp.llama_set_abort_callback(
-                    self._ctx.ctx, self._moetier_abort, ctypes.c_void_p(self._moetier_model)
-                )
+            _llama_init(self, llama_cpp, model_path, args, cache, store, kwargs)
 
         def close(self) -> None:
-            self._moetier_model = 0  # the model is freed: its address must not be used again
-            if hasattr(self, "_stack"):  # not when __init__ refused the arguments before llama_cpp's own ran
-                super().close()
+            _llama_close(self, llama_cpp)
 
         @property
         def has_expert_cache(self) -> bool:
