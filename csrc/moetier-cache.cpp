@@ -78,6 +78,12 @@ moetier_cache::~moetier_cache() {
         }
         ggml_backend_event_free(vram_event);
     }
+    if (vram_consumed) {
+        if (consumed_set) {
+            ggml_backend_event_synchronize(vram_consumed);
+        }
+        ggml_backend_event_free(vram_consumed);
+    }
 }
 
 void moetier_cache::add_layer(moetier_layer * layer) {
@@ -116,7 +122,8 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
     vram_backend.reset(
         ggml_backend_dev_init(host ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) : dev, nullptr));
     // a device with events copies asynchronously (nullptr: the CPU device of vram_host, copies are memcpy)
-    vram_event = host ? nullptr : ggml_backend_event_new(dev);
+    vram_event    = host ? nullptr : ggml_backend_event_new(dev);
+    vram_consumed = host ? nullptr : ggml_backend_event_new(dev);
     if (!vram_backend) {
         throw std::runtime_error(
             format("failed to start a backend on %s for the VRAM tier's copies", ggml_backend_dev_name(dev)));
@@ -130,6 +137,13 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
     cooperative = cpu;
     if (cooperative) {
         measure_vram_costs();
+    }
+}
+
+void moetier_cache::graph_computed() noexcept {
+    if (vram_consumed && vram_compute) {
+        ggml_backend_event_record(vram_consumed, vram_compute);
+        consumed_set = true;
     }
 }
 
@@ -281,6 +295,10 @@ void moetier_cache::upload(moetier_layer & layer,
     }
     const int64_t t0    = n_copy == 0 || simulate ? 0 : moetier_time_us();
     uint64_t      bytes = 0;
+    if (n_copy > 0 && consumed_set) {
+        // the copy stream waits for the last graph another context computed here (the host does not)
+        ggml_backend_event_wait(vram_backend.get(), vram_consumed);
+    }
     for (size_t i = n_copy; i < missing.size(); ++i) {
         vram_of[missing[i]] = MOETIER_VRAM_ON_CPU;
         ++c.n_vram_cpu;

@@ -184,6 +184,8 @@ class moetier_cache {
     // layer il's first VRAM slot with vram_static (its experts follow in expert order)
     int32_t vram_base(int32_t il) const { return vram->find(il, 0); }
 
+    int32_t vram_zero_slots() const { return n_zero; }
+
     // the device of the VRAM tier (nullptr without one)
     ggml_backend_dev_t vram_device() const { return vram_dev; }
 
@@ -191,6 +193,11 @@ class moetier_cache {
     // with it, the upload op's copies are not waited for on the host; that backend's stream waits for
     // them instead, so the CPU computes its share (cooperative compute) while they run
     void set_vram_compute(ggml_backend_t b) { vram_compute = b; }
+
+    // after a graph computed (graph hook): an event on the compute backend's stream behind its work, which
+    // the next copies into VRAM wait for (a copy must not overwrite a slot another context's graph is
+    // still reading: within a context, reading each layer's routing already drains its stream)
+    void graph_computed() noexcept;
 
     moetier_slots & slots(moetier_precision prec) { return *sets[prec]; }
 
@@ -385,10 +392,12 @@ class moetier_cache {
     ggml_backend_t                 vram_compute   = nullptr;  // not owned: the scheduler's
     ggml_backend_event_t           vram_event     = nullptr;  // the copies' last event; nullptr: synchronous copies
     bool                           copies_pending = false;    // copies in flight from RAM slots pinned by this pass
+    ggml_backend_event_t           vram_consumed  = nullptr;  // behind the last computed graph's GPU work
+    bool                           consumed_set   = false;
     bool                           vram_static_   = false;
-    std::vector<moetier_layer *>   layers_;                   // the group's layers, in add_layer order
+    std::vector<moetier_layer *>   layers_;          // the group's layers, in add_layer order
     bool                           cooperative = false;
-    int32_t                        n_zero      = 1;           // the VRAM pools' zero slots, after its n_slots
+    int32_t                        n_zero      = 1;  // the VRAM pools' zero slots, after its n_slots
     float                          copy_us     = 0.0f;
     float                          cpu_us      = 0.0f;
 

@@ -187,6 +187,8 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     const int64_t n_upload = cache.vram_cpu() ? 2 : 1;
     if (in_vram) {
         GGML_ASSERT(n_planes == 1 && "the VRAM tier serves exact modes only");
+        // the ids of what the GPU does not compute stay distinct within a token: a zero slot per position
+        GGML_ASSERT((warmup || n_used <= cache.vram_zero_slots()) && "more experts per token than zero slots");
         ggml_tensor * src = loaded;
         loaded            = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, n_upload, 1, &src, 1,
                                 warmup ? moetier_op_upload_warmup : moetier_op_upload, 1, l);
@@ -235,7 +237,10 @@ ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
         ggml_tensor * first  = moe.second_ram ? p.vram_pool : p.pool[MOETIER_PRECISION_HIGH];
         ggml_tensor * second = moe.second_ram ? p.pool[MOETIER_PRECISION_HIGH] : p.pool[MOETIER_PRECISION_LOW];
         if (first == as && second != nullptr) {
-            return ggml_add(ctx, cur, ggml_mul_mat_id(ctx, second, b, moe.low_ids));
+            ggml_tensor * other = ggml_mul_mat_id(ctx, second, b, moe.low_ids);
+            // cooperative compute: the CPU's product first in the graph's order, in the upload op's CPU split,
+            // so it runs while the copies do (a + b and b + a are the same sum)
+            return moe.second_ram ? ggml_add(ctx, other, cur) : ggml_add(ctx, cur, other);
         }
     }
     return cur;
@@ -348,6 +353,15 @@ void moetier_hook_graph_compute(const llama_model & model, ggml_backend_sched * 
             }
         }
         c->set_vram_compute(compute);  // nullptr: no such backend here, the copies are waited for on the host
+    }
+}
+
+void moetier_hook_graph_computed(const llama_model & model) noexcept {
+    if (model.moetier == nullptr) {
+        return;
+    }
+    for (const auto & c : model.moetier->caches) {
+        c->graph_computed();
     }
 }
 

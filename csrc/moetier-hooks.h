@@ -96,6 +96,9 @@ void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexc
 // set theirs before they compute)
 void moetier_hook_graph_compute(const llama_model & model, ggml_backend_sched * sched) noexcept;
 
+// llama_context, after each graph compute: the VRAM tiers note where the work this graph queued ends
+void moetier_hook_graph_computed(const llama_model & model) noexcept;
+
 // llama_context::graph_max_nodes: the nodes a graph needs beyond stock's for the expert cache (its ops
 // per served layer, and the scheduler's copies of their inputs between backends, which its hash set
 // must hold); 0 without a cache

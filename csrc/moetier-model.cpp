@@ -193,6 +193,15 @@ void moetier_model::init_routing(const llama_model & model) {
                    "the model has %zu, top-%d of %d: write a model of the trace's geometry",
                    path, routing->n_layers(), routing->n_used(), routing->n_expert(), layers.size(), n_used, n_expert));
     }
+    for (const auto & c : caches) {
+        if (c->vram_static()) {
+            throw std::runtime_error(
+                format("MOETIER_ROUTING_TRACE=%s: a VRAM tier that holds every expert computes them "
+                       "as the router chose, with no slot choice to route through; give vram "
+                       "less than every expert",
+                       path));
+        }
+    }
     for (size_t i = 0; i < layers.size(); ++i) {
         layers[i]->routing       = routing.get();
         layers[i]->routing_layer = (int32_t) i;
@@ -473,7 +482,16 @@ void moetier_model::finish_load(const llama_model & model) {
                                  "drop vram, or set vram_host=1 to run the tier in host memory",
                                  vram_text.c_str()));
         }
-        std::string vram_note;
+        std::string                            vram_note;
+        std::map<ggml_backend_dev_t, uint64_t> dev_avail;  // auto: what each device has for the tier
+        std::map<ggml_backend_dev_t, uint64_t> dev_min;    // the groups' minimum per device
+        std::map<ggml_backend_dev_t, uint64_t> dev_all;    // the groups' expert bytes per device
+        for (const auto & pl : plans) {
+            if (pl.dev != nullptr) {
+                dev_min[pl.dev] += pl.vram_bytes * (uint64_t) (n_expert + pl.n_used);
+                dev_all[pl.dev] += pl.vram_bytes * (uint64_t) n_expert * pl.layers.size();
+            }
+        }
         if (auto_vram) {
             // each GPU's free memory now (the dense layers are on it) less what the context will put there:
             // the KV cache of its layers, the compute buffers (a prompt ubatch's logits too), a margin
@@ -499,6 +517,7 @@ void moetier_model::finish_load(const llama_model & model) {
                 const uint64_t need    = kv + compute + margin;
                 const uint64_t avail   = free > need ? free - need : 0;
                 vram += avail;
+                dev_avail[d] = avail;
                 vram_note +=
                     format("%s%s: %s free - KV cache %s - compute buffers %s - margin %s = %s",
                            vram_note.empty() ? "" : "; ", ggml_backend_dev_name(d), moetier_format_bytes(free).c_str(),
@@ -516,14 +535,27 @@ void moetier_model::finish_load(const llama_model & model) {
                        moetier_format_bytes(min_vram_bytes).c_str(), n_expert,
                        plans.size() > 1 ? " per group on a GPU" : "", min_vram_bytes));
         }
+        for (const auto & [d, avail] : dev_avail) {
+            if (avail < dev_min[d]) {
+                throw moetier_exception(
+                    MOETIER_ERROR_CONFIG,
+                    format("vram=auto: %s has %s for the VRAM tier (%s), below the minimum %s of the layers it runs; "
+                           "give a smaller context, fewer layers on it, or vram=0",
+                           ggml_backend_dev_name(d), moetier_format_bytes(avail).c_str(), vram_note.c_str(),
+                           moetier_format_bytes(dev_min[d]).c_str()));
+            }
+        }
+        // the budget beyond the minimum, in proportion to each group's expert bytes: per device with auto
+        // (each device has its own free memory), over all groups with a given size
         for (auto & pl : plans) {
             if (pl.dev == nullptr) {
                 continue;
             }
-            const int64_t max_slots = (int64_t) n_expert * (int64_t) pl.layers.size();
-            const double  share     = (double) (vram - min_vram_bytes) *
-                                 (double) (pl.vram_bytes * n_expert * pl.layers.size()) / (double) all_vram;
-            pl.n_vram = std::min<int64_t>(max_slots, n_expert + (int64_t) (share / (double) pl.vram_bytes));
+            const uint64_t pool      = auto_vram ? dev_avail[pl.dev] - dev_min[pl.dev] : vram - min_vram_bytes;
+            const uint64_t of        = auto_vram ? dev_all[pl.dev] : all_vram;
+            const int64_t  max_slots = (int64_t) n_expert * (int64_t) pl.layers.size();
+            const double   share = (double) pool * (double) (pl.vram_bytes * n_expert * pl.layers.size()) / (double) of;
+            pl.n_vram            = std::min<int64_t>(max_slots, n_expert + (int64_t) (share / (double) pl.vram_bytes));
         }
         if (auto_vram) {
             MOETIER_LOG_INFO("%s: vram auto: %s\n", __func__, vram_note.c_str());
@@ -1071,6 +1103,9 @@ void moetier_model::init_warm() {
         }
         std::vector<moetier_warm::entry> entries;
         for (auto & [c, cands] : by_cache) {
+            if (c->vram_static()) {
+                continue;  // every expert of the group is in VRAM already; its RAM tier only staged the load
+            }
             std::sort(cands.begin(), cands.end(), [](const cand & a, const cand & b) {
                 if (a.resident != b.resident) {
                     return a.resident > b.resident;

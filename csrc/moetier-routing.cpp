@@ -38,6 +38,14 @@ moetier_routing::moetier_routing(const std::string & path) : path_(path) {
             throw std::runtime_error(format("%s: routing trace id %u at position %zu is out of range (%d experts)",
                                             path.c_str(), data[i], i, n_expert_));
         }
+        for (size_t j = i - i % n_used_; j < i; ++j) {
+            if (data[j] == data[i]) {
+                throw std::runtime_error(
+                    format("%s: routing trace row %zu names expert %u twice (a token's experts "
+                           "are distinct)",
+                           path.c_str(), i / n_used_, data[i]));
+            }
+        }
     }
 }
 

@@ -58,3 +58,17 @@ def test_trace_of_another_geometry_is_refused(
     monkeypatch.setenv("MOETIER_ROUTING_TRACE", str(bad))
     with pytest.raises(ModelError, match=r"bad\.bin: not a routing trace"):
         Model(model_path, cache=CacheConfig(budget="64M"))
+    dup = tmp_path / "dup.npz"
+    ids = np.zeros((5, 3, 2), dtype=np.uint8)  # expert 0 twice in every row
+    np.savez(dup, ids=ids, n_experts=np.int32(8), top_k=np.int32(2))
+    write_routing_file(dup, tmp_path / "dup.bin")
+    monkeypatch.setenv("MOETIER_ROUTING_TRACE", str(tmp_path / "dup.bin"))
+    with pytest.raises(ModelError, match=r"routing trace row 0 names expert 0 twice"):
+        Model(model_path, cache=CacheConfig(budget="64M"))
+
+
+def test_trace_needs_slot_choice(model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VRAM tier that holds every expert has no per-layer slot choice to route through: refused."""
+    monkeypatch.setenv("MOETIER_ROUTING_TRACE", str(_trace(tmp_path)))
+    with pytest.raises(ModelError, match=r"a VRAM tier that holds every expert"):
+        Model(model_path, cache=CacheConfig(budget="64M", vram="64M", vram_host=True))
