@@ -63,6 +63,25 @@ def test_oracle_same_greedy_tokens_as_model_and_stock(model_path: Path) -> None:
     assert s.n_lookups > 0 and s.n_misses > 0 and s.n_hits + s.n_misses == s.n_lookups
 
 
+def test_vram_tier_through_llama_cpp(model_path: Path) -> None:
+    """The VRAM tier's code (in host memory here: vram_host) under llama-cpp-python's Llama: the same
+    greedy tokens as stock, and its counters in cache_stats()."""
+    budget = _min_budget(model_path)
+    stock = Model(model_path, n_ctx=512).generate(LONG_PROMPT, max_tokens=12)
+    cfg = CacheConfig.exact(budget=2 * budget, warm=False, vram=budget + 2 * (budget // 8), vram_host=True)
+    llm = _llama(model_path, cfg)
+    assert llm.cache_info()["n_slots_vram"] == 8
+    tokens = llm.tokenize(LONG_PROMPT.encode())
+    out = []
+    for t in llm.generate(tokens, temp=0.0, top_k=1):
+        out.append(t)
+        if len(out) == 12:
+            break
+    assert out == stock.tokens
+    s = llm.cache_stats()
+    assert s.n_vram_copies > 0 and s.n_vram_hits + s.n_vram_copies == s.n_lookups
+
+
 def _batched_logits(llm: llama_cpp.Llama, prompts: list[str], steps: int) -> np.ndarray:
     """Greedy decoding of several sequences in shared batches on a second context of llm's model
     (what llama-server's slots do): sequence s joins at step 2 * s, so its prompt is prefilled in the
