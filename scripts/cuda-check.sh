@@ -36,11 +36,11 @@ fail=0
 run_ppl() {
     local name=$1 model=$2
     shift 2
-    local t0 t1 rc chunks final try
+    local t0 t1 rc chunks final
     t0=$(date +%s.%N)
     # common_log writes from its own thread, and a process that ends before it is through loses the
     # last lines (seen on a starved CPU): such a run is repeated
-    for try in 1 2 3; do
+    for _ in 1 2 3; do
         "$bin/llama-perplexity" -m "$data/$model" -f "$data/text.txt" -c 128 -b 128 --chunks 12 -t "$threads" \
             --seed 1 "$@" >"$out/$name.out" 2>"$out/$name.log"
         rc=$?
@@ -98,7 +98,7 @@ for ub in 128 1; do
         ngl99) pf=(-ngl 99) sf=(--cpu-moe) ;;
         ngl99-nooff) pf=(-ngl 99 --no-op-offload) sf=(--cpu-moe) ;;
         esac
-        [ "$ub" = 128 ] && [ "$place" = ngl0 -o "$place" = ngl99 ] && cmp="near_pct 0.5"
+        [ "$ub" = 128 ] && { [ "$place" = ngl0 ] || [ "$place" = ngl99 ]; } && cmp="near_pct 0.5"
         for m in q2moe q3moe; do
             [ "$mode" = lossy ] && break
             p="$m-ub$ub-$place"

@@ -26,7 +26,7 @@ init)
     mkdir -p "$(git rev-parse --git-dir)/info" && echo .moetier-patches >> "$(git rev-parse --git-dir)/info/exclude"
     for p in $(ls "$patches"/*.patch 2>/dev/null | sort); do git apply -R "$p"; done
     git add -A && git -c user.name=moetier -c user.email=dev@moetier commit -qm base
-    for p in $(ls "$patches"/*.patch 2>/dev/null | sort); do git am -q "$p"; done
+    for p in "$patches"/*.patch; do [ -e "$p" ] && git am -q "$p"; done
     ;;
 export)
     cd "$tree"
@@ -37,7 +37,7 @@ export)
     ls "$patches"
     ;;
 stat)
-    for p in $(ls "$patches"/*.patch | sort); do
+    for p in "$patches"/*.patch; do
         echo "== $(basename "$p")"; git apply --numstat "$p" | awk '{printf "  +%-4s -%-4s %s\n", $1, $2, $3}'
     done
     ;;
