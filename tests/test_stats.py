@@ -200,3 +200,61 @@ def test_stats_errors(tiny_model: ModelFactory, tmp_path: Path) -> None:
         r = moetier("stats", srv.url, "--once")
     assert r.returncode == 1
     assert r.stderr.startswith(f"moetier: error: {srv.url}/metrics: HTTP 501") and "--metrics" in r.stderr
+
+
+# the VRAM tier, the prefetch gate, prompts and deferred requests, on top of SAMPLE
+MORE = """\
+llamacpp:expert_cache_vram_hits_total 600
+llamacpp:expert_cache_vram_copies_total 400
+llamacpp:expert_cache_vram_bytes_total 4.194304e+08
+llamacpp:expert_cache_prefetch_on_steps_total 90
+llamacpp:expert_cache_prefetch_off_steps_total 10
+llamacpp:prompt_tokens_total 512
+llamacpp:prompt_tokens_cached_total 128
+llamacpp:prompt_seconds_total 0.25
+llamacpp:requests_deferred 1
+"""
+
+VIEW = """\
+expert cache   mixed precision | size 64.00 MiB
+hit rate       75.0%  (750 hits / 1000 lookups, 250 misses)
+misses         high 175 (70.0%)  low 50 (20.0%)  skipped 25 (10.0%)
+bytes read     25.00 MiB  7.50 MiB/s since the last refresh
+read latency   p50 1 ms  p90 10 ms  p99 100 ms  mean 2.5 ms  (200 reads, 50.00 MiB/s per read)
+VRAM tier      hit rate 60.0%  (600 hits, 400 copies from RAM, 400.00 MiB copied)
+prefetch       used 30  wasted 10 (25.0% of the prefetched experts)  reading in 90.0% of decode steps
+generation     64 tokens, 16.0 tok/s since the last refresh, 7.5 tok/s per request since the previous scrape, \
+8.0 tok/s overall
+prompt         512 tokens, 128 more from the prompt cache, 2048.0 tok/s overall
+requests       2 processing, 1 deferred
+other          some_future_total 42
+               spec_decode_num_accepted_tokens_per_pos_total{note="a \\"quoted\\", value",pos="1"} 3
+"""
+
+
+def test_render_whole_view() -> None:
+    """Every row of the view, character for character, from a scrape and the one 2 s before it."""
+    m = parse_prometheus(SAMPLE + MORE)
+    prev = parse_prometheus(
+        SAMPLE.replace("bytes_read_total 2.62144e+07", "bytes_read_total 1.048576e+07").replace(
+            "tokens_predicted_total 64", "tokens_predicted_total 32"
+        )
+    )
+    head, *rest = render("http://x:8080", m, prev, 2.0).splitlines(keepends=True)
+    assert head.startswith("moetier stats  http://x:8080/metrics  ")
+    assert "".join(rest) == VIEW
+    # exact, an empty cache, no lookups yet, no rates on the first scrape
+    first = parse_prometheus(
+        "llamacpp:expert_cache_lookups_total 0\nllamacpp:expert_cache_exact 1\nllamacpp:expert_cache_size_bytes 0\n"
+    )
+    assert render("x", first).splitlines()[1:4] == [
+        "expert cache   exact (every expert in high precision) | off",
+        "hit rate       - (no lookups yet)",
+        "misses         high 0 (-)  low 0 (-)  skipped 0 (-)",
+    ]
+    assert "rate: needs two refreshes" in render("x", first)
+    plain = parse_prometheus("llamacpp:tokens_predicted_total 5\n")
+    assert render("x", plain).splitlines()[1:] == [
+        "expert cache   no expert cache metrics (not a moetier llama-server?)",
+        "generation     5 tokens",
+    ]
