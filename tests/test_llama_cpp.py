@@ -32,6 +32,16 @@ def _llama(path: Path, cache: CacheConfig | None = None, **kw: object) -> llama_
     return moetier.Llama(str(path), cache=cache, n_ctx=512, n_threads=2, verbose=False, seed=1, **kw)
 
 
+def _greedy(llm: llama_cpp.Llama, n: int) -> list[int]:
+    """The first n greedy tokens after LONG_PROMPT."""
+    out: list[int] = []
+    for t in llm.generate(llm.tokenize(LONG_PROMPT.encode()), temp=0.0, top_k=1):
+        out.append(t)
+        if len(out) == n:
+            break
+    return out
+
+
 def _min_budget(path: Path) -> int:
     return int(Model(path, cache=CacheConfig.exact(budget="64M", warm=False)).cache_info()["min_cache_bytes"])
 
@@ -52,13 +62,7 @@ def test_oracle_same_greedy_tokens_as_model_and_stock(model_path: Path) -> None:
     ours = cached.generate(LONG_PROMPT, max_tokens=16)
     llm = _llama(model_path, CacheConfig.exact(budget=budget, warm=False))
     assert llm.has_expert_cache and llm.cache_info()["cache_bytes"] == cached.cache_info()["cache_bytes"]
-    tokens = llm.tokenize(LONG_PROMPT.encode())
-    out = []
-    for t in llm.generate(tokens, temp=0.0, top_k=1):
-        out.append(t)
-        if len(out) == 16:
-            break
-    assert out == ours.tokens == stock.tokens
+    assert _greedy(llm, 16) == ours.tokens == stock.tokens
     s = llm.cache_stats()
     assert s.n_lookups > 0 and s.n_misses > 0 and s.n_hits + s.n_misses == s.n_lookups
 
@@ -71,13 +75,7 @@ def test_vram_tier_through_llama_cpp(model_path: Path) -> None:
     cfg = CacheConfig.exact(budget=2 * budget, warm=False, vram=budget + 2 * (budget // 8), vram_host=True)
     llm = _llama(model_path, cfg)
     assert llm.cache_info()["n_slots_vram"] == 8
-    tokens = llm.tokenize(LONG_PROMPT.encode())
-    out = []
-    for t in llm.generate(tokens, temp=0.0, top_k=1):
-        out.append(t)
-        if len(out) == 12:
-            break
-    assert out == stock.tokens
+    assert _greedy(llm, 12) == stock.tokens
     s = llm.cache_stats()
     assert s.n_vram_copies > 0 and s.n_vram_hits + s.n_vram_copies == s.n_lookups
 
