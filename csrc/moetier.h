@@ -259,7 +259,7 @@ struct moetier_prefetch_stats {
     uint64_t n_busy;        // predicted misses not read: the disk was behind (reads still queued)
     uint64_t n_steps_on;    // decode steps with prefetch reading (prefetch_gate: it measured that it pays)
     uint64_t n_steps_off;   // decode steps with prefetch standing back (measured not to pay, or being measured)
-    uint64_t step_us_on;    // median decode step time with prefetch reading, latest measurement (us; 0: none yet)
+    uint64_t step_us_on;    // mean decode step time with prefetch reading, latest measurement (us; 0: none yet)
     uint64_t step_us_off;   // ... standing back
     uint64_t n_pred[MOETIER_MAX_PREFETCH];  // predictions checked per distance
     uint64_t n_top1[MOETIER_MAX_PREFETCH];  // predicted top-1 == actual top-1

@@ -14,8 +14,13 @@ from conftest import LONG_PROMPT, StoredModel
 from moetier import CacheConfig, Model
 
 ROOT = Path(__file__).resolve().parents[1]
-WINDOW, ROUNDS, KEEP = 8, 2, 256  # the gate's defaults
-PROBE = 2 * ROUNDS * WINDOW
+WINDOW, ROUNDS, KEEP, MAX_BLOCKS = 2, 16, 256, 3  # the gate's defaults
+PROBE = 2 * ROUNDS * WINDOW  # one block of a probe
+
+
+def block() -> list[int]:
+    """The arms of one block's steps: windows reading, standing back, standing back, reading, ..."""
+    return [int(k % 4 in (0, 3)) for k in range(2 * ROUNDS) for _ in range(WINDOW)]
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +44,27 @@ def drive(exe: Path, steps: list[tuple[int, int, int]], enabled: bool = True) ->
     return [int(x) for x in lines[: len(steps)]], [int(x) for x in lines[len(steps)].split()]
 
 
-def decode_run(n: int, on_us: int, off_us: int, reads: list[int] | None = None) -> list[tuple[int, int, int]]:
+Times = int | list[int]  # one step time, or a cycle of them (the k-th step of that arm takes the k-th)
+
+
+def decode_run(n: int, on_us: Times, off_us: Times, reads: list[int] | None = None) -> list[tuple[int, int, int]]:
     """n consecutive decode steps whose time depends on the arm the gate gave them; the gate's answer
     for a step is only known after it ran, so the times follow a first pass with the driver."""
-    steps, t = [], 0
+    cycles = [off_us if isinstance(off_us, list) else [off_us], on_us if isinstance(on_us, list) else [on_us]]
+    steps, t, seen = [], 0, [0, 0]
     for i in range(n):
         steps.append((i + 1, 1, t))
-        t += on_us if reads is None or reads[i] else off_us
+        arm = 1 if reads is None else reads[i]
+        t += cycles[arm][seen[arm] % len(cycles[arm])]
+        seen[arm] += 1
     return steps
 
 
-def settle(exe: Path, n: int, on_us: int, off_us: int) -> tuple[list[int], list[int]]:
+def settle(exe: Path, n: int, on_us: Times, off_us: Times) -> tuple[list[int], list[int]]:
     """Iterate until the arms and the step times agree (the schedule does not depend on the times
-    until a probe ends, so two passes per probe suffice)."""
+    until a block ends, so two passes per block suffice)."""
     reads: list[int] | None = None
-    for _ in range(n // PROBE + 3):
+    for _ in range(2 * (n // PROBE) + 3):
         got, counters = drive(exe, decode_run(n, on_us, off_us, reads))
         if got == reads:
             return got, counters
@@ -62,10 +73,10 @@ def settle(exe: Path, n: int, on_us: int, off_us: int) -> tuple[list[int], list[
     return reads, counters
 
 
-def test_probe_alternates_windows(driver: Path) -> None:
+def test_probe_alternates_windows_abba(driver: Path) -> None:
     reads, (n_on, n_off, _, _) = drive(driver, decode_run(PROBE, 100, 100))
-    want = ([1] * WINDOW + [0] * WINDOW) * ROUNDS
-    assert reads == want
+    assert reads == block()
+    assert reads[: 4 * WINDOW] == [1] * WINDOW + [0] * 2 * WINDOW + [1] * WINDOW
     assert (n_on, n_off) == (PROBE // 2, PROBE // 2)
 
 
@@ -75,9 +86,38 @@ def test_the_faster_arm_runs_until_the_next_probe(driver: Path, on_us: int, off_
     reads, (n_on, n_off, us_on, us_off) = settle(driver, n, on_us, off_us)
     assert reads[PROBE : PROBE + KEEP] == [winner] * KEEP
     # then both are measured again, the same way
-    assert reads[PROBE + KEEP :] == ([1] * WINDOW + [0] * WINDOW) * ROUNDS
+    assert reads[PROBE + KEEP :] == block()
     assert (us_on, us_off) == (on_us, off_us)
     assert n_on + n_off == n
+
+
+def test_a_few_slow_steps_count(driver: Path) -> None:
+    """Prefetch faster on most steps but paying for its wasted reads in every fifth: the median
+    would keep it, the mean (the time the steps take in all) stands back."""
+    on = [100, 100, 100, 100, 1100]  # mean 300
+    reads, (_, _, us_on, us_off) = settle(driver, MAX_BLOCKS * PROBE + KEEP, on, 200)
+    assert us_off == 200 and us_on > 250
+    assert reads[-KEEP:] == [0] * KEEP
+
+
+def test_arms_not_told_apart_probe_on_then_keep_longer(driver: Path) -> None:
+    """Step times so noisy that the arms' means differ by less than two standard errors: the probe
+    takes another block, up to MAX_BLOCKS, and the arm then chosen keeps going for that many times
+    KEEP (probing stays a small share of the steps)."""
+    n = MAX_BLOCKS * PROBE + MAX_BLOCKS * KEEP + PROBE
+    reads, (n_on, n_off, us_on, us_off) = settle(driver, n, [100, 500, 300], 330)
+    assert reads[: MAX_BLOCKS * PROBE] == block() * MAX_BLOCKS
+    probe_end = MAX_BLOCKS * PROBE
+    assert reads[probe_end : probe_end + MAX_BLOCKS * KEEP] == [1] * (MAX_BLOCKS * KEEP)  # about 300 < 330
+    assert reads[probe_end + MAX_BLOCKS * KEEP :] == block()
+    assert us_on < us_off
+    assert n_on + n_off == n
+
+
+def test_arms_told_apart_in_one_block(driver: Path) -> None:
+    """The same noise with a wide gap: one block decides."""
+    reads, _ = settle(driver, PROBE + KEEP, [100, 500, 300], 600)
+    assert reads[PROBE:] == [1] * KEEP
 
 
 def test_prompts_and_gaps_are_not_timed(driver: Path) -> None:
@@ -94,9 +134,9 @@ def test_prompts_and_gaps_are_not_timed(driver: Path) -> None:
         t += 100
     reads, (n_on, n_off, us_on, us_off) = drive(driver, [*steps, (p + 1, 1, t)])
     decode_reads = [r for (_, d, _), r in zip(steps, reads, strict=False) if d]
-    assert decode_reads == ([1] * WINDOW + [0] * WINDOW) * ROUNDS
+    assert decode_reads == block()
     assert all(r == 1 for (_, d, _), r in zip(steps, reads, strict=False) if not d)
-    # no sample holds a prompt's 10 s: the medians are a decode step's time; on a tie prefetch
+    # no sample holds a prompt's 10 s: the means are a decode step's time; on a tie prefetch
     # stands back (its reads cost disk time and slots for nothing)
     assert (us_on, us_off) == (100, 100)
     assert reads[-1] == 0 and (n_on, n_off) == (PROBE // 2, PROBE // 2 + 1)
@@ -115,7 +155,7 @@ def test_too_few_timed_steps_leave_prefetch_reading(driver: Path) -> None:
     reads, (_, _, us_on, us_off) = drive(driver, [*steps, *after])
     assert (us_on, us_off) == (0, 0)
     decode_reads = [r for (_, d, _), r in zip(steps, reads, strict=False) if d]
-    assert decode_reads == ([1] * WINDOW + [0] * WINDOW) * ROUNDS
+    assert decode_reads == block()
     tail = reads[len(steps) :]
     assert tail[:KEEP] == [1] * KEEP  # reading, not measuring
     assert tail[KEEP:] == [1] * WINDOW  # then the next probe, which begins with its reading window
