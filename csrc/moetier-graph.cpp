@@ -389,6 +389,13 @@ void moetier_hook_graph_sched(const llama_model &  model,
     const int            n             = ggml_graph_n_nodes(gf);
     for (int i = 0; i < n; ++i) {
         ggml_tensor * t = nodes[i];
+        // the cache's own ops (resolve, load, prefetch, upload) call into this process: the CPU runs
+        // them, also where a layer lives on a backend that claims every op (an RPC server would get
+        // a function pointer of another process)
+        if (t->op == GGML_OP_CUSTOM && strncmp(t->name, "moetier_", 8) == 0) {
+            ggml_backend_sched_set_tensor_backend(sched, t, backend_cpu);
+            continue;
+        }
         if (t->op != GGML_OP_MUL_MAT_ID) {
             continue;
         }

@@ -37,16 +37,17 @@ moetier_model_ptr moetier_hook_model_init(const std::string &              fname
     }
 }
 
-ggml_tensor * moetier_hook_create_tensor(moetier_model *     m,
-                                         const std::string & name,
-                                         const ggml_tensor * cur,
-                                         uint16_t            file_idx,
-                                         size_t              offs) {
+ggml_tensor * moetier_hook_create_tensor(moetier_model *                                     m,
+                                         const std::string &                                 name,
+                                         const ggml_tensor *                                 cur,
+                                         uint16_t                                            file_idx,
+                                         size_t                                              offs,
+                                         const std::function<ggml_backend_buffer_type *()> & buft) {
     if (m == nullptr) {
         return nullptr;
     }
     try {
-        return m->create_tensor(name, cur, file_idx, offs);
+        return m->create_tensor(name, cur, file_idx, offs, buft);
     } catch (const std::exception & e) {
         moetier_set_last_error(moetier_error_kind_of(e), e.what());
         throw;
@@ -59,6 +60,7 @@ void moetier_hook_model_loaded(llama_model & model) {
         return;
     }
     try {
+        m->check_served();
         m->choose_budget(model);
         m->lock_resident_weights(model);
         m->finish_load(model);

@@ -11,11 +11,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 struct ggml_backend;
+struct ggml_backend_buffer_type;
 struct ggml_backend_sched;
 struct ggml_cgraph;
 struct ggml_context;
@@ -38,12 +40,15 @@ moetier_model_ptr moetier_hook_model_init(const std::string &              fname
                                           const std::vector<std::string> & splits,
                                           int *                            load_mode);
 
-// llama_model_loader::create_tensor: the data-less tensor of a served expert tensor, or nullptr
-ggml_tensor * moetier_hook_create_tensor(moetier_model *     m,
-                                         const std::string & name,
-                                         const ggml_tensor * cur,
-                                         uint16_t            file_idx,
-                                         size_t              offs);
+// llama_model_loader::create_tensor: the data-less tensor of a served expert tensor, or nullptr.
+// buft: the buffer type the loader would give the tensor (asked for expert tensors only): an expert
+// tensor on an RPC server is not served, it loads there as usual
+ggml_tensor * moetier_hook_create_tensor(moetier_model *                                     m,
+                                         const std::string &                                 name,
+                                         const ggml_tensor *                                 cur,
+                                         uint16_t                                            file_idx,
+                                         size_t                                              offs,
+                                         const std::function<ggml_backend_buffer_type *()> & buft);
 
 // llama_model_load, after load_tensors: allocates the slot pools from the budget, starts the I/O
 // pool and, with prefetch, stacks the routers of the loaded model
@@ -111,7 +116,9 @@ uint32_t moetier_hook_graph_extra_nodes(const llama_model & model) noexcept;
 // f16 path turns into NaN (measured on an H100), and it leaves the row of a negative slot id (a
 // skipped expert, the other precision's rows) unwritten where the CPU gives a zero row (patch 0003).
 // The scheduler would move them there with op offload (a batch of 32 tokens or more) or next to
-// offloaded layers. sched, backend_cpu: the context's; nothing to do with one backend.
+// offloaded layers. The cache's own ops (resolve, load, prefetch, upload) run on the CPU backend
+// too: a backend that claims every op (an RPC server's) would get pointers into this process.
+// sched, backend_cpu: the context's; nothing to do with one backend.
 void moetier_hook_graph_sched(const llama_model &  model,
                               ggml_backend_sched * sched,
                               ggml_backend *       backend_cpu,

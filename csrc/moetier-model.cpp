@@ -243,13 +243,40 @@ moetier_layer * moetier_model::layer_of(const ggml_tensor * t) {
     return tag->magic == MOETIER_LAYER_MAGIC ? tag->layer : nullptr;
 }
 
-ggml_tensor * moetier_model::create_tensor(const std::string & name,
-                                           const ggml_tensor * cur,
-                                           uint16_t            file_idx,
-                                           size_t              offs) {
+// whether buft is an RPC server's memory (llama.cpp's --rpc devices, as -ngl or -ot place layers there)
+// "RPC0 (10.0.0.2:50052)": a device's name and what it is
+static std::string moetier_dev_label(ggml_backend_dev_t dev) {
+    return std::string(ggml_backend_dev_name(dev)) + " (" + ggml_backend_dev_description(dev) + ")";
+}
+
+static bool moetier_buft_is_remote(ggml_backend_buffer_type_t buft, std::string & device) {
+    ggml_backend_dev_t dev = buft ? ggml_backend_buft_get_device(buft) : nullptr;
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    if (reg == nullptr || strcmp(ggml_backend_reg_name(reg), "RPC") != 0) {
+        return false;
+    }
+    device = moetier_dev_label(dev);
+    return true;
+}
+
+ggml_tensor * moetier_model::create_tensor(const std::string &                                 name,
+                                           const ggml_tensor *                                 cur,
+                                           uint16_t                                            file_idx,
+                                           size_t                                              offs,
+                                           const std::function<ggml_backend_buffer_type *()> & buft) {
     int32_t           il   = -1;
     const std::string proj = moetier_expert_tensor_proj(name, &il);
     if (proj.empty() || ggml_n_dims(cur) != 3) {
+        return nullptr;
+    }
+    // a layer whose experts an RPC server holds computes them there, from its own memory, as stock:
+    // the cache serves this machine's layers (its slots, reads and graph ops are local)
+    std::string device;
+    if (buft && moetier_buft_is_remote(buft(), device)) {
+        if (std::find(remote_layers.begin(), remote_layers.end(), il) == remote_layers.end()) {
+            remote_layers.push_back(il);
+        }
+        remote_device = device;
         return nullptr;
     }
     if (n_expert == 0) {
@@ -328,16 +355,40 @@ static ggml_backend_dev_t moetier_vram_device(const llama_model & model, int32_t
     if (d == nullptr) {
         return nullptr;
     }
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(d);
+    if (reg != nullptr && strcmp(ggml_backend_reg_name(reg), "RPC") == 0) {
+        // its copies need a local device's streams and events; an RPC device has neither
+        throw std::runtime_error(
+            format("layer %d runs on the RPC server %s, whose memory cannot hold a VRAM tier; "
+                   "drop vram, or keep the layers the cache serves on this machine",
+                   il, moetier_dev_label(d).c_str()));
+    }
     const enum ggml_backend_dev_type t = ggml_backend_dev_type(d);
     return t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU ? d : nullptr;
 }
 
-void moetier_model::finish_load(const llama_model & model) {
+void moetier_model::check_served() {
+    if (layers.empty() && !remote_layers.empty()) {
+        throw std::runtime_error(
+            format("every MoE layer's experts are on the RPC server %s: the expert cache serves this machine's layers "
+                   "only; keep some layers here (a smaller -ngl, or -ot) or drop the expert cache option",
+                   remote_device.c_str()));
+    }
     if (layers.empty()) {
         throw std::runtime_error(
             "the model has no expert tensors (blk.N.ffn_*_exps.weight): the expert cache needs a MoE model; "
             "drop the expert cache option for dense models");
     }
+    if (!remote_layers.empty()) {
+        std::sort(remote_layers.begin(), remote_layers.end());
+        MOETIER_LOG_INFO(
+            "moetier: %zu MoE layers (%d to %d) compute their experts on the RPC server %s, as stock; "
+            "the expert cache serves the other %zu\n",
+            remote_layers.size(), remote_layers.front(), remote_layers.back(), remote_device.c_str(), layers.size());
+    }
+}
+
+void moetier_model::finish_load(const llama_model & model) {
     std::sort(layers.begin(), layers.end(), [](const auto & a, const auto & b) { return a->il < b->il; });
     for (auto & l : layers) {
         l->read_hist  = &read_hist;

@@ -16,6 +16,7 @@
 #include "moetier.h"
 
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -38,11 +39,19 @@ struct moetier_model {
 
     // Creates the data-less tensor of a served expert tensor, or returns nullptr if name is not one.
     // file_idx/offs: where llama.cpp's loader found the tensor.
-    ggml_tensor * create_tensor(const std::string & name, const ggml_tensor * cur, uint16_t file_idx, size_t offs);
+    // buft: where the loader would put the tensor; an expert tensor on an RPC server is left to it
+    ggml_tensor * create_tensor(const std::string &                                 name,
+                                const ggml_tensor *                                 cur,
+                                uint16_t                                            file_idx,
+                                size_t                                              offs,
+                                const std::function<ggml_backend_buffer_type *()> & buft);
 
     // after the weights are loaded: with an automatic budget, chooses cache_bytes from the memory
     // limit and the loaded model's needs; sets budget_note either way
     // (a given budget that leaves the other weights no room under a cgroup limit: a warning)
+    // throws if no MoE layer is served (a dense model, or every layer's experts on an RPC server);
+    // notes the layers left to an RPC server
+    void check_served();
     void choose_budget(const llama_model & model);
 
     // then, with lock_weights: mlocks the pages of the model's file mappings that hold the resident
@@ -144,8 +153,10 @@ struct moetier_model {
     std::unique_ptr<moetier_store>             store;
     std::unique_ptr<moetier_file>              store_file;
 
-    ggml_context * meta_ctx = nullptr;                   // served tensors, no data
+    ggml_context * meta_ctx = nullptr;                          // served tensors, no data
 
+    std::vector<int32_t>                        remote_layers;  // MoE layers left to an RPC server (create_tensor)
+    std::string                                 remote_device;  // that server's device name, for the note
     std::vector<std::unique_ptr<moetier_layer>> layers;  // served layers, in layer order after finish_load (owned
                                                          // here: the graph's custom ops point at them)
     std::vector<std::unique_ptr<moetier_cache>> caches;  // one per pool group

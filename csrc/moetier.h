@@ -166,6 +166,21 @@ MOETIER_API struct llama_model * moetier_model_load(const char *                
                                                     struct llama_model_params     mparams,
                                                     const struct moetier_params * params);
 
+//
+// devices: llama.cpp's RPC servers, and buffer types by name (as the llama.cpp tools' --rpc and -ot)
+//
+
+// Registers llama.cpp RPC servers ("HOST:PORT[,HOST:PORT...]", as --rpc) as devices of this process,
+// each endpoint once: a model loaded afterwards may place layers on them (n_gpu_layers, or tensor
+// overrides). A layer whose experts an RPC server holds computes them there, as stock; the expert
+// cache serves this machine's layers. false: moetier_last_error() says why.
+MOETIER_API bool moetier_rpc_add_servers(const char * servers);
+
+// The buffer type named `name` ("CPU", "RPC0[127.0.0.1:50052]", "CUDA0"; as -ot takes it), for
+// llama_model_params.tensor_buft_overrides. NULL if no device has it: moetier_last_error() lists
+// the names there are.
+MOETIER_API ggml_backend_buffer_type_t moetier_buffer_type_by_name(const char * name);
+
 // Writes n as a human-readable size in powers of 1024 ("3.25 MiB") into buf (NUL-terminated,
 // truncated to buf_size). Returns the length of the full text.
 MOETIER_API int32_t moetier_format_size(uint64_t n, char * buf, size_t buf_size);

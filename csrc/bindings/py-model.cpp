@@ -7,17 +7,76 @@
 
 namespace py = pybind11;
 
-py_model::py_model(const std::string &          path,
-                   const moetier_params &       params,
-                   const llama_context_params & cparams,
-                   bool                         repack,
-                   int32_t                      n_gpu_layers) :
+// The devices a model may use, as llama.cpp chooses them by default (RPC servers first, then GPUs,
+// then integrated GPUs if there is no GPU) but only the RPC servers named in rpc: the registry keeps
+// every server registered in the process, and a load that touched one no longer running (llama.cpp
+// asks each device's free memory) would abort the process.
+static std::vector<ggml_backend_dev_t> py_model_devices(const std::string & rpc) {
+    std::vector<ggml_backend_dev_t> remote, gpus, igpus;
+    const std::string               list = "," + rpc + ",";
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t               dev = ggml_backend_dev_get(i);
+        const enum ggml_backend_dev_type t   = ggml_backend_dev_type(dev);
+        if (t == GGML_BACKEND_DEVICE_TYPE_GPU) {
+            if (std::string(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev))) == "RPC") {
+                // the description is the endpoint the device was added with
+                if (list.find("," + std::string(ggml_backend_dev_description(dev)) + ",") != std::string::npos) {
+                    remote.push_back(dev);
+                }
+            } else {
+                gpus.push_back(dev);
+            }
+        } else if (t == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            igpus.push_back(dev);
+        }
+    }
+    std::vector<ggml_backend_dev_t> out = remote;
+    out.insert(out.end(), gpus.begin(), gpus.end());
+    if (gpus.empty()) {
+        out.insert(out.end(), igpus.begin(), igpus.end());
+    }
+    out.push_back(nullptr);
+    return out;
+}
+
+py_model::py_model(const std::string &              path,
+                   const moetier_params &           params,
+                   const llama_context_params &     cparams,
+                   bool                             repack,
+                   int32_t                          n_gpu_layers,
+                   const std::string &              rpc,
+                   const std::vector<std::string> & overrides) :
     path_(path),
     cparams_(cparams) {
     llama_model_params mp = llama_model_default_params();
     // repacked weights are anonymous copies: a memory cap cannot page them out like mmap'ed ones
     mp.use_extra_bufts    = repack;
     mp.n_gpu_layers       = n_gpu_layers;
+    if (!rpc.empty() && !moetier_rpc_add_servers(rpc.c_str())) {
+        throw moetier_py_error{ MOETIER_ERROR_CONFIG, moetier_last_error() };
+    }
+    for (const std::string & o : overrides) {
+        const size_t eq = o.find('=');
+        if (eq == std::string::npos || eq == 0) {
+            throw moetier_py_error{ MOETIER_ERROR_CONFIG,
+                                    "tensor override '" + o + "': expected PATTERN=BUFFER_TYPE (e.g. exps=CPU)" };
+        }
+        ggml_backend_buffer_type_t buft = moetier_buffer_type_by_name(o.substr(eq + 1).c_str());
+        if (buft == nullptr) {
+            throw moetier_py_error{ MOETIER_ERROR_CONFIG, "tensor override '" + o + "': " + moetier_last_error() };
+        }
+        override_patterns_.push_back(o.substr(0, eq));
+        overrides_.push_back({ nullptr, buft });
+    }
+    devices_   = py_model_devices(rpc);
+    mp.devices = devices_.data();
+    if (!overrides_.empty()) {
+        for (size_t i = 0; i < overrides_.size(); ++i) {
+            overrides_[i].pattern = override_patterns_[i].c_str();  // the vector no longer grows
+        }
+        overrides_.push_back({ nullptr, nullptr });
+        mp.tensor_buft_overrides = overrides_.data();
+    }
 
     llama_model *      m    = nullptr;
     moetier_error_kind kind = MOETIER_ERROR_NONE;

@@ -23,12 +23,15 @@ using py_context_ptr = std::unique_ptr<llama_context, py_context_deleter>;
 class py_model {
   public:
     // throws moetier_py_error (the kind the C API reports) naming path
-    // n_gpu_layers: layers offloaded to a GPU (a CUDA build), as -ngl
-    py_model(const std::string &          path,
-             const moetier_params &       params,
-             const llama_context_params & cparams,
-             bool                         repack,
-             int32_t                      n_gpu_layers = 0);
+    // n_gpu_layers: layers offloaded to a GPU or an RPC server, as -ngl; rpc: "HOST:PORT,..." as --rpc;
+    // overrides: "PATTERN=BUFFER_TYPE" each, as -ot
+    py_model(const std::string &              path,
+             const moetier_params &           params,
+             const llama_context_params &     cparams,
+             bool                             repack,
+             int32_t                          n_gpu_layers = 0,
+             const std::string &              rpc          = "",
+             const std::vector<std::string> & overrides    = {});
 
     // the context's abort callback points at this object
     py_model(const py_model &)             = delete;
@@ -64,7 +67,10 @@ class py_model {
     llama_context_params                           cparams_;
     std::unique_ptr<llama_model, py_model_deleter> model_;
     py_context_ptr                                 ctx_;
-    const llama_vocab *                            vocab_       = nullptr;
+    const llama_vocab *                            vocab_ = nullptr;
+    std::vector<std::string>                       override_patterns_;  // -ot patterns (the loader reads them)
+    std::vector<llama_model_tensor_buft_override>  overrides_;          // ends with {nullptr, nullptr}
+    std::vector<ggml_backend_dev_t>                devices_;            // the model's, ends with nullptr
     int64_t                                        abort_after_ = -1;
 
     // the context's abort callback: abort_after's countdown, then moetier's (a failed expert read)

@@ -329,12 +329,14 @@ void register_model(py::module_ & m) {
 
     py::class_<py_model>(m, "Model")
         .def(py::init([](const std::string & path, const py::object & params, const llama_context_params & cparams,
-                         bool repack, int32_t n_gpu_layers) {
-                 return new py_model(path, moetier_py_params_of(params), cparams, repack, n_gpu_layers);
+                         bool repack, int32_t n_gpu_layers, const std::string & rpc,
+                         const std::vector<std::string> & overrides) {
+                 return new py_model(path, moetier_py_params_of(params), cparams, repack, n_gpu_layers, rpc, overrides);
              }),
              py::arg("path"), py::arg("params"), py::arg("context"), py::arg("repack") = true,
-             py::arg("n_gpu_layers") = 0,
-             "params: Params (cache_bytes 0 = stock llama.cpp); context: ContextParams; n_gpu_layers: as -ngl")
+             py::arg("n_gpu_layers") = 0, py::arg("rpc") = "", py::arg("overrides") = std::vector<std::string>{},
+             "params: Params (cache_bytes 0 = stock llama.cpp); context: ContextParams; n_gpu_layers: as -ngl; "
+             "rpc: RPC servers HOST:PORT,... as --rpc; overrides: PATTERN=BUFFER_TYPE each, as -ot")
         .def("tokenize", &tokenize, py::arg("text"), py::arg("add_special") = true)
         .def("detokenize", &detokenize, py::arg("tokens"))
         .def("logits", &logits, py::arg("tokens"))

@@ -155,7 +155,16 @@ def cmd_run(ns: argparse.Namespace) -> int:
         raise ConfigError(msg)
     cache = None if ns.no_cache else _cache_config(ns)
     ctx = _context_config(ns)
-    m = Model(ns.model, store=ns.store, cache=cache, context=ctx, n_gpu_layers=ns.n_gpu_layers)
+    overrides = [o for arg in ns.override_tensor for o in arg.split(",") if o]  # as -ot: comma-separated too
+    m = Model(
+        ns.model,
+        store=ns.store,
+        cache=cache,
+        context=ctx,
+        n_gpu_layers=ns.n_gpu_layers,
+        rpc=ns.rpc,
+        tensor_overrides=overrides,
+    )
     for w in m.warnings:
         sys.stderr.write(f"moetier: warning: {w}\n")
     if cache is not None and cache.budget_bytes == AUTO:
@@ -621,7 +630,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--n-gpu-layers",
         type=int,
         default=0,
-        help="layers offloaded to a GPU (a CUDA build; with --cache-vram their experts are cached in its memory)",
+        help="layers offloaded to a GPU (a CUDA build; with --cache-vram their experts are cached in its memory) "
+        "or to the --rpc servers",
+    )
+    r.add_argument(
+        "--rpc",
+        metavar="SERVERS",
+        default="",
+        help="llama.cpp RPC servers HOST:PORT,... (each running `moetier tool ggml-rpc-server`): -ngl and -ot place "
+        "layers there; a layer whose experts a server holds computes them there, as stock (default: none)",
+    )
+    r.add_argument(
+        "-ot",
+        "--override-tensor",
+        metavar="PATTERN=TYPE",
+        action="append",
+        default=[],
+        help="put the tensors matching PATTERN in buffer type TYPE (CPU, RPC0[HOST:PORT], CUDA0), as llama.cpp's -ot; "
+        "repeatable",
     )
     r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +112,13 @@ class Model:
     repack=False turns off llama.cpp's repacked CPU kernels (its CPU_REPACK copies of quantized
     weights): the weights are then used straight from the file mapping, which a memory cap can page
     out, as `--no-repack` does in the llama.cpp tools. n_gpu_layers offloads that many layers to a
-    GPU (a CUDA build), as `-ngl`; with CacheConfig.vram their experts are cached in its memory."""
+    GPU (a CUDA build), as `-ngl`; with CacheConfig.vram their experts are cached in its memory.
+
+    rpc names llama.cpp RPC servers ("HOST:PORT,...", as `--rpc`; each runs `moetier tool
+    ggml-rpc-server`): n_gpu_layers then places layers on them too. tensor_overrides places tensors
+    by name, "PATTERN=BUFFER_TYPE" each, as `-ot` (e.g. "blk\\.1[0-5]\\.=RPC0[10.0.0.2:50052]"). A
+    layer whose experts an RPC server holds computes them there, as stock llama.cpp; the expert cache
+    serves the layers whose experts stay on this machine."""
 
     def __init__(
         self,
@@ -125,6 +131,8 @@ class Model:
         n_threads: int | None = None,
         repack: bool = True,
         n_gpu_layers: int = 0,
+        rpc: str = "",
+        tensor_overrides: Sequence[str] = (),
     ) -> None:
         self.path = check_gguf(path)
         if store is not None and cache is None:
@@ -145,7 +153,13 @@ class Model:
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or n_gpu_layers < 0:
             msg = f"n_gpu_layers: {n_gpu_layers!r} must be a non-negative integer (layers offloaded to a GPU)"
             raise ConfigError(msg)
-        self._m = _core.Model(str(self.path), params, ctx.params(), repack, n_gpu_layers)
+        if not isinstance(rpc, str):
+            msg = f"rpc: {rpc!r} must be a string of HOST:PORT, comma-separated"
+            raise ConfigError(msg)
+        if isinstance(tensor_overrides, str) or not all(isinstance(o, str) for o in tensor_overrides):
+            msg = f"tensor_overrides: {tensor_overrides!r} must be a sequence of PATTERN=BUFFER_TYPE strings"
+            raise ConfigError(msg)
+        self._m = _core.Model(str(self.path), params, ctx.params(), repack, n_gpu_layers, rpc, list(tensor_overrides))
 
     @property
     def n_vocab(self) -> int:

@@ -9,7 +9,7 @@ from .config import CacheConfig
 from .errors import ModelError
 
 BIN_DIR = Path(__file__).resolve().parent / "bin"
-TOOLS = ("llama-server", "llama-cli", "llama-perplexity", "llama-bench")
+TOOLS = ("llama-server", "llama-cli", "llama-perplexity", "llama-bench", "ggml-rpc-server")
 
 
 def tool_path(name: str) -> Path:

@@ -127,7 +127,14 @@ class PrefetchStats:
 
 class Model:
     def __init__(
-        self, path: str, params: Params, context: ContextParams, repack: bool = True, n_gpu_layers: int = 0
+        self,
+        path: str,
+        params: Params,
+        context: ContextParams,
+        repack: bool = True,
+        n_gpu_layers: int = 0,
+        rpc: str = "",
+        overrides: list[str] = ...,
     ) -> None: ...
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
     def detokenize(self, tokens: list[int]) -> bytes: ...

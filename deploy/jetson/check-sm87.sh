@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Compiles ggml's CUDA backend sources, as patched for moetier, for the Orin's GPU (sm_87) with the
+# flags install.sh uses, without a Jetson: the check that a board's build will compile, where only
+# another nvcc is at hand. Each source is compiled to an object and thrown away; the summary says
+# which compiled. The whole backend takes long on few cores: pass the sources to check (default: the
+# MUL_MAT_ID path the expert cache uses and the backend's entry point).
+#
+# usage: deploy/jetson/check-sm87.sh [SOURCE.cu ...]   (from a checkout with vendor/llama.cpp built once)
+set -uo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cuda_dir=$root/vendor/llama.cpp/ggml/src/ggml-cuda
+[ -d "$cuda_dir" ] || { echo "error: $cuda_dir is missing: build moetier once (pip install .) to fetch llama.cpp" >&2; exit 1; }
+nvcc=${NVCC:-nvcc}
+command -v "$nvcc" >/dev/null || { echo "error: no nvcc (set NVCC=/path/to/nvcc)" >&2; exit 1; }
+if [ $# -eq 0 ]; then
+    set -- "$cuda_dir/ggml-cuda.cu" "$cuda_dir/mmid.cu" "$cuda_dir/mmq.cu" "$cuda_dir/getrows.cu"
+fi
+echo "nvcc: $("$nvcc" --version | tail -n 1)"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+for src in "$@"; do
+    t0=$(date +%s)
+    if "$nvcc" -std=c++17 -O2 -arch=sm_87 -DGGML_CUDA_NO_VMM -DGGML_CUDA_FORCE_MMQ -DGGML_USE_CUDA \
+        -I"$root/vendor/llama.cpp/ggml/include" -I"$root/vendor/llama.cpp/ggml/src" -I"$cuda_dir" \
+        -c "$src" -o "$tmp/out.o" 2>"$tmp/err"; then
+        echo "ok   $(basename "$src") ($(($(date +%s) - t0)) s)"
+    else
+        echo "FAIL $(basename "$src"): $(head -n 5 "$tmp/err")"
+        fail=1
+    fi
+done
+exit $fail
