@@ -87,11 +87,12 @@ bool moetier_prefetch_gate::decide() {
     moetier_mean_var(samples[1], m_on, v_on);
     us_off = (int64_t) m_off;
     us_on  = (int64_t) m_on;
-    if (std::fabs(m_on - m_off) < 2 * std::sqrt(v_on + v_off) && blocks < max_blocks) {
+    // prefetch has to show that it pays (its reads cost disk time and slots): no faster, it stands
+    // back at once; faster by less than two standard errors, another block measures it, up to the last
+    if (m_on < m_off && m_off - m_on < 2 * std::sqrt(v_on + v_off) && blocks < max_blocks) {
         on = arm(0);
-        return false;  // not told apart yet: another block
+        return false;
     }
-    // prefetch keeps reading only if it is faster: its reads cost disk time and slots
     on = m_on < m_off;
     return true;
 }

@@ -7,8 +7,9 @@
 // tokens themselves cost, which drifts over a text, weighs on both arms alike. The arm with the lower
 // mean step time keeps going for `keep` steps per block the probe took; then both are measured again. The mean, not the
 // median: what prefetch costs comes as a few slow steps (the wasted reads paid when the disk gets to
-// them), and the total time is what it must save. A probe that cannot tell the arms apart (their
-// difference under two standard errors) goes on, up to `max_blocks` blocks. Other passes (prompts,
+// them), and the total time is what it must save. Prefetch has to show that it pays: no faster after
+// a block, it stands back; faster by less than two standard errors, the probe goes on, up to
+// `max_blocks` blocks. Other passes (prompts,
 // batches of several sequences) always prefetch. Thread 0 (resolve) only.
 
 #include <cstdint>

@@ -96,8 +96,9 @@ static const moetier_param_info g_rows[] = {
             "on the CPU (checks the tier where no GPU is; slower than vram=0)"),
     MOETIER_ROW(prefetch_gate, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
             "prefetch measures whether it pays where it runs: decode steps go in windows of 2, prefetch reading and "
-            "standing back (the policy alone) in the order ABBA, until the two arms' mean step times differ by two "
-            "standard errors (64 to 192 steps); the faster arm runs the next 256 steps per 64 measured, then both "
+            "standing back (the policy alone) in the order ABBA, 64 at a time; prefetch reads on only if its mean "
+            "step time is lower, by two standard errors (or after 192 steps); the chosen arm runs the next 256 steps "
+            "per 64 measured, then both "
             "are measured again (a fast disk may hide reads behind compute already, and then wasted prefetch reads "
             "only cost time); 0: prefetch always reads"),
 };
