@@ -3,9 +3,9 @@ ggml-rpc-server, stock (every expert loaded) and with moetier's expert cache ser
 layers, in ONE run, interleaved.
 
 Both ends run on this machine (loopback): they share its cores and there is no network delay. So
-the run also counts, per decode token, the bytes the server received and sent and its write calls
-(about one per request it answered: a round trip), from the server's /proc/PID/io. On a real link
-add, per token, round trips x RTT + bytes / bandwidth.
+the run also counts, per decode token, the bytes and packets through the loopback interface (the
+RPC traffic, on a quiet machine). On a real link add, per token, round trips x RTT + bytes /
+bandwidth (a request and its answer are at least two packets).
 
     python bench/rpc.py --model M.gguf --store M.experts --fractions 0,25,50 --budget-pct 25 \
         --repeats 3 --out bench/results/rpc-NAME-DATE
@@ -36,13 +36,15 @@ PROMPTS = [
 ]
 
 
-def server_io(pid: int) -> dict[str, int]:
-    """rchar, wchar, syscr, syscw of the server process (its socket traffic and calls)."""
-    out = {}
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        k, _, v = line.partition(":")
-        out[k] = int(v)
-    return out
+def loopback() -> dict[str, int]:
+    """Bytes and packets through the loopback interface (/proc/net/dev): on a quiet machine, the RPC
+    traffic (a TCP stream's send and recv calls are not in the processes' /proc/PID/io)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == "lo":
+            f = [int(x) for x in rest.split()]
+            return {"bytes": f[0], "packets": f[1]}
+    return {"bytes": 0, "packets": 0}
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -53,13 +55,13 @@ def worker(a: argparse.Namespace) -> None:
     cache = CacheConfig.exact(budget=a.budget) if a.budget else None
     m = Model(a.model, store=a.store if cache else None, cache=cache, **kw)
     m.generate(PROMPTS[0], max_tokens=4)  # warm-up: first-touch costs are not the steady state
-    steps, secs, io = 0, 0.0, {"rchar": 0, "wchar": 0, "syscw": 0}
+    steps, secs, io = 0, 0.0, {"bytes": 0, "packets": 0}
     for text in PROMPTS:
         first: dict[str, Any] = {}
 
         def at_first(first: dict[str, Any] = first) -> None:
             first["t"] = time.perf_counter()
-            first["io"] = server_io(a.server_pid) if a.server_pid else None
+            first["io"] = loopback() if a.ngl > 0 else None
 
         r = m.generate(text, max_tokens=a.n, on_first_token=at_first)
         t1 = time.perf_counter()
@@ -69,15 +71,15 @@ def worker(a: argparse.Namespace) -> None:
         steps += n
         secs += t1 - first["t"]
         if first["io"] is not None:
-            end = server_io(a.server_pid)
+            end = loopback()
             for k in io:
                 io[k] += end[k] - first["io"][k]
     print(json.dumps({"decode_tok_s": steps / secs if secs else 0.0, "steps": steps, "io": io}))
 
 
-def run_config(a: argparse.Namespace, ngl: int, budget: int, endpoint: str, pid: int) -> dict[str, Any]:
+def run_config(a: argparse.Namespace, ngl: int, budget: int, endpoint: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", "--model", str(a.model), "--threads", str(a.threads)]
-    cmd += ["-n", str(a.n), "--ngl", str(ngl), "--endpoint", endpoint, "--server-pid", str(pid)]
+    cmd += ["-n", str(a.n), "--ngl", str(ngl), "--endpoint", endpoint]
     cmd += ["--budget", str(budget)] + (["--store", str(a.store)] if a.store else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
     if r.returncode != 0:
@@ -119,7 +121,6 @@ def main() -> None:
     p.add_argument("--ngl", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
-    p.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         worker(a)
@@ -135,8 +136,10 @@ def main() -> None:
     fractions = [int(f) for f in a.fractions.split(",")]
     configs: list[tuple[str, int, int]] = []
     for f in fractions:
-        ngl = round(n_layer * f / 100)
-        local = expert_bytes * (n_layer - ngl) // n_layer
+        # -ngl counts the output layer as the last one: k layers on the server take -ngl k + 1
+        k = round(n_layer * f / 100)
+        ngl = k + 1 if k > 0 else 0
+        local = expert_bytes * (n_layer - k) // n_layer
         budget = max(int(local * a.budget_pct / 100), min_bytes)
         configs += [(f"stock-{f}", ngl, 0), (f"moetier-{f}", ngl, budget)]
 
@@ -145,7 +148,7 @@ def main() -> None:
     try:
         for rep in range(a.repeats):
             for name, ngl, budget in configs:
-                r = run_config(a, ngl, budget, endpoint, server.pid)
+                r = run_config(a, ngl, budget, endpoint)
                 results[name].append(r)
                 print(f"  {name} #{rep + 1}: {r.get('decode_tok_s', r.get('error'))}", flush=True)
     finally:
@@ -161,48 +164,54 @@ def main() -> None:
             continue
         tok_s = [r["decode_tok_s"] for r in ok]
         steps = sum(r["steps"] for r in ok)
-        per_tok = {k: sum(r["io"][k] for r in ok) / steps for k in ("rchar", "wchar", "syscw")}
+        per_tok = {k: sum(r["io"][k] for r in ok) / steps for k in ("bytes", "packets")}
         summary[name] = {
             "ngl": ngl,
             "budget": budget,
             "decode_tok_s": {"median": statistics.median(tok_s), "values": tok_s},
             "per_token": per_tok,
         }
+    base_s = summary.get(f"stock-{fractions[0]}", {}).get("decode_tok_s", {}).get("median")
+    base_m = summary.get(f"moetier-{fractions[0]}", {}).get("decode_tok_s", {}).get("median")
     for f in fractions:
         s, m = summary.get(f"stock-{f}", {}), summary.get(f"moetier-{f}", {})
         if "decode_tok_s" not in s or "decode_tok_s" not in m:
-            rows.append(f"| {f}% | {s.get('error', '')} | {m.get('error', '')} | | | | |")
+            rows.append(f"| {f}% | {s.get('error', '')} | | {m.get('error', '')} | | | | |")
             continue
-        ratio = m["decode_tok_s"]["median"] / s["decode_tok_s"]["median"]
+        ts, tm = s["decode_tok_s"]["median"], m["decode_tok_s"]["median"]
+        k = m["ngl"] - 1 if m["ngl"] > 0 else 0
+        where = f"{k} of {n_layer} and the output (-ngl {m['ngl']})" if k else "none"
         pt = m["per_token"]
         rows.append(
-            f"| {f}% ({m['ngl']} of {n_layer}) | {s['decode_tok_s']['median']:.2f} | "
-            f"{m['decode_tok_s']['median']:.2f} ({m['budget'] / 2**20:.1f} MiB) | {ratio:.2f}x | "
-            f"{pt['rchar'] / 1024:.1f} | {pt['wchar'] / 1024:.1f} | {pt['syscw']:.0f} |"
+            f"| {where} | {ts:.2f} | {ts / base_s:.2f}x | {tm:.2f} ({m['budget'] / 2**20:.1f} MiB) | "
+            f"{tm / base_m:.2f}x | {tm / ts:.2f}x | {pt['bytes'] / 1024:.1f} | {pt['packets']:.0f} |"
         )
-    report = {
+    load = os.getloadavg()
+    report: dict[str, Any] = {
         "config": {k: str(v) for k, v in vars(a).items() if k not in ("worker", "ngl", "budget", "endpoint")},
         "moetier": moetier.__file__,
-        "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg(), "platform": platform.platform()},
+        "machine": {"cores": os.cpu_count(), "loadavg": load, "platform": platform.platform()},
         "n_layer": n_layer,
         "runs": summary,
         "raw": results,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    Path(f"{a.out}.json").write_text(json.dumps(report, indent=1))
     cmd = " ".join(["python", "bench/rpc.py", *sys.argv[1:]])
     md = (
         f"Decode tok/s with part of the layers on a ggml-rpc-server on this machine (loopback), medians of "
         f"{a.repeats} interleaved repeats; stock loads every expert, moetier caches {a.budget_pct:g}% of the "
-        f"local layers' experts (the server's layers compute theirs there, as stock). The server's traffic per "
-        f"decode token, from its /proc/PID/io: KiB received and sent, and its write calls (about one per "
-        f"request answered, i.e. round trips). Model `{a.model.name}`; {os.cpu_count()} cores shared by both "
-        f"ends, load {report['machine']['loadavg'][0]:.2f}; moetier from {moetier.__file__}.\n\n"
+        f"local layers' experts (the server's layers compute theirs there, as stock). The RPC traffic per "
+        f"decode token of moetier's runs, both ways, from the loopback interface's counters: KiB and packets "
+        f"(a request and its answer are at least two). Model `{a.model.name}`; {os.cpu_count()} cores shared by both "
+        f"ends, load {load[0]:.2f}; moetier from {moetier.__file__}.\n\n"
         f"Made by `{cmd}`.\n\n"
-        "| layers on the server | stock tok/s | moetier tok/s (cache) | moetier / stock | KiB in / token | "
-        "KiB out / token | round trips / token |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+        "| layers on the server | stock tok/s | vs stock, no split | moetier tok/s (cache) | vs moetier, no split | "
+        "moetier / stock | KiB / token | packets / token |\n|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n"
     )
-    a.out.with_suffix(".md").write_text(md)
+    Path(f"{a.out}.md").write_text(md)
     print(md)
 
 

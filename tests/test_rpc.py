@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _server import serve
 from conftest import LONG_PROMPT, ModelFactory
 from moetier import CacheConfig, ConfigError, Model, ModelError, pack
 from moetier.server import tool_path
@@ -161,3 +162,19 @@ def test_a_load_without_rpc_never_touches_a_server_that_is_gone(model_and_store:
     del m
     stop_server(proc)
     assert tokens(Model(path, store=store, cache=CacheConfig.exact(budget=budget))) == want
+
+
+def test_moetier_serve_passes_rpc_and_overrides(
+    rpc_server: str, model_and_store: tuple[Path, Path, int], tmp_path: Path
+) -> None:
+    """`moetier serve` hands --rpc and -ot to llama-server: its answers with the cache equal stock
+    llama-server's with the same split, and /metrics counts the cache's lookups."""
+    path, store, budget = model_and_store
+    split = ["-ngl", "99", "--rpc", rpc_server, "-ot", "exps=CPU"]
+    answers = {}
+    for name, extra in (("stock", ["--metrics"]), ("cache", ["--store", str(store), "--cache", str(budget)])):
+        with serve(["-m", str(path), *split, *extra], tmp_path / f"{name}.log") as srv:
+            answers[name] = srv.complete(LONG_PROMPT, n_predict=N_TOKENS)["content"]
+            lookups = srv.metric("expert_cache_lookups_total")
+        assert (lookups > 0) == (name == "cache")
+    assert answers["cache"] == answers["stock"] and answers["stock"]

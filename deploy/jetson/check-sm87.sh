@@ -5,7 +5,9 @@
 # which compiled. The whole backend takes long on few cores: pass the sources to check (default: the
 # MUL_MAT_ID path the expert cache uses and the backend's entry point).
 #
-# usage: deploy/jetson/check-sm87.sh [SOURCE.cu ...]   (from a checkout with vendor/llama.cpp built once)
+# usage: [CUBLAS_INCLUDE=DIR] deploy/jetson/check-sm87.sh [SOURCE.cu ...]
+#   (from a checkout with vendor/llama.cpp fetched by one build; CUBLAS_INCLUDE: where cublas_v2.h is
+#   when the toolkit has no cuBLAS headers, e.g. nvidia/cu13/include of the nvidia-cublas wheel)
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -22,8 +24,10 @@ trap 'rm -rf "$tmp"' EXIT
 fail=0
 for src in "$@"; do
     t0=$(date +%s)
-    if "$nvcc" -std=c++17 -O2 -arch=sm_87 -DGGML_CUDA_NO_VMM -DGGML_CUDA_FORCE_MMQ -DGGML_USE_CUDA \
+    # the flags ggml-cuda/CMakeLists.txt gives nvcc, and the two install.sh sets
+    if "$nvcc" -std=c++17 -O2 -arch=sm_87 -use_fast_math -extended-lambda -DGGML_CUDA_NO_VMM -DGGML_CUDA_FORCE_MMQ -DGGML_USE_CUDA \
         -I"$root/vendor/llama.cpp/ggml/include" -I"$root/vendor/llama.cpp/ggml/src" -I"$cuda_dir" \
+        ${CUBLAS_INCLUDE:+-I"$CUBLAS_INCLUDE"} \
         -c "$src" -o "$tmp/out.o" 2>"$tmp/err"; then
         echo "ok   $(basename "$src") ($(($(date +%s) - t0)) s)"
     else
