@@ -19,6 +19,15 @@ if [ $# -eq 0 ]; then
     set -- "$cuda_dir/ggml-cuda.cu" "$cuda_dir/mmid.cu" "$cuda_dir/mmq.cu" "$cuda_dir/getrows.cu"
 fi
 echo "nvcc: $("$nvcc" --version | tail -n 1)"
+# FlashAttention's K-V type combinations as ggml/cmake/common.cmake defines them for the default
+# GGML_CUDA_FA_QUANTS (the vector kernels' instances compiled; the others 0)
+fa_defs=(-DGGML_CUDA_FA_QUANTS='"q4_0-q4_0,q8_0-q8_0,f16-f16,bf16-bf16"')
+for v in q4_0 q4_1 q5_0 q5_1 q8_0 bf16 f16; do
+    for k in q4_0 q4_1 q5_0 q5_1 q8_0 bf16 f16; do
+        case "$k-$v" in q4_0-q4_0 | q8_0-q8_0 | f16-f16 | bf16-bf16) on=1 ;; *) on=0 ;; esac
+        fa_defs+=("-DGGML_CUDA_FA_${k^^}_${v^^}=$on")
+    done
+done
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail=0
@@ -27,7 +36,7 @@ for src in "$@"; do
     # the flags ggml-cuda/CMakeLists.txt gives nvcc, and the two install.sh sets
     if "$nvcc" -std=c++17 -O2 -arch=sm_87 -use_fast_math -extended-lambda -DGGML_CUDA_NO_VMM -DGGML_CUDA_FORCE_MMQ -DGGML_USE_CUDA \
         -I"$root/vendor/llama.cpp/ggml/include" -I"$root/vendor/llama.cpp/ggml/src" -I"$cuda_dir" \
-        ${CUBLAS_INCLUDE:+-I"$CUBLAS_INCLUDE"} \
+        ${CUBLAS_INCLUDE:+-I"$CUBLAS_INCLUDE"} "${fa_defs[@]}" \
         -c "$src" -o "$tmp/out.o" 2>"$tmp/err"; then
         echo "ok   $(basename "$src") ($(($(date +%s) - t0)) s)"
     else
