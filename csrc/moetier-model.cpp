@@ -249,14 +249,10 @@ static std::string moetier_dev_label(ggml_backend_dev_t dev) {
     return std::string(ggml_backend_dev_name(dev)) + " (" + ggml_backend_dev_description(dev) + ")";
 }
 
-static bool moetier_buft_is_remote(ggml_backend_buffer_type_t buft, std::string & device) {
-    ggml_backend_dev_t dev = buft ? ggml_backend_buft_get_device(buft) : nullptr;
+// whether dev is an RPC server's (llama.cpp's --rpc devices)
+static bool moetier_dev_is_rpc(ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    if (reg == nullptr || strcmp(ggml_backend_reg_name(reg), "RPC") != 0) {
-        return false;
-    }
-    device = moetier_dev_label(dev);
-    return true;
+    return reg != nullptr && strcmp(ggml_backend_reg_name(reg), "RPC") == 0;
 }
 
 ggml_tensor * moetier_model::create_tensor(const std::string &                                 name,
@@ -271,12 +267,13 @@ ggml_tensor * moetier_model::create_tensor(const std::string &                  
     }
     // a layer whose experts an RPC server holds computes them there, from its own memory, as stock:
     // the cache serves this machine's layers (its slots, reads and graph ops are local)
-    std::string device;
-    if (buft && moetier_buft_is_remote(buft(), device)) {
+    ggml_backend_buffer_type_t where = buft ? buft() : nullptr;
+    ggml_backend_dev_t         dev   = where ? ggml_backend_buft_get_device(where) : nullptr;
+    if (moetier_dev_is_rpc(dev)) {
         if (std::find(remote_layers.begin(), remote_layers.end(), il) == remote_layers.end()) {
             remote_layers.push_back(il);
         }
-        remote_device = device;
+        remote_device = moetier_dev_label(dev);
         return nullptr;
     }
     if (n_expert == 0) {
@@ -355,8 +352,7 @@ static ggml_backend_dev_t moetier_vram_device(const llama_model & model, int32_t
     if (d == nullptr) {
         return nullptr;
     }
-    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(d);
-    if (reg != nullptr && strcmp(ggml_backend_reg_name(reg), "RPC") == 0) {
+    if (moetier_dev_is_rpc(d)) {
         // its copies need a local device's streams and events; an RPC device has neither
         throw std::runtime_error(
             format("layer %d runs on the RPC server %s, whose memory cannot hold a VRAM tier; "
