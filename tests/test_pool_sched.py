@@ -1,0 +1,234 @@
+"""CoServe's scheduler, the pool's configuration file and the simulator (no models are loaded)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from moetier import ConfigError
+from moetier.pool.sched import Cost, Job, Mechanisms, Scheduler, decay_window_search
+from moetier.pool.sim import SimRequest, simulate
+from moetier.pool.spec import load_spec
+
+MB = 1 << 20
+
+
+def costs(**kw: Cost) -> dict[str, Cost]:
+    return dict(kw)
+
+
+def c(
+    load: float = 1.0, nbytes: int = 100 * MB, k: float = 0.1, b: float = 0.05, max_batch: int = 4, p: float = 0.1
+) -> Cost:
+    return Cost(k=k, b=b, load=load, nbytes=nbytes, max_batch=max_batch, p=p)
+
+
+def models_of(s: Scheduler, q: int) -> list[str]:
+    return [j.model for j in s.executors[q].queue]
+
+
+def test_arranging_places_a_job_behind_its_models_group() -> None:
+    for arrange, want in ((True, ["a", "a", "b"]), (False, ["a", "b", "a"])):
+        s = Scheduler(costs(a=c(), b=c()), 1000 * MB, 1, Mechanisms(arrange=arrange))
+        for i, m in enumerate("aba"):
+            s.submit(Job(i, m, 0.0), 0.0)
+        assert models_of(s, 0) == want
+
+
+def test_makespan_assignment_prefers_the_executor_holding_the_model() -> None:
+    s = Scheduler(costs(a=c(load=10, k=1, b=0), b=c(load=10, k=1, b=0)), 1000 * MB, 2, Mechanisms())
+    s.executors[1].resident["a"] = 100 * MB
+    assert s.submit(Job(0, "a", 0.0), 0.0) == 1  # 1 s there against 11 s on the empty one
+    # b is resident nowhere: executor 0 finishes it at 11 s, executor 1 at 12 s
+    assert s.submit(Job(1, "b", 0.0), 0.0) == 0
+    assert s.queue_seconds(0, 0.0) == pytest.approx(11.0)
+    assert s.queue_seconds(1, 0.0) == pytest.approx(1.0)
+    # a third a: behind the first on executor 1 costs 1 s more (makespan 11), on executor 0 a load
+    assert s.submit(Job(2, "a", 0.0), 0.0) == 1
+    rr = Scheduler(costs(a=c(), b=c()), 1000 * MB, 2, Mechanisms(assign="round_robin"))
+    assert [rr.submit(Job(i, "a", 0.0), 0.0) for i in range(4)] == [0, 1, 0, 1]
+
+
+def test_splitting_runs_a_group_in_batches_of_the_best_size() -> None:
+    for split, sizes in ((True, [2, 2, 1]), (False, [1, 1, 1, 1, 1])):
+        s = Scheduler(costs(a=c(max_batch=2)), 1000 * MB, 1, Mechanisms(split=split))
+        for i in range(5):
+            s.submit(Job(i, "a", 0.0), 0.0)
+        got = []
+        while (bt := s.next_batch(0, 0.0)) is not None:
+            got.append(len(bt.jobs))
+            s.finish(bt)
+        assert got == sizes
+        assert s.stats.loads == 1
+
+
+def run_loads(s: Scheduler, models: str) -> list[list[str]]:
+    out = []
+    for i, m in enumerate(models):
+        s.submit(Job(i, m, 0.0), 0.0)
+        bt = s.next_batch(0, 0.0)
+        assert bt is not None
+        out.append(bt.evict)
+        s.finish(bt)
+    return out
+
+
+def test_two_stage_eviction_frees_orphaned_dependents_first_then_by_usage() -> None:
+    cs = costs(
+        cls1=c(nbytes=100 * MB, p=0.5),
+        cls2=c(nbytes=100 * MB, p=0.2),
+        det=c(nbytes=200 * MB, p=0.9),
+        other=c(nbytes=100 * MB, p=0.3),
+        new=c(nbytes=200 * MB, p=0.4),
+    )
+    deps = {"det": {"cls1"}}
+    s = Scheduler(cs, 500 * MB, 1, Mechanisms(), deps)
+    # det is the most used, but its predecessor cls1 is gone: stage 1 frees it before anything else
+    ex = s.executors[0]
+    ex.resident.update({"det": 200 * MB, "cls2": 100 * MB, "other": 100 * MB})
+    assert run_loads(s, ["new"]) == [["det"]]
+    # with its predecessor resident, det stays; stage 2 frees by usage, least first: cls2 (0.2), other (0.3)
+    s = Scheduler(cs, 500 * MB, 1, Mechanisms(), deps)
+    s.executors[0].resident.update({"det": 200 * MB, "cls1": 100 * MB, "cls2": 100 * MB, "other": 100 * MB})
+    assert run_loads(s, ["new"]) == [["cls2", "other"]]
+
+
+def test_lru_and_fifo_replacement() -> None:
+    cs = costs(a=c(), b=c(), d=c(), e=c())
+    lru = Scheduler(cs, 300 * MB, 1, Mechanisms(arrange=False, evict="lru"))
+    fifo = Scheduler(cs, 300 * MB, 1, Mechanisms(arrange=False, evict="fifo"))
+    assert run_loads(lru, "abdae") == [[], [], [], [], ["b"]]  # a was used again: b is the least recent
+    assert run_loads(fifo, "abdae") == [[], [], [], [], ["a"]]  # a was loaded first
+
+
+def test_budget_refuses_a_model_larger_than_an_executors_share() -> None:
+    with pytest.raises(ConfigError, match=r"model big: needs .* one executor's share"):
+        Scheduler(costs(big=c(nbytes=300 * MB)), 500 * MB, 2)
+    with pytest.raises(ConfigError, match="unknown model 'x'"):
+        Scheduler(costs(a=c()), 500 * MB).submit(Job(0, "x", 0.0), 0.0)
+    with pytest.raises(ConfigError, match="unknown scheduler"):
+        Mechanisms.baseline("lifo")
+
+
+def test_preload_deals_models_by_usage_within_each_share() -> None:
+    cs = costs(a=c(p=0.4), b=c(p=0.3), d=c(p=0.2), e=c(p=0.1), f=c(p=0.0))
+    s = Scheduler(cs, 400 * MB, 2, Mechanisms())
+    assert s.preload_plan() == [["a", "d"], ["b", "e"]]
+    assert s.resident() == {"a": 0, "d": 0, "b": 1, "e": 1}
+    assert Scheduler(cs, 400 * MB, 2, Mechanisms(preload=False)).preload_plan() == [[], []]
+
+
+def test_decay_window_search_stops_where_throughput_leaves_the_line() -> None:
+    probs = [1.0 / (i + 1) for i in range(60)]
+    seen: list[int] = []
+
+    def linear_then_flat(n: int) -> float:
+        seen.append(n)
+        return float(min(n, 20))
+
+    lo, hi = decay_window_search(probs, linear_then_flat, w0=15, eps=0.05)
+    assert lo <= 21 and 20 <= hi < 60, (lo, hi)
+    assert seen == sorted(seen)  # windows slide upwards
+    # a throughput that keeps growing on the line: the search runs to the top of the CDF
+    _, hi2 = decay_window_search(probs, lambda n: 2.0 * n + 1, w0=15)
+    assert hi2 == 60
+
+
+def zipf_requests(n: int, types: int, rate: float, seed: int, second: dict[str, str]) -> list[SimRequest]:
+    rng = random.Random(seed)
+    w = [1.0 / (i + 1) for i in range(types)]
+    out = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        m = f"m{rng.choices(range(types), w)[0]}"
+        out.append(SimRequest(t, (m, second[m]) if m in second else (m,)))
+    return out
+
+
+def test_simulator_coserve_beats_fcfs_lru_on_a_zipf_workload() -> None:
+    types = 24
+    second = {f"m{i}": f"d{i % 2}" for i in range(0, types, 3)}
+    cs = {f"m{i}": c(load=0.3, k=0.05, b=0.02, nbytes=100 * MB, p=1.0 / (i + 1)) for i in range(types)}
+    cs.update({f"d{i}": c(load=1.0, k=0.2, b=0.05, nbytes=300 * MB, p=0.5) for i in range(2)})
+    deps = {f"d{i}": {m for m, d in second.items() if d == f"d{i}"} for i in range(2)}
+    reqs = zipf_requests(300, types, rate=20.0, seed=1, second=second)
+    budget = 1200 * MB
+    co = simulate(reqs, cs, budget, 2, Mechanisms.baseline("coserve"), deps)
+    fcfs = simulate(reqs, cs, budget, 1, Mechanisms.baseline("fcfs-lru"), deps)
+    assert co.completed == fcfs.completed == 300
+    assert co.throughput > 2 * fcfs.throughput
+    assert co.loads < 0.5 * fcfs.loads
+
+
+def test_simulator_times_one_group_exactly() -> None:
+    cs = costs(
+        a=Cost(k=0.5, b=0.25, load=2.0, nbytes=MB, max_batch=8, p=0.0),
+        b=Cost(k=0.5, b=0.25, load=1.0, nbytes=MB, max_batch=8, p=0.0),
+    )
+    reqs = [SimRequest(0.0, ("b",)), SimRequest(0.1, ("a",)), SimRequest(0.2, ("a",))]
+    r = simulate(reqs, cs, 10 * MB, 1, Mechanisms(preload=False))
+    assert r.loads == 2 and r.completed == 3
+    # b: 1 + 0.25 + 0.5 = 1.75; then the two a's queued meanwhile in one batch: 2 + 0.25 + 2 * 0.5
+    assert r.seconds == pytest.approx(1.75 + 3.25)
+    one_by_one = simulate(reqs, cs, 10 * MB, 1, Mechanisms(preload=False, split=False))
+    assert one_by_one.seconds == pytest.approx(1.75 + 2.75 + 0.75)
+
+
+def write(tmp: Path, text: str, name: str = "pool.yaml") -> Path:
+    (tmp / "a.gguf").write_bytes(b"GGUF")
+    (tmp / "b.gguf").write_bytes(b"GGUF")
+    p = tmp / name
+    p.write_text(text)
+    return p
+
+
+GOOD = """\
+budget: 1G
+executors: 2
+models:
+  a: {path: a.gguf}
+  b: {path: b.gguf, max_batch: 2}
+pipelines:
+  p:
+    first: one
+    stages:
+      one: {model: a, max_tokens: 4, next: {"(?i)yes": two, default: null}}
+      two: {model: b, prompt: "{input} / {previous}"}
+"""
+
+
+def test_spec_loads_models_pipelines_and_dependencies(tmp_path: Path) -> None:
+    s = load_spec(write(tmp_path, GOOD))
+    assert s.budget == 1 << 30 and s.executors == 2 and set(s.models) == {"a", "b"}
+    p = s.pipelines["p"]
+    assert p.stages["one"].next_stage("Yes, it is") == "two"
+    assert p.stages["one"].next_stage("no") is None
+    assert s.deps() == {"b": {"a"}}
+    j = json.dumps({"budget": "1G", "models": {"a": {"path": "a.gguf"}}})
+    assert set(load_spec(write(tmp_path, j, "pool.json")).models) == {"a"}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line", "msg"),
+    [
+        ("model: b,", "model: zz,", 11, "unknown model 'zz'"),
+        ("default: null", "default: three", 10, "no stage named 'three' .dangling"),
+        ('prompt: "{input} / {previous}"', "next: one", 11, "cycle: one -> two -> one"),
+        ("max_batch: 2", "max_bach: 2", 5, "unknown key 'max_bach'"),
+        ('"(?i)yes"', '"(yes"', 10, "not a regular expression"),
+        ("budget: 1G", "budget: lots", 1, "budget"),
+        ("a.gguf", "missing.gguf", 4, "missing.gguf does not exist"),
+        ("first: one", "first: two", 10, "unreachable from the first stage 'two'"),
+        ('"{input} / {previous}"', '"{input} {answer}"', 11, r"unknown field \{answer\}"),
+    ],
+)
+def test_spec_errors_name_the_file_and_line(tmp_path: Path, old: str, new: str, line: int, msg: str) -> None:
+    assert old in GOOD
+    p = write(tmp_path, GOOD.replace(old, new))
+    with pytest.raises(ConfigError, match=msg) as e:
+        load_spec(p)
+    assert str(e.value).startswith(f"{p}:{line}:"), str(e.value)
