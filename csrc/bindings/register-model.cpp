@@ -13,6 +13,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -87,6 +88,35 @@ py::bytes detokenize(const py_model & pm, const std::vector<llama_token> & token
         }
     }
     return py::bytes(out);
+}
+
+// messages (role, content) rendered by the model's chat template (the GGUF's tokenizer.chat_template,
+// through llama.cpp's built-in renderers, as llama-server's legacy path) with the assistant's turn opened
+std::string chat_prompt(const py_model & pm, const std::vector<std::pair<std::string, std::string>> & messages) {
+    const char * tmpl = llama_model_chat_template(pm.model(), nullptr);
+    if (tmpl == nullptr) {
+        throw moetier_py_error{ MOETIER_ERROR_MODEL, pm.path() +
+                                                         ": the model has no chat template (tokenizer.chat_template); "
+                                                         "send a plain completion instead" };
+    }
+    std::vector<llama_chat_message> msgs;
+    size_t                          total = 0;
+    for (const auto & [role, content] : messages) {
+        msgs.push_back({ role.c_str(), content.c_str() });
+        total += role.size() + content.size();
+    }
+    std::vector<char> buf(2 * total + 256);
+    int32_t n = llama_chat_apply_template(tmpl, msgs.data(), msgs.size(), true, buf.data(), (int32_t) buf.size());
+    if (n > (int32_t) buf.size()) {
+        buf.resize(n);
+        n = llama_chat_apply_template(tmpl, msgs.data(), msgs.size(), true, buf.data(), (int32_t) buf.size());
+    }
+    if (n < 0) {
+        throw moetier_py_error{ MOETIER_ERROR_MODEL, pm.path() +
+                                                         ": llama.cpp has no built-in renderer for this chat "
+                                                         "template; send a plain completion instead" };
+    }
+    return std::string(buf.data(), n);
 }
 
 // last-position logits of tokens, from an empty context
@@ -339,6 +369,7 @@ void register_model(py::module_ & m) {
              "rpc: RPC servers HOST:PORT,... as --rpc; overrides: PATTERN=BUFFER_TYPE each, as -ot")
         .def("tokenize", &tokenize, py::arg("text"), py::arg("add_special") = true)
         .def("detokenize", &detokenize, py::arg("tokens"))
+        .def("chat_prompt", &chat_prompt, py::arg("messages"))
         .def("logits", &logits, py::arg("tokens"))
         .def("generate", &generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature") = 0.0f,
              py::arg("seed") = 0, py::arg("on_first_token") = py::none())

@@ -26,6 +26,7 @@ STUDY = "Study routing and policies"
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("run", RUN_AND_SERVE, "generate text with the expert cache; prints one stats line"),
     ("serve", RUN_AND_SERVE, "llama-server with the expert cache (OpenAI API, /metrics); its flags pass through"),
+    ("serve-pool", RUN_AND_SERVE, "serve many models and pipelines under one memory budget (CoServe; OpenAI API)"),
     ("stats", RUN_AND_SERVE, "watch a server's /metrics: hit rate, bytes read, precision split, tok/s"),
     ("demo", RUN_AND_SERVE, "fetch Qwen2.5-Coder-0.5B, moefy it, run it with 25% of its experts cached vs stock"),
     ("tool", RUN_AND_SERVE, "run a shipped llama.cpp binary (llama-cli, llama-perplexity, ...) with --expert-* flags"),
@@ -33,6 +34,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("moefy", PREPARE, "turn a dense qwen2 GGUF into a MoE GGUF, training-free"),
     ("pack", PREPARE, "write a model's expert store: aligned, checksummed, with low-precision copies"),
     ("calibrate", PREPARE, "pick precision thresholds and policy weights for a budget from routing on text"),
+    ("profile", PREPARE, "measure a pool's models for its scheduler: load time, bytes, latency per batch"),
     ("fit-predictor", PREPARE, "fit the prefetch predictor: later layers' routing from a layer's gate input"),
     ("trace", STUDY, "record a MoE's routing on text: experts and gate weights per token and layer"),
     ("replay", STUDY, "replay a routing trace through the cache for each policy and budget, beside Belady"),
@@ -385,6 +387,66 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
     args = _tool_args(ns, extra)
     check_port(extra)
     exec_tool("llama-server", args)
+    return 0
+
+
+def cmd_serve_pool(ns: argparse.Namespace) -> int:
+    from .pool.executor import Pool
+    from .pool.sched import Mechanisms
+    from .pool.server import PoolService, make_server
+    from .pool.spec import load_spec
+
+    spec = load_spec(ns.config)
+    if ns.scheduler:
+        Mechanisms.baseline(ns.scheduler)
+        spec = dataclasses.replace(spec, scheduler=ns.scheduler)
+    if ns.executors:
+        spec = dataclasses.replace(spec, executors=ns.executors)
+    if ns.no_profile:
+        spec = dataclasses.replace(spec, profile=None)
+    pool = Pool(spec)
+    for w in pool.warnings:
+        sys.stderr.write(f"moetier serve-pool: warning: {w}\n")
+    server = make_server(PoolService(spec, pool), ns.host, ns.port)
+    names = ", ".join([*spec.models, *spec.pipelines])
+    sys.stderr.write(
+        f"moetier serve-pool: {len(spec.models)} models, {len(spec.pipelines)} pipelines, budget "
+        f"{format_size(spec.budget)}, {spec.executors} executors, scheduler {spec.scheduler}, costs from "
+        f"{spec.profile or 'estimates (run moetier profile)'}; listening on http://{ns.host}:{server.server_port}\n"
+        f"serving: {names}\n"
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        pool.close()
+    return 0
+
+
+def cmd_profile(ns: argparse.Namespace) -> int:
+    import json as js
+
+    from .pool.profile import profile, write_profile
+    from .pool.spec import load_spec
+
+    spec = load_spec(ns.config)
+    weights = None
+    if ns.usage:
+        try:
+            weights = {str(k): float(v) for k, v in js.loads(Path(ns.usage).read_text()).items()}
+        except (ValueError, AttributeError) as e:
+            msg = f"{ns.usage}: expected a JSON object of model or pipeline name -> request weight ({e})"
+            raise ConfigError(msg) from None
+    out = Path(ns.output) if ns.output else (spec.profile or spec.path.with_suffix(".profile.json"))
+
+    def note(line: str) -> None:
+        sys.stderr.write(line + "\n")
+
+    data = profile(spec, ns.max_tokens, weights, note=note)
+    write_profile(data, out)
+    sys.stderr.write(f"wrote {out}; name it as `profile:` in {spec.path} for serve-pool to use it\n")
     return 0
 
 
@@ -809,6 +871,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_dataclass_args(c.add_argument_group("calibration"), CalibrateConfig)
     c.set_defaults(func=cmd_calibrate)
+
+    sp = _command(
+        sub,
+        "serve-pool",
+        description="Serves the models and pipelines of a pool configuration (YAML or JSON; see docs/serving-many.md) "
+        "behind an OpenAI-compatible API under one memory budget: `model` names a model or a pipeline, "
+        "/v1/models lists them, /metrics shows residency, loads, switches and queue depths. CoServe's scheduler "
+        "decides which executor runs each request and which models stay resident.",
+    )
+    sp.add_argument("config", help="pool configuration file (models, pipelines, budget, executors)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    sp.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
+    sp.add_argument(
+        "--scheduler",
+        default="",
+        help="override the file's scheduler: coserve, none, +evict, +arrange, fcfs-lru, fifo, round-robin",
+    )
+    sp.add_argument("--executors", type=int, default=0, help="override the file's number of executors")
+    sp.add_argument("--no-profile", action="store_true", help="ignore the file's profile: estimate the costs")
+    sp.set_defaults(func=cmd_serve_pool)
+
+    pr = _command(
+        sub,
+        "profile",
+        description="Measures each shape of model in a pool configuration (one model per architecture, size, "
+        "store, cache and context): cold load time, bytes in memory, and the latency line k*n + b of a batch of n "
+        "requests; with the usage probabilities of the request mix, writes the profile serve-pool's scheduler reads.",
+    )
+    pr.add_argument("config", help="pool configuration file")
+    pr.add_argument(
+        "-o", "--output", default=None, help="profile to write (default: the file's profile:, or CONFIG.profile.json)"
+    )
+    pr.add_argument("--max-tokens", type=_tokens, default=16, help="tokens generated per timed request (default: 16)")
+    pr.add_argument(
+        "--usage",
+        default=None,
+        help="JSON object: model or pipeline name -> share of the requests (default: 1 for each pipeline and each "
+        "model in no pipeline)",
+    )
+    pr.set_defaults(func=cmd_profile)
 
     _command(sub, "fit-predictor", passthrough=True).set_defaults(func=cmd_fit_predictor)
     _command(sub, "trace", passthrough=True).set_defaults(func=cmd_trace)

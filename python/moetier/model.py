@@ -224,6 +224,12 @@ class Model:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return list(self._m.tokenize(text, add_special))
 
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> str:
+        """(role, content) messages as the model's chat template renders them, the assistant's turn
+        opened (llama.cpp's built-in renderers, as llama-server without --jinja); ModelError if the
+        model has no template or llama.cpp cannot render it."""
+        return str(self._m.chat_prompt([(str(r), str(c)) for r, c in messages]))
+
     def detokenize(self, tokens: list[int]) -> str:
         return bytes(self._m.detokenize(tokens)).decode("utf-8", errors="replace")
 

@@ -1,0 +1,340 @@
+"""The pool's executors: worker threads that load, run and unload models as the scheduler says.
+
+Models live in this process (moetier.Model, one per resident model and executor): a switch is a
+llama.cpp load of the file and a free, with no process to start, and the scheduler sees every byte.
+An executor runs one batch at a time, its jobs one after another on the loaded model (each job is
+exactly what the model answers alone); decode releases the GIL, so executors run in parallel. A
+model that leaves the pool is freed and its file dropped from the page cache, so that the next load
+reads the disk, as the budget assumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import CacheConfig, ContextConfig, parse_size
+from ..errors import ConfigError
+from ..model import Model
+from .sched import Cost, Job, Scheduler
+from .spec import ModelSpec, PoolSpec
+
+DISK_BYTES_PER_SECOND = 300e6  # a cold read's rate when no profile has measured it
+
+
+@dataclass
+class Work:
+    """What one job asks of its model: a rendered prompt, or chat messages the model's template
+    renders. `done` is called once, from the executor's thread, with the answer or the error."""
+
+    prompt: str | None
+    messages: Sequence[tuple[str, str]] | None
+    max_tokens: int
+    done: Callable[[Answer | None, BaseException | None], None]
+    temperature: float = 0.0
+    seed: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class Answer:
+    model: str
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    executor: int
+    queued_seconds: float  # submitted to started
+    load_seconds: float  # the load this job's batch waited for (0 if the model was resident)
+    run_seconds: float
+
+
+@dataclass
+class ModelCounters:
+    loads: int = 0
+    load_seconds: float = 0.0
+    unloads: int = 0
+    load_failures: int = 0
+    jobs: int = 0
+    failures: int = 0
+    run_seconds: float = 0.0
+
+
+def gguf_bytes(spec: ModelSpec) -> tuple[int, int, dict[str, Any]]:
+    """(non-expert tensor bytes, expert tensor bytes, a few hyperparameters) of the model's GGUF."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(spec.path))
+    expert = sum(int(t.n_bytes) for t in r.tensors if "_exps." in t.name)
+    total = sum(int(t.n_bytes) for t in r.tensors)
+
+    def field_value(key: str) -> Any:
+        f = r.fields.get(key)
+        if f is None or not f.data:
+            return None
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types and f.types[0].name == "STRING" else v.tolist()[0]
+
+    arch = field_value("general.architecture") or ""
+    hp = {
+        "arch": arch,
+        "n_layer": field_value(f"{arch}.block_count") or 0,
+        "n_embd": field_value(f"{arch}.embedding_length") or 0,
+        "n_head": field_value(f"{arch}.attention.head_count") or 1,
+        "n_head_kv": field_value(f"{arch}.attention.head_count_kv") or field_value(f"{arch}.attention.head_count") or 1,
+        "n_vocab": len(r.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in r.fields else 0,
+    }
+    return total - expert, expert, hp
+
+
+def cache_bytes(spec: ModelSpec, expert_bytes: int) -> int:
+    """The expert cache the pool gives a MoE model (0 without a store: its experts load with it)."""
+    if spec.store is None:
+        return 0
+    if spec.cache.endswith("%"):
+        try:
+            share = float(spec.cache[:-1]) / 100.0
+        except ValueError:
+            msg = f"models.{spec.name}.cache: {spec.cache!r} is not a share; use e.g. 25%"
+            raise ConfigError(msg) from None
+        if not 0 < share <= 1:
+            msg = f"models.{spec.name}.cache: {spec.cache!r} must be above 0% and at most 100%"
+            raise ConfigError(msg)
+        return int(expert_bytes * share)
+    return parse_size(spec.cache, f"models.{spec.name}.cache")
+
+
+def estimate_cost(spec: ModelSpec) -> Cost:
+    """What a model costs without a profile: its resident bytes (dense weights, or a MoE's dense
+    weights plus its expert cache, plus the KV cache and an allowance for llama.cpp's compute
+    buffers), a load at DISK_BYTES_PER_SECOND and a guessed 50 ms per job. `moetier profile`
+    measures all of these."""
+    dense, expert, hp = gguf_bytes(spec)
+    weights = dense + (cache_bytes(spec, expert) if spec.store is not None else expert)
+    head_dim = hp["n_embd"] // max(1, hp["n_head"])
+    kv = 2 * hp["n_layer"] * spec.n_ctx * hp["n_head_kv"] * head_dim * 2  # K and V in f16
+    ubatch = min(512, spec.n_ctx)
+    compute = 4 * ubatch * (hp["n_vocab"] + 8 * hp["n_embd"]) + 4 * ubatch * spec.n_ctx * hp["n_head"]
+    return Cost(
+        k=0.05, b=0.01, load=weights / DISK_BYTES_PER_SECOND, nbytes=weights + kv + compute, max_batch=spec.max_batch
+    )
+
+
+def read_profile(path: Path, spec: PoolSpec) -> dict[str, Cost]:
+    """The costs `moetier profile` wrote; ConfigError if the file does not cover the pool's models."""
+    try:
+        data = json.loads(path.read_text())
+        rows = data["models"]
+        out = {
+            name: Cost(
+                k=float(r["k"]),
+                b=float(r["b"]),
+                load=float(r["load"]),
+                nbytes=int(r["nbytes"]),
+                max_batch=int(r["max_batch"]),
+                p=float(r.get("p", 0.0)),
+            )
+            for name, r in rows.items()
+        }
+    except OSError as e:
+        msg = f"{path}: cannot read the profile: {e.strerror or e}"
+        raise ConfigError(msg) from None
+    except (ValueError, KeyError, TypeError) as e:
+        msg = f"{path}: not a profile written by `moetier profile` ({e!r}); run it again"
+        raise ConfigError(msg) from None
+    missing = sorted(set(spec.models) - set(out))
+    if missing:
+        msg = f"{path}: no costs for {', '.join(missing)}; run `moetier profile {spec.path}` again"
+        raise ConfigError(msg)
+    return {m: out[m] for m in spec.models}
+
+
+def open_model(spec: ModelSpec, threads: int) -> Model:
+    """Loads one model of the pool as its spec says (a MoE with a store gets its expert cache)."""
+    cache = None
+    if spec.store is not None:
+        _, expert, _ = gguf_bytes(spec)
+        cache = CacheConfig(budget=max(1, cache_bytes(spec, expert)))
+    ctx = ContextConfig(
+        n_ctx=spec.n_ctx, n_threads=threads, n_batch=min(512, spec.n_ctx), n_ubatch=min(512, spec.n_ctx)
+    )
+    return Model(spec.path, store=spec.store, cache=cache, context=ctx)
+
+
+def drop_page_cache(path: Path) -> None:
+    """Drops a file's clean pages from the page cache, so the next read comes from the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class Pool:
+    """The executors over one Scheduler. submit() queues a job; each executor thread takes its next
+    batch, unloads what the scheduler evicted, loads the model if needed and runs the jobs."""
+
+    def __init__(
+        self,
+        spec: PoolSpec,
+        costs: dict[str, Cost] | None = None,
+        opener: Callable[[ModelSpec, int], Model] = open_model,
+    ) -> None:
+        self.spec = spec
+        self.warnings: list[str] = []
+        if costs is None:
+            costs = read_profile(spec.profile, spec) if spec.profile else self._estimates()
+        self.costs = costs
+        self.sched = Scheduler(costs, spec.budget, spec.executors, spec.mechanisms, spec.deps())
+        self._opener = opener
+        self._cv = threading.Condition()
+        self._loaded: list[dict[str, Model]] = [{} for _ in range(spec.executors)]
+        self.counters = {m: ModelCounters() for m in spec.models}
+        self.sched_seconds = 0.0
+        self.busy_seconds = [0.0] * spec.executors
+        self._next_id = 0
+        self._stop = False
+        self._plan = self.sched.preload_plan()
+        self._threads = [
+            threading.Thread(target=self._run, args=(q,), name=f"moetier-executor-{q}", daemon=True)
+            for q in range(spec.executors)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _estimates(self) -> dict[str, Cost]:
+        out = {}
+        for name, m in self.spec.models.items():
+            try:
+                out[name] = estimate_cost(m)
+            except Exception as e:  # its load will fail and say why: only its requests fail, not the pool
+                size = m.path.stat().st_size
+                self.warnings.append(f"{m.path}: cannot read the GGUF's tensors to size it ({e}); sized by the file")
+                out[name] = Cost(0.05, 0.01, size / DISK_BYTES_PER_SECOND, size, m.max_batch)
+        return out
+
+    def submit(self, model: str, work: Work) -> None:
+        """Queues one job of `model` (ConfigError if the pool has no such model)."""
+        if model not in self.costs:
+            msg = f"unknown model {model!r}"
+            raise ConfigError(msg)
+        with self._cv:
+            t = time.perf_counter()
+            self.sched.submit(Job(self._next_id, model, t, work), t)
+            self.sched_seconds += time.perf_counter() - t
+            self._next_id += 1
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stops the executors after their running batch and frees every model."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+        for loaded in self._loaded:
+            for m in list(loaded):
+                loaded.pop(m).close()
+
+    def resident(self) -> dict[str, int]:
+        with self._cv:
+            return self.sched.resident()
+
+    def queue_depths(self) -> dict[str, int]:
+        with self._cv:
+            return self.sched.queue_depths()
+
+    def _load(self, q: int, model: str) -> float:
+        t = time.perf_counter()
+        self._loaded[q][model] = self._opener(self.spec.models[model], self.spec.threads)
+        dt = time.perf_counter() - t
+        c = self.counters[model]
+        c.loads += 1
+        c.load_seconds += dt
+        return dt
+
+    def _unload(self, q: int, model: str) -> None:
+        m = self._loaded[q].pop(model, None)
+        if m is not None:
+            m.close()
+            del m
+            self.counters[model].unloads += 1
+        drop_page_cache(self.spec.models[model].path)
+
+    def _run(self, q: int) -> None:
+        for model in self._plan[q]:
+            try:
+                self._load(q, model)
+            except Exception:
+                self.counters[model].load_failures += 1
+                with self._cv:
+                    self.sched.unloaded(q, model)
+        while True:
+            with self._cv:
+                while True:
+                    if self._stop:
+                        return
+                    t = time.perf_counter()
+                    batch = self.sched.next_batch(q, t)
+                    self.sched_seconds += time.perf_counter() - t
+                    if batch is not None:
+                        break
+                    self._cv.wait()
+            started = time.perf_counter()
+            for m in batch.evict:
+                self._unload(q, m)
+            load_s = 0.0
+            error: BaseException | None = ConfigError(batch.error) if batch.error else None
+            if batch.load and error is None:
+                try:
+                    load_s = self._load(q, batch.model)
+                except Exception as e:  # a failed load fails only this batch's jobs
+                    self.counters[batch.model].load_failures += 1
+                    error = e
+                    with self._cv:
+                        self.sched.unloaded(q, batch.model)
+            for job in batch.jobs:
+                self._run_job(q, batch.model, job, load_s, error)
+            self.busy_seconds[q] += time.perf_counter() - started
+            with self._cv:
+                self.sched.finish(batch)
+
+    def _run_job(self, q: int, model: str, job: Job, load_s: float, error: BaseException | None) -> None:
+        work: Work = job.payload
+        c = self.counters[model]
+        c.jobs += 1
+        if error is not None:
+            c.failures += 1
+            work.done(None, error)
+            return
+        t = time.perf_counter()
+        try:
+            m = self._loaded[q][model]
+            prompt = work.prompt if work.messages is None else m.chat_prompt(work.messages)
+            r = m.generate(prompt or "", max_tokens=work.max_tokens, temperature=work.temperature, seed=work.seed)
+        except Exception as e:
+            c.failures += 1
+            work.done(None, e)
+            return
+        run_s = time.perf_counter() - t
+        c.run_seconds += run_s
+        answer = Answer(
+            model=model,
+            text=r.text,
+            prompt_tokens=r.prompt_tokens,
+            completion_tokens=len(r.tokens),
+            finish_reason="length" if len(r.tokens) >= work.max_tokens else "stop",
+            executor=q,
+            queued_seconds=t - work.submitted - load_s,
+            load_seconds=load_s,
+            run_seconds=run_s,
+        )
+        work.done(answer, None)

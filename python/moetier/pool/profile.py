@@ -1,0 +1,168 @@
+"""`moetier profile`: measures what the pool's scheduler needs (CoServe section 4.5).
+
+Per model: the cold load time (its file dropped from the page cache first), the bytes it adds to
+this process once loaded and run, and the latency line k*n + b of a batch of n jobs, fitted to timed
+batches. Models of one shape (same architecture, file size, store, cache and context) cost the same,
+so one of them is measured for all, as the paper profiles once per architecture. Usage
+probabilities come from the request mix (weights per model or pipeline), carried through each
+pipeline's routes: a fixed route passes its whole share on, a route chosen by the answer splits it
+evenly between its outcomes (the answer is not known before the router runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .executor import drop_page_cache, estimate_cost, open_model
+from .spec import ModelSpec, PoolSpec
+
+PROMPTS = (
+    "Write one sentence about the weather.",
+    "Name a colour and a fruit.",
+    "What is two plus three?",
+    "Describe a cat in five words.",
+    "Say hello in French.",
+    "List three prime numbers.",
+    "What does a compiler do?",
+    "Give a synonym for quick.",
+)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def shape_key(spec: ModelSpec) -> tuple[Any, ...]:
+    return (spec.path.stat().st_size, str(spec.store is not None), spec.cache, spec.n_ctx, spec.max_batch)
+
+
+def usage_probabilities(spec: PoolSpec, weights: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Each model's share of the jobs. weights: request weight per model or pipeline (default: 1 for
+    every pipeline and every model that is in no pipeline)."""
+    in_pipelines = {s.model for p in spec.pipelines.values() for s in p.stages.values()}
+    if weights is None:
+        weights = {name: 1.0 for name in spec.pipelines}
+        weights.update({m: 1.0 for m in spec.models if m not in in_pipelines})
+    jobs = dict.fromkeys(spec.models, 0.0)
+    for name, w in weights.items():
+        if w < 0:
+            msg = f"usage: {name}: weight {w} is negative"
+            raise ConfigError(msg)
+        if name in spec.models:
+            jobs[name] += w
+            continue
+        if name not in spec.pipelines:
+            msg = f"usage: unknown model or pipeline {name!r}"
+            raise ConfigError(msg)
+        p = spec.pipelines[name]
+        flow = {p.first: w}
+        for st in _topological(p):
+            f = flow.pop(st.name, 0.0)
+            jobs[st.model] += f
+            outcomes = [t for _, t in st.routes] + [st.default]
+            for t in outcomes:
+                if t is not None:
+                    flow[t] = flow.get(t, 0.0) + f / len(outcomes)
+    total = sum(jobs.values())
+    return {m: (v / total if total > 0 else 0.0) for m, v in jobs.items()}
+
+
+def _topological(p: Any) -> list[Any]:
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(s: str) -> None:
+        if s in seen:
+            return
+        seen.add(s)
+        st = p.stages[s]
+        for t in [t for _, t in st.routes] + [st.default]:
+            if t is not None:
+                visit(t)
+        order.append(s)
+
+    visit(p.first)
+    return [p.stages[s] for s in reversed(order)]
+
+
+def fit_line(ns: list[int], ts: list[float]) -> tuple[float, float]:
+    """k, b of t = k*n + b by least squares; b is clamped at 0 (a batch never runs faster than its jobs)."""
+    m = len(ns)
+    mx, my = sum(ns) / m, sum(ts) / m
+    sxx = sum((x - mx) ** 2 for x in ns)
+    k = sum((x - mx) * (y - my) for x, y in zip(ns, ts, strict=True)) / sxx if sxx else my / max(mx, 1)
+    b = my - k * mx
+    if b < 0:
+        k, b = sum(ts) / sum(ns), 0.0
+    return k, b
+
+
+def profile(
+    spec: PoolSpec,
+    max_tokens: int = 16,
+    weights: Mapping[str, float] | None = None,
+    batches: tuple[int, ...] = (1, 2, 4),
+    note: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
+    """Measures every shape of model in the pool; returns the profile (see write_profile)."""
+    probs = usage_probabilities(spec, weights)
+    reps: dict[tuple[Any, ...], str] = {}
+    for name, m in spec.models.items():
+        reps.setdefault(shape_key(m), name)
+    measured: dict[str, dict[str, Any]] = {}
+    for i, (key, name) in enumerate(reps.items()):
+        m = spec.models[name]
+        same = sum(1 for s in spec.models.values() if shape_key(s) == key)
+        note(f"[{i + 1}/{len(reps)}] {name} ({m.path.name}; {same} of this shape)")
+        drop_page_cache(m.path)
+        before = rss_bytes()
+        t = time.perf_counter()
+        model = open_model(m, spec.threads)
+        load = time.perf_counter() - t
+        model.generate(PROMPTS[0], max_tokens=max_tokens)  # compute buffers and the first expert reads
+        nbytes = max(0, rss_bytes() - before)
+        ns: list[int] = []
+        ts: list[float] = []
+        for n in batches:
+            if n > m.max_batch:
+                continue
+            t = time.perf_counter()
+            for j in range(n):
+                model.generate(PROMPTS[j % len(PROMPTS)], max_tokens=max_tokens)
+            ns.append(n)
+            ts.append(time.perf_counter() - t)
+        k, b = fit_line(ns, ts)
+        model.close()
+        del model
+        drop_page_cache(m.path)
+        estimate = estimate_cost(m).nbytes
+        measured[name] = {"load": load, "nbytes": max(nbytes, estimate), "k": k, "b": b, "rss_delta": nbytes}
+        note(
+            f"    load {load:.2f} s, {nbytes / 2**20:.0f} MiB measured ({estimate / 2**20:.0f} estimated), "
+            f"k {k * 1000:.0f} ms, b {b * 1000:.0f} ms"
+        )
+    rows = {}
+    for name, m in spec.models.items():
+        rep = reps[shape_key(m)]
+        rows[name] = {**measured[rep], "max_batch": m.max_batch, "p": probs[name], "profiled_as": rep}
+    return {
+        "config": str(spec.path),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "threads": spec.threads,
+        "max_tokens": max_tokens,
+        "models": rows,
+    }
+
+
+def write_profile(data: Mapping[str, Any], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)

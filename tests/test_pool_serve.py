@@ -1,0 +1,195 @@
+"""The pool behind the OpenAI API, on real (tiny) GGUF models: answers equal each model's alone,
+pipelines route by the answer, switches under a budget, bad input and failed loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from openai import InternalServerError, NotFoundError, OpenAI
+
+from conftest import ModelFactory
+from moetier import CacheConfig, ConfigError, Model, pack
+from moetier.pool.executor import Pool, estimate_cost
+from moetier.pool.server import PoolService, make_server
+from moetier.pool.spec import load_spec
+
+PROMPTS = ["hello there", "the cat sat", "one two three", "abc def"]
+
+
+def pool_yaml(tmp: Path, tiny_model: ModelFactory, budget_models: float, scheduler: str = "coserve") -> Path:
+    dense = [tiny_model("qwen2", seed=s) for s in (1, 2, 3)]
+    moe = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3, seed=4)
+    store = tmp / "moe.experts"
+    if not store.exists():
+        pack(moe, store, progress=False)
+    broken = tmp / "broken.gguf"
+    broken.write_bytes(dense[0].read_bytes()[:4096])  # a GGUF header and nothing after it
+    per = max(estimate_cost(load_spec_one(tmp, dense[0])).nbytes, 1)
+    cfg = {
+        "budget": int(per * budget_models),
+        "executors": 1,
+        "scheduler": scheduler,
+        "models": {
+            "d1": {"path": str(dense[0]), "n_ctx": 256},
+            "d2": {"path": str(dense[1]), "n_ctx": 256},
+            "d3": {"path": str(dense[2]), "n_ctx": 256},
+            "moe": {"path": str(moe), "store": str(store), "cache": "50%", "n_ctx": 256},
+            "broken": {"path": str(broken), "n_ctx": 256},
+        },
+        "pipelines": {
+            "fixed": {"stages": {"a": {"model": "d1", "max_tokens": 4, "next": "b"}, "b": {"model": "moe"}}},
+            "routed": {
+                "first": "r",
+                "stages": {
+                    "r": {"model": "d2", "max_tokens": 4, "next": {"^$": "never", "default": "x"}},
+                    "never": {"model": "d1"},
+                    "x": {"model": "d3", "prompt": "{previous} | {input}"},
+                },
+            },
+        },
+    }
+    p = tmp / f"pool-{scheduler}.json"
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+def load_spec_one(tmp: Path, model: Path) -> object:
+    p = tmp / "one.json"
+    p.write_text(json.dumps({"budget": "1G", "models": {"m": {"path": str(model), "n_ctx": 256}}}))
+    return load_spec(p).models["m"]
+
+
+def alone(path: Path, prompt: str, n: int, store: Path | None = None) -> str:
+    cache = CacheConfig(budget="64M") if store else None
+    m = Model(path, store=store, cache=cache, n_ctx=256, n_threads=1)
+    try:
+        return m.generate(prompt, max_tokens=n).text
+    finally:
+        m.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path, tiny_model: ModelFactory) -> Iterator[tuple[OpenAI, Pool, Path]]:
+    spec = load_spec(pool_yaml(tmp_path, tiny_model, budget_models=2.5))
+    pool = Pool(spec)
+    server = make_server(PoolService(spec, pool), "127.0.0.1", 0)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    client = OpenAI(base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="none", max_retries=0)
+    try:
+        yield client, pool, spec.path
+    finally:
+        server.shutdown()
+        server.server_close()
+        pool.close()
+
+
+def test_every_answer_equals_the_model_alone_under_interleaved_load(
+    served: tuple[OpenAI, Pool, Path], tiny_model: ModelFactory
+) -> None:
+    client, pool, cfg = served
+    spec = load_spec(cfg)
+    names = ["d1", "d2", "d3", "moe"]
+    want = {(m, p): alone(spec.models[m].path, p, 8, spec.models[m].store) for m in names for p in PROMPTS}
+    jobs = [(names[(i * 7) % 4], PROMPTS[i % 4]) for i in range(24)]
+
+    def ask(job: tuple[str, str]) -> tuple[str, str, str, str]:
+        r = client.completions.create(model=job[0], prompt=job[1], max_tokens=8, temperature=0)
+        return job[0], job[1], r.model, r.choices[0].text
+
+    with ThreadPoolExecutor(6) as ex:
+        got = list(ex.map(ask, jobs))
+    for m, p, rm, text in got:
+        assert rm == m
+        assert text == want[(m, p)], (m, p)
+    # four models, room for two: the pool switched, and never held more than its budget
+    assert pool.sched.stats.loads >= 3
+    assert sum(c.loads for c in pool.counters.values()) >= 3
+
+
+def test_pipelines_route_by_rule_and_by_answer(served: tuple[OpenAI, Pool, Path]) -> None:
+    client, _, cfg = served
+    spec = load_spec(cfg)
+    r = client.completions.create(model="fixed", prompt="hello there", max_tokens=6)
+    first = alone(spec.models["d1"].path, "hello there", 4)
+    assert r.choices[0].text == alone(spec.models["moe"].path, "hello there", 6, spec.models["moe"].store)
+    stages = r.model_extra["moetier"]["stages"]  # type: ignore[index]
+    assert [s["model"] for s in stages] == ["d1", "moe"]
+    assert stages[0]["completion_tokens"] == len(Model(spec.models["d1"].path).tokenize(first, False)) or first
+    r = client.completions.create(model="routed", prompt="the cat sat", max_tokens=5)
+    routed_first = alone(spec.models["d2"].path, "the cat sat", 4)
+    assert routed_first  # the pattern ^$ matches only an empty answer, so the default stage runs
+    assert [s["model"] for s in r.model_extra["moetier"]["stages"]] == ["d2", "d3"]  # type: ignore[index]
+    assert r.choices[0].text == alone(spec.models["d3"].path, f"{routed_first} | the cat sat", 5)
+
+
+def test_chat_uses_the_models_template(served: tuple[OpenAI, Pool, Path]) -> None:
+    client, _, cfg = served
+    spec = load_spec(cfg)
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="d1", messages=msgs, max_tokens=6)  # type: ignore[arg-type]
+    m = Model(spec.models["d1"].path, n_ctx=256, n_threads=1)
+    assert r.choices[0].message.content == m.generate(m.chat_prompt([("user", "hi")]), max_tokens=6).text
+
+
+def test_unknown_models_failed_loads_and_metrics(served: tuple[OpenAI, Pool, Path]) -> None:
+    client, pool, _ = served
+    with pytest.raises(NotFoundError, match="unknown model 'nope'; this pool serves: d1, d2"):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(InternalServerError, match="broken"):
+        client.completions.create(model="broken", prompt="x", max_tokens=2)
+    # the failed load failed only its own request
+    assert client.completions.create(model="d1", prompt="x", max_tokens=2).choices[0].text is not None
+    ids = {m.id: m.model_extra["moetier"]["kind"] for m in client.models.list()}  # type: ignore[index]
+    assert ids == {
+        "d1": "model",
+        "d2": "model",
+        "d3": "model",
+        "moe": "model",
+        "broken": "model",
+        "fixed": "pipeline",
+        "routed": "pipeline",
+    }
+    base = str(client.base_url).removesuffix("/v1/")
+    text = urllib.request.urlopen(f"{base}/metrics").read().decode()
+    assert 'moetier_pool_model_load_failures_total{model="broken"} 1' in text
+    assert 'moetier_pool_model_resident{model="d1"} 1' in text
+    assert "moetier_pool_switches_total" in text
+    assert pool.counters["broken"].failures == 1
+
+
+def test_budget_and_config_errors(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    spec = load_spec(pool_yaml(tmp_path, tiny_model, budget_models=0.5))
+    with pytest.raises(ConfigError, match=r"model d1: needs \d+ bytes resident, more than"):
+        Pool(spec)
+
+
+def test_serve_pool_command(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    cfg = pool_yaml(tmp_path, tiny_model, budget_models=2.5, scheduler="fcfs-lru")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moetier.cli", "serve-pool", str(cfg), "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        lines = [proc.stderr.readline() for _ in range(2)]
+        assert "broken.gguf: cannot read" in lines[0]  # said at start; only its requests will fail
+        line = lines[1]
+        assert "scheduler fcfs-lru" in line, line
+        port = int(line.rsplit(":", 1)[1])
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        spec = load_spec(cfg)
+        r = client.completions.create(model="d2", prompt="abc def", max_tokens=5)
+        assert r.choices[0].text == alone(spec.models["d2"].path, "abc def", 5)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
