@@ -232,3 +232,39 @@ def test_spec_errors_name_the_file_and_line(tmp_path: Path, old: str, new: str, 
     with pytest.raises(ConfigError, match=msg) as e:
         load_spec(p)
     assert str(e.value).startswith(f"{p}:{line}:"), str(e.value)
+
+
+def test_no_executor_ever_holds_more_than_its_share() -> None:
+    rng = random.Random(3)
+    cs = {f"m{i}": c(nbytes=rng.randrange(50, 300) * MB, p=rng.random()) for i in range(12)}
+    deps = {"m0": {"m1", "m2"}, "m3": {"m4"}}
+    for name in ("coserve", "+arrange", "+evict", "none", "fcfs-lru", "fifo", "round-robin"):
+        s = Scheduler(cs, 800 * MB, 2, Mechanisms.baseline(name), deps)
+        s.preload_plan()
+        for i in range(200):
+            s.submit(Job(i, f"m{rng.randrange(12)}", 0.0), 0.0)
+            if i % 3 == 0:
+                for q in range(2):
+                    bt = s.next_batch(q, 0.0)
+                    if bt is not None:
+                        assert bt.model in s.executors[q].resident
+                        s.finish(bt)
+                    assert s.executors[q].used <= s.executors[q].budget, name
+        assert sum(len(e.queue) for e in s.executors) + s.stats.jobs == 200  # nothing lost
+
+
+def test_usage_probabilities_follow_the_pipelines_routes(tmp_path: Path) -> None:
+    from moetier.pool.profile import fit_line, usage_probabilities
+
+    spec = load_spec(write(tmp_path, GOOD))
+    # p: a on every request; b on half of them (the answer decides: split evenly between the outcomes)
+    assert usage_probabilities(spec) == pytest.approx({"a": 1 / 1.5, "b": 0.5 / 1.5})
+    assert usage_probabilities(spec, {"p": 1.0, "b": 1.0}) == pytest.approx({"a": 1 / 2.5, "b": 1.5 / 2.5})
+    with pytest.raises(ConfigError, match="unknown model or pipeline 'q'"):
+        usage_probabilities(spec, {"q": 1.0})
+    k, b = fit_line([1, 2, 4], [0.3, 0.5, 0.9])
+    assert (k, b) == pytest.approx((0.2, 0.1))
+    k, b = fit_line([1, 2, 4], [0.5, 0.6, 0.7])  # would be b > k: fine
+    assert b > 0
+    k, b = fit_line([1, 2], [0.5, 1.5])  # a negative intercept is clamped: the mean time per job
+    assert b == 0 and k == pytest.approx(2.0 / 3)

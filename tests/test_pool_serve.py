@@ -87,6 +87,7 @@ def served(tmp_path: Path, tiny_model: ModelFactory) -> Iterator[tuple[OpenAI, P
     try:
         yield client, pool, spec.path
     finally:
+        client.close()
         server.shutdown()
         server.server_close()
         pool.close()
@@ -159,7 +160,8 @@ def test_unknown_models_failed_loads_and_metrics(served: tuple[OpenAI, Pool, Pat
         "routed": "pipeline",
     }
     base = str(client.base_url).removesuffix("/v1/")
-    text = urllib.request.urlopen(f"{base}/metrics").read().decode()
+    with urllib.request.urlopen(f"{base}/metrics") as resp:
+        text = resp.read().decode()
     assert 'moetier_pool_model_load_failures_total{model="broken"} 1' in text
     assert 'moetier_pool_model_resident{model="d1"} 1' in text
     assert "moetier_pool_switches_total" in text
@@ -188,8 +190,57 @@ def test_serve_pool_command(tmp_path: Path, tiny_model: ModelFactory) -> None:
         port = int(line.rsplit(":", 1)[1])
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         spec = load_spec(cfg)
-        r = client.completions.create(model="d2", prompt="abc def", max_tokens=5)
+        with client:
+            r = client.completions.create(model="d2", prompt="abc def", max_tokens=5)
         assert r.choices[0].text == alone(spec.models["d2"].path, "abc def", 5)
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def test_profile_command_measures_each_shape_once(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    cfg = pool_yaml(tmp_path, tiny_model, budget_models=2.5)
+    data = json.loads(cfg.read_text())
+    del data["models"]["broken"]
+    cfg.write_text(json.dumps(data))
+    out = tmp_path / "prof.json"
+    usage = tmp_path / "usage.json"
+    usage.write_text(json.dumps({"fixed": 3, "d3": 1}))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moetier.cli",
+            "profile",
+            str(cfg),
+            "-o",
+            str(out),
+            "--usage",
+            str(usage),
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    prof = json.loads(out.read_text())["models"]
+    assert {m["profiled_as"] for m in prof.values()} == {"d1", "moe"}  # the three dense copies: one shape
+    assert prof["d1"]["p"] == pytest.approx(3 / 7) and prof["moe"]["p"] == pytest.approx(3 / 7)
+    assert prof["d2"]["p"] == 0 and prof["d3"]["p"] == pytest.approx(1 / 7)
+    for m in prof.values():
+        assert m["load"] > 0 and m["nbytes"] > 0 and m["k"] > 0 and m["b"] >= 0
+    data["profile"] = str(out)
+    data["budget"] = "256M"  # what a process grows by is noisy at these sizes: room for all of them
+    cfg.write_text(json.dumps(data))
+    pool = Pool(load_spec(cfg))
+    try:
+        assert pool.costs["d2"].nbytes == prof["d2"]["nbytes"]
+        assert pool.resident()  # the preload dealt the used models by their usage
+    finally:
+        pool.close()
+    data["models"]["extra"] = data["models"]["d1"]
+    cfg.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="no costs for extra; run `moetier profile"):
+        Pool(load_spec(cfg))

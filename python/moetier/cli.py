@@ -402,6 +402,8 @@ def cmd_serve_pool(ns: argparse.Namespace) -> int:
         spec = dataclasses.replace(spec, scheduler=ns.scheduler)
     if ns.executors:
         spec = dataclasses.replace(spec, executors=ns.executors)
+    if ns.threads:
+        spec = dataclasses.replace(spec, threads=ns.threads)
     if ns.no_profile:
         spec = dataclasses.replace(spec, profile=None)
     pool = Pool(spec)
@@ -889,6 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="override the file's scheduler: coserve, none, +evict, +arrange, fcfs-lru, fifo, round-robin",
     )
     sp.add_argument("--executors", type=int, default=0, help="override the file's number of executors")
+    sp.add_argument("--threads", type=int, default=0, help="override the file's compute threads per executor")
     sp.add_argument("--no-profile", action="store_true", help="ignore the file's profile: estimate the costs")
     sp.set_defaults(func=cmd_serve_pool)
 

@@ -9,7 +9,9 @@ reads the disk, as the budget assumes."""
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import threading
 import time
@@ -66,28 +68,40 @@ class ModelCounters:
 
 
 def gguf_bytes(spec: ModelSpec) -> tuple[int, int, dict[str, Any]]:
-    """(non-expert tensor bytes, expert tensor bytes, a few hyperparameters) of the model's GGUF."""
-    from gguf import GGUFReader
+    """(non-expert tensor bytes, expert tensor bytes, a few hyperparameters) from the model's GGUF
+    header (the tensor data is not read); remembered per file, size and time of change."""
+    st = spec.path.stat()
+    return _gguf_bytes(str(spec.path), st.st_size, st.st_mtime_ns)
 
-    r = GGUFReader(str(spec.path))
-    expert = sum(int(t.n_bytes) for t in r.tensors if "_exps." in t.name)
-    total = sum(int(t.n_bytes) for t in r.tensors)
 
-    def field_value(key: str) -> Any:
-        f = r.fields.get(key)
-        if f is None or not f.data:
-            return None
-        v = f.parts[f.data[0]]
-        return bytes(v).decode() if f.types and f.types[0].name == "STRING" else v.tolist()[0]
+@functools.lru_cache(maxsize=1024)
+def _gguf_bytes(path: str, size: int, mtime_ns: int) -> tuple[int, int, dict[str, Any]]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    arch = field_value("general.architecture") or ""
+    from ..tools.models import read_gguf_layout
+
+    with open(path, "rb") as f:
+        layout = read_gguf_layout(f)
+    expert = total = 0
+    n_vocab = 0
+    for name, t, shape, _ in layout.tensors:
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+        n = math.prod(shape) // block * nbytes
+        total += n
+        if "_exps." in name:
+            expert += n
+        if name == "token_embd.weight" and len(shape) > 1:
+            n_vocab = shape[1]
+    kv = layout.kv
+    arch = str(kv.get("general.architecture", ""))
+    n_head = int(kv.get(f"{arch}.attention.head_count") or 1)
     hp = {
         "arch": arch,
-        "n_layer": field_value(f"{arch}.block_count") or 0,
-        "n_embd": field_value(f"{arch}.embedding_length") or 0,
-        "n_head": field_value(f"{arch}.attention.head_count") or 1,
-        "n_head_kv": field_value(f"{arch}.attention.head_count_kv") or field_value(f"{arch}.attention.head_count") or 1,
-        "n_vocab": len(r.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in r.fields else 0,
+        "n_layer": int(kv.get(f"{arch}.block_count") or 0),
+        "n_embd": int(kv.get(f"{arch}.embedding_length") or 0),
+        "n_head": n_head,
+        "n_head_kv": int(kv.get(f"{arch}.attention.head_count_kv") or n_head),
+        "n_vocab": n_vocab,
     }
     return total - expert, expert, hp
 
@@ -109,17 +123,23 @@ def cache_bytes(spec: ModelSpec, expert_bytes: int) -> int:
     return parse_size(spec.cache, f"models.{spec.name}.cache")
 
 
-def estimate_cost(spec: ModelSpec) -> Cost:
-    """What a model costs without a profile: its resident bytes (dense weights, or a MoE's dense
-    weights plus its expert cache, plus the KV cache and an allowance for llama.cpp's compute
-    buffers), a load at DISK_BYTES_PER_SECOND and a guessed 50 ms per job. `moetier profile`
-    measures all of these."""
+def footprint(spec: ModelSpec) -> tuple[int, int, int]:
+    """(weights, KV cache, an allowance for llama.cpp's compute buffers) in bytes, from the GGUF: the
+    weights are a dense model's tensors, or a MoE's dense tensors plus its expert cache."""
     dense, expert, hp = gguf_bytes(spec)
     weights = dense + (cache_bytes(spec, expert) if spec.store is not None else expert)
     head_dim = hp["n_embd"] // max(1, hp["n_head"])
     kv = 2 * hp["n_layer"] * spec.n_ctx * hp["n_head_kv"] * head_dim * 2  # K and V in f16
     ubatch = min(512, spec.n_ctx)
     compute = 4 * ubatch * (hp["n_vocab"] + 8 * hp["n_embd"]) + 4 * ubatch * spec.n_ctx * hp["n_head"]
+    return weights, kv, compute
+
+
+def estimate_cost(spec: ModelSpec) -> Cost:
+    """What a model costs without a profile: its resident bytes (footprint(), the compute allowance
+    included: an upper bound), a load at DISK_BYTES_PER_SECOND and a guessed 50 ms per job.
+    `moetier profile` measures all of these."""
+    weights, kv, compute = footprint(spec)
     return Cost(
         k=0.05, b=0.01, load=weights / DISK_BYTES_PER_SECOND, nbytes=weights + kv + compute, max_batch=spec.max_batch
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .executor import drop_page_cache, estimate_cost, open_model
+from .executor import drop_page_cache, estimate_cost, footprint, open_model
 from .spec import ModelSpec, PoolSpec
 
 PROMPTS = (
@@ -142,8 +142,11 @@ def profile(
         model.close()
         del model
         drop_page_cache(m.path)
+        # what the process grew by holds the compute buffers; the weights and KV it has not touched yet
+        # still count in full
+        w_bytes, kv, _ = footprint(m)
         estimate = estimate_cost(m).nbytes
-        measured[name] = {"load": load, "nbytes": max(nbytes, estimate), "k": k, "b": b, "rss_delta": nbytes}
+        measured[name] = {"load": load, "nbytes": max(nbytes, w_bytes + kv), "k": k, "b": b, "rss_delta": nbytes}
         note(
             f"    load {load:.2f} s, {nbytes / 2**20:.0f} MiB measured ({estimate / 2**20:.0f} estimated), "
             f"k {k * 1000:.0f} ms, b {b * 1000:.0f} ms"

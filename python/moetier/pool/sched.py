@@ -232,12 +232,18 @@ class Scheduler:
         elif self.mech.evict == "lru":
             order = sorted(others, key=lambda m: ex.last_use.get(m, -1))
         else:
-            # stage 1: dependent models none of whose predecessors is resident, largest first (they
-            # cannot run before a predecessor is loaded again); stage 2: by prior usage, least first
-            stage1 = [m for m in others if self.deps.get(m) and not (self.deps[m] & ex.resident.keys())]
+            # stage 1: dependent models none of whose predecessors is resident or queued here, largest
+            # first (they cannot run before a predecessor is loaded again); stage 2: by prior usage,
+            # least first. Two readings the paper leaves open, both measured in bench/coserve.py: a
+            # predecessor queued here counts as present (else a second-stage model shared by many
+            # first stages is evicted whenever none of them happens to be resident), and a model
+            # queued here goes after those that are not (its load would be paid again within the queue)
+            queued = {j.model for j in ex.queue}
+            present = ex.resident.keys() | queued
+            stage1 = [m for m in others if self.deps.get(m) and not (self.deps[m] & present) and m not in queued]
             stage1.sort(key=lambda m: (-ex.resident[m], m))
             rest = [m for m in others if m not in stage1]
-            rest.sort(key=lambda m: (self.costs[m].p, m))
+            rest.sort(key=lambda m: (m in queued, self.costs[m].p, m))
             order = stage1 + rest
         out: list[str] = []
         for m in order:
