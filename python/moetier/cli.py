@@ -906,7 +906,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "-o", "--output", default=None, help="profile to write (default: the file's profile:, or CONFIG.profile.json)"
     )
-    pr.add_argument("--max-tokens", type=_tokens, default=16, help="tokens generated per timed request (default: 16)")
+    pr.add_argument(
+        "--max-tokens",
+        type=_tokens,
+        default=16,
+        help="tokens per timed request of a model in no pipeline (one in a pipeline is timed with its stage's "
+        "prompt and max_tokens; default: 16)",
+    )
     pr.add_argument(
         "--usage",
         default=None,

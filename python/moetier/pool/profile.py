@@ -104,6 +104,18 @@ def fit_line(ns: list[int], ts: list[float]) -> tuple[float, float]:
     return k, b
 
 
+def timed_requests(spec: PoolSpec, key: tuple[Any, ...], max_tokens: int) -> tuple[int, list[str]]:
+    """The requests a shape of model is timed with: as a pipeline stage that uses it asks (its
+    max_tokens, its prompt with PROMPTS as the input and a short earlier answer), else max_tokens
+    tokens after PROMPTS."""
+    for p in spec.pipelines.values():
+        for st in p.stages.values():
+            if shape_key(spec.models[st.model]) == key:
+                fill = [st.prompt.replace("{input}", x).replace("{previous}", "Yes.") for x in PROMPTS]
+                return st.max_tokens, fill
+    return max_tokens, list(PROMPTS)
+
+
 def profile(
     spec: PoolSpec,
     max_tokens: int = 16,
@@ -111,7 +123,8 @@ def profile(
     batches: tuple[int, ...] = (1, 2, 4),
     note: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
-    """Measures every shape of model in the pool; returns the profile (see write_profile)."""
+    """Measures every shape of model in the pool; returns the profile (see write_profile). A model in
+    a pipeline is timed as its first stage there asks; max_tokens times the others."""
     probs = usage_probabilities(spec, weights)
     reps: dict[tuple[Any, ...], str] = {}
     for name, m in spec.models.items():
@@ -121,12 +134,13 @@ def profile(
         m = spec.models[name]
         same = sum(1 for s in spec.models.values() if shape_key(s) == key)
         note(f"[{i + 1}/{len(reps)}] {name} ({m.path.name}; {same} of this shape)")
+        n_tok, prompts = timed_requests(spec, key, max_tokens)
         drop_page_cache(m.path)
         before = rss_bytes()
         t = time.perf_counter()
         model = open_model(m, spec.threads)
         load = time.perf_counter() - t
-        model.generate(PROMPTS[0], max_tokens=max_tokens)  # compute buffers and the first expert reads
+        model.generate(prompts[0], max_tokens=n_tok)  # compute buffers and the first expert reads
         nbytes = max(0, rss_bytes() - before)
         ns: list[int] = []
         ts: list[float] = []
@@ -135,7 +149,7 @@ def profile(
                 continue
             t = time.perf_counter()
             for j in range(n):
-                model.generate(PROMPTS[j % len(PROMPTS)], max_tokens=max_tokens)
+                model.generate(prompts[(j + 1) % len(prompts)], max_tokens=n_tok)
             ns.append(n)
             ts.append(time.perf_counter() - t)
         k, b = fit_line(ns, ts)
