@@ -35,6 +35,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("pack", PREPARE, "write a model's expert store: aligned, checksummed, with low-precision copies"),
     ("calibrate", PREPARE, "pick precision thresholds and policy weights for a budget from routing on text"),
     ("profile", PREPARE, "measure a pool's models for its scheduler: load time, bytes, latency per batch"),
+    ("consolidate", PREPARE, "rank the experts several fine-tuned variants of one MoE could share; write the map"),
     ("fit-predictor", PREPARE, "fit the prefetch predictor: later layers' routing from a layer's gate input"),
     ("trace", STUDY, "record a MoE's routing on text: experts and gate weights per token and layer"),
     ("replay", STUDY, "replay a routing trace through the cache for each policy and budget, beside Belady"),
@@ -636,6 +637,12 @@ def cmd_replay(ns: argparse.Namespace, extra: list[str]) -> int:
     return replay.replay_main(extra)
 
 
+def cmd_consolidate(ns: argparse.Namespace, extra: list[str]) -> int:
+    from .tools import consolidate
+
+    return consolidate.main(extra)
+
+
 def cmd_train_policy(ns: argparse.Namespace, extra: list[str]) -> int:
     from .tools import train_policy
 
@@ -922,6 +929,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_profile)
 
     _command(sub, "fit-predictor", passthrough=True).set_defaults(func=cmd_fit_predictor)
+    _command(sub, "consolidate", passthrough=True).set_defaults(func=cmd_consolidate)
     _command(sub, "trace", passthrough=True).set_defaults(func=cmd_trace)
     _command(sub, "replay", passthrough=True).set_defaults(func=cmd_replay)
     _command(sub, "routing", passthrough=True).set_defaults(func=cmd_routing)

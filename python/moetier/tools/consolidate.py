@@ -1,0 +1,212 @@
+"""`moetier consolidate`: which experts several fine-tuned variants of one MoE can share.
+
+The multi-MoE paper's algorithm 1 (Imani et al., "QoS-Efficient Serving of Multiple MoE LLMs Using
+Partial Runtime Reconfiguration", section 3.1): every (layer, expert) position is ranked by the
+summed L2 distance between the variants' copies of that expert (gate, up and down weights flattened
+and concatenated), most similar first; the C most similar positions are shared, dealt to the
+variants in turn (rank r goes to variant r mod |M|), so that a request of any variant computes a
+shared position with that one variant's copy, and the other positions with its own. Sharing is
+lossy: the map says which copy stands in for which.
+
+The map also holds, per layer, the mean distance between the variants' copies of one position and
+between different positions (the paper's figure 2: fine-tunes of one base stay close to their own
+position, far from any other), so a user can see whether the variants are worth consolidating.
+
+    moetier consolidate base-code.gguf base-prose.gguf --capacity 50% -o variants.map.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import ConfigError
+
+PROJS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class Variant:
+    path: Path
+    arch: str
+    layers: dict[int, dict[str, Any]]  # MoE layer -> projection -> the gguf reader's tensor
+
+
+def _open(path: Path) -> Variant:
+    from gguf import GGUFReader
+
+    try:
+        r = GGUFReader(str(path))
+    except FileNotFoundError:
+        msg = f"{path}: the variant's GGUF does not exist"
+        raise ConfigError(msg) from None
+    except (OSError, ValueError) as e:
+        msg = f"{path}: not a readable GGUF file ({e})"
+        raise ConfigError(msg) from None
+    f = r.fields.get("general.architecture")
+    arch = bytes(f.parts[f.data[0]]).decode() if f is not None else ""
+    layers: dict[int, dict[str, Any]] = {}
+    for t in r.tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in PROJS:
+            layers.setdefault(int(parts[1]), {})[parts[2]] = t
+    if not layers:
+        msg = f"{path}: no expert tensors (blk.N.ffn_*_exps): not a MoE model"
+        raise ConfigError(msg)
+    for il, projs in layers.items():
+        missing = [p for p in PROJS if p not in projs]
+        if missing:
+            msg = f"{path}: layer {il} lacks {', '.join(missing)}"
+            raise ConfigError(msg)
+    return Variant(path, arch, dict(sorted(layers.items())))
+
+
+def _check_same(vs: list[Variant]) -> None:
+    a = vs[0]
+    for v in vs[1:]:
+        if v.arch != a.arch:
+            msg = f"{v.path}: architecture {v.arch!r}, but {a.path} is {a.arch!r}; variants must share one architecture"
+            raise ConfigError(msg)
+        if list(v.layers) != list(a.layers):
+            msg = f"{v.path}: MoE layers {list(v.layers)} differ from {a.path}'s {list(a.layers)}"
+            raise ConfigError(msg)
+        for il in a.layers:
+            for p in PROJS:
+                sa, sv = (tuple(int(x) for x in u.layers[il][p].shape) for u in (a, v))
+                if sa != sv:
+                    msg = f"{v.path}: blk.{il}.{p} has shape {sv}, but {a.path}'s is {sa}; variants need one shape"
+                    raise ConfigError(msg)
+
+
+def _experts(t: Any) -> F32:
+    """One projection's experts as float32 rows: (n_expert, everything else flattened)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = np.asarray(t.data)
+    qt = GGMLQuantizationType(int(t.tensor_type))
+    w = data.astype(np.float32) if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else dequantize(data, qt)
+    n_expert = int(t.shape[-1])  # gguf shapes are ne0 first: the expert index is the last
+    return np.asarray(w, dtype=np.float32).reshape(n_expert, -1)
+
+
+def consolidate(paths: Sequence[str | os.PathLike[str]], capacity: int | float) -> dict[str, Any]:
+    """The consolidation map of the variants: capacity is a count of positions (int) or a share of
+    all positions (float in (0, 1]). Returns the map's JSON object (see the module's docstring)."""
+    if len(paths) < 2:
+        msg = "consolidate: give at least two variants"
+        raise ConfigError(msg)
+    vs = [_open(Path(p)) for p in paths]
+    _check_same(vs)
+    layers = list(vs[0].layers)
+    n_expert = int(vs[0].layers[layers[0]]["ffn_gate_exps"].shape[-1])
+    n_pos = len(layers) * n_expert
+    c = round(capacity * n_pos) if isinstance(capacity, float) else int(capacity)
+    if not 0 <= c <= n_pos:
+        msg = f"capacity: {capacity} gives {c} positions; there are {n_pos} ({len(layers)} layers x {n_expert} experts)"
+        raise ConfigError(msg)
+    dist = np.zeros((len(layers), n_expert), dtype=np.float64)
+    same_mean: list[float] = []
+    cross_mean: list[float] = []
+    for li, il in enumerate(layers):
+        rows = [np.concatenate([_experts(v.layers[il][p]) for p in PROJS], axis=1) for v in vs]
+        for i in range(len(vs)):
+            for j in range(i + 1, len(vs)):
+                # ordered pairs (i, j) and (j, i) both count, (i, i) adds nothing: twice the unordered sum
+                dist[li] += 2.0 * np.linalg.norm(rows[i] - rows[j], axis=1)
+        a, b = rows[0], rows[1]
+        same_mean.append(float(np.mean(np.linalg.norm(a - b, axis=1))))
+        # ||a_e - b_f||^2 = |a_e|^2 + |b_f|^2 - 2 a_e.b_f for every pair of positions e != f
+        sq = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * (a @ b.T)
+        off = ~np.eye(n_expert, dtype=bool)
+        cross_mean.append(float(np.mean(np.sqrt(np.maximum(sq[off], 0.0)))) if n_expert > 1 else 0.0)
+    order = sorted((float(dist[li, e]), layers[li], e) for li in range(len(layers)) for e in range(n_expert))
+    owner = {il: [-1] * n_expert for il in layers}
+    for r, (_, il, e) in enumerate(order[:c]):
+        owner[il][e] = r % len(vs)
+    return {
+        "format": "moetier-consolidation-1",
+        "variants": [
+            {"path": str(v.path), "bytes": v.path.stat().st_size, "sha256_head": _head_digest(v.path)} for v in vs
+        ],
+        "arch": vs[0].arch,
+        "n_expert": n_expert,
+        "capacity": c,
+        "layers": layers,
+        "map": [owner[il] for il in layers],  # per layer, per expert: the variant whose copy is shared, or -1
+        "distance": [[round(float(x), 6) for x in row] for row in dist],
+        "same_position_mean": same_mean,  # variants 0 and 1, per layer
+        "cross_position_mean": cross_mean,
+    }
+
+
+def _head_digest(path: Path) -> str:
+    """sha256 of the file's first MiB and its size: enough to tell a map's variants from other files."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    h.update(str(path.stat().st_size).encode())
+    return h.hexdigest()
+
+
+def summary(m: dict[str, Any]) -> str:
+    n = len(m["layers"]) * m["n_expert"]
+    per = [sum(1 for row in m["map"] for x in row if x == i) for i in range(len(m["variants"]))]
+    lines = [
+        f"{len(m['variants'])} variants of {m['arch']}, {len(m['layers'])} MoE layers x {m['n_expert']} experts: "
+        f"{m['capacity']} of {n} positions shared ({', '.join(f'{k} from variant {i}' for i, k in enumerate(per))})",
+        "layer  same-position distance  cross-position distance",
+    ]
+    for il, s, c in zip(m["layers"], m["same_position_mean"], m["cross_position_mean"], strict=True):
+        lines.append(f"{il:5d}  {s:22.4f}  {c:23.4f}")
+    return "\n".join(lines)
+
+
+def _capacity(text: str) -> int | float:
+    try:
+        if text.endswith("%"):
+            v = float(text[:-1]) / 100.0
+            if not 0 <= v <= 1:
+                raise ValueError
+            return v
+        return int(text)
+    except ValueError:
+        msg = f"--capacity: {text!r} is not a count of positions or a share like 50%"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="moetier consolidate",
+        description="Ranks every (layer, expert) position of several fine-tuned variants of one MoE by the summed "
+        "L2 distance between their copies (the multi-MoE paper's algorithm 1) and shares the most similar "
+        "positions, dealt to the variants in turn; writes the map and prints the same- and cross-position "
+        "distances per layer.",
+    )
+    ap.add_argument("variants", nargs="+", help="the variants' GGUF files (one architecture, one shape)")
+    ap.add_argument(
+        "--capacity",
+        type=_capacity,
+        required=True,
+        help="positions to share: a count, or a share of all positions (50%%); 0 shares nothing",
+    )
+    ap.add_argument("-o", "--output", required=True, help="the map to write (JSON)")
+    ns = ap.parse_args(argv)
+    m = consolidate(ns.variants, ns.capacity)
+    out = Path(ns.output)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(m, indent=1) + "\n")
+    tmp.replace(out)
+    sys.stdout.write(summary(m) + f"\nwrote {out}\n")
+    return 0

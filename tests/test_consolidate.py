@@ -1,0 +1,80 @@
+"""moetier consolidate: the multi-MoE paper's algorithm 1 on tiny generated variants of one MoE."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from conftest import ModelFactory
+from moetier import ConfigError
+from moetier.cli import main
+from moetier.tools.consolidate import consolidate
+
+N_LAYER, N_EXPERT = 3, 8
+
+
+def variant(base: Path, out: Path, seed: int) -> Path:
+    """A copy of base whose expert (l, e) moved by noise of scale (l * N_EXPERT + e + 1) * 1e-3:
+    the positions' distances rank in position order."""
+    shutil.copyfile(base, out)
+    rng = np.random.default_rng(seed)
+    tensors = [t for t in GGUFReader(str(base)).tensors if "_exps." in t.name]
+    with open(out, "r+b") as f:
+        for t in tensors:
+            il = int(t.name.split(".")[1])
+            w = np.asarray(t.data, dtype=np.float16).astype(np.float32).copy()  # (expert, rows, cols)
+            for e in range(w.shape[0]):
+                w[e] += rng.standard_normal(w[e].shape).astype(np.float32) * (il * N_EXPERT + e + 1) * 1e-3
+            f.seek(int(t.data_offset))
+            f.write(w.astype(np.float16).tobytes())
+    return out
+
+
+@pytest.fixture
+def variants(tiny_model: ModelFactory, tmp_path: Path) -> list[Path]:
+    base = tiny_model("qwen2moe", n_expert=N_EXPERT, n_expert_used=2, n_layer=N_LAYER)
+    return [variant(base, tmp_path / f"v{i}.gguf", i) for i in range(3)]
+
+
+def test_the_closest_positions_are_shared_round_robin(variants: list[Path]) -> None:
+    m = consolidate(variants, 10)
+    flat = [x for row in m["map"] for x in row]
+    # position p = l * 8 + e ranks p-th: the first 10 are shared, dealt to variants 0, 1, 2, 0, ...
+    assert flat[:10] == [r % 3 for r in range(10)]
+    assert flat[10:] == [-1] * (N_LAYER * N_EXPERT - 10)
+    d = [x for row in m["distance"] for x in row]
+    assert d == sorted(d) and d[0] > 0
+    # the variants stay near their own position, far from the others (the paper's figure 2)
+    assert all(s < c / 3 for s, c in zip(m["same_position_mean"], m["cross_position_mean"], strict=True))
+    assert consolidate(variants, 0.5)["capacity"] == 12
+    assert all(x == -1 for row in consolidate(variants, 0)["map"] for x in row)
+
+
+def test_cli_writes_the_map(variants: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "map.json"
+    assert main(["consolidate", *map(str, variants), "--capacity", "25%", "-o", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert m["capacity"] == 6 and [v["path"] for v in m["variants"]] == list(map(str, variants))
+    assert "6 of 24 positions shared (2 from variant 0, 2 from variant 1, 2 from variant 2)" in capsys.readouterr().out
+
+
+def test_variants_of_other_shapes_or_models_are_refused(
+    variants: list[Path], tiny_model: ModelFactory, tmp_path: Path
+) -> None:
+    other = tiny_model("qwen2moe", n_expert=4, n_expert_used=2, n_layer=N_LAYER)
+    shape = r"other\.gguf: blk\.0\.ffn_gate_exps has shape \(64, 64, 4\), but .*v0\.gguf's is \(64, 64, 8\)"
+    with pytest.raises(ConfigError, match=shape):
+        consolidate([variants[0], shutil.copyfile(other, tmp_path / "other.gguf")], 1)
+    with pytest.raises(ConfigError, match="architecture 'qwen3moe'"):
+        consolidate([variants[0], tiny_model("qwen3moe", n_expert=N_EXPERT, n_expert_used=2, n_layer=N_LAYER)], 1)
+    with pytest.raises(ConfigError, match="not a MoE model"):
+        consolidate([variants[0], tiny_model("qwen2")], 1)
+    with pytest.raises(ConfigError, match="there are 24"):
+        consolidate(variants, 25)
+    with pytest.raises(ConfigError, match="does not exist"):
+        consolidate([variants[0], tmp_path / "none.gguf"], 1)
