@@ -373,6 +373,7 @@ def run_system(
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
                 (out_dir / f"{name}.metrics").write_bytes(r.read())
             extra["switches"] = metric(port, "moetier_pool_switches_total")
+            extra["bytes_loaded"] = metric(port, "moetier_pool_loaded_bytes_total")
             extra["sched_seconds"] = metric(port, "moetier_pool_scheduler_seconds_total")
         peak = int((group.path / "memory.max_usage_in_bytes").read_text())
     finally:
@@ -386,7 +387,9 @@ def run_system(
         group.close()
     if name == "router":
         text = (out_dir / f"{name}.log").read_text(errors="replace")
-        extra["switches"] = len(re.findall(r"spawning server instance with name=", text))
+        spawned = re.findall(r"spawning server instance with name=(\S+)", text)
+        extra["switches"] = len(spawned)
+        extra["bytes_loaded"] = sum(Path(cfg["models"][m]["path"]).stat().st_size for m in spawned)
     ok = [r for r in recs if r.get("ok")]
     first = min(r["arrival"] for r in recs)
     last = max(r["end"] for r in ok) if ok else float("nan")
@@ -473,7 +476,7 @@ def main() -> int:
     ap.add_argument("--budget-share", type=float, default=0.20, help="pool budget as a share of the models' bytes")
     ap.add_argument(
         "--systems",
-        default="coserve,coserve@1x2,fcfs-lru@1x2,round-robin,router",
+        default="coserve,coserve@1x2,fcfs-lru@1x2,fifo@1x2,round-robin,router",
         help="real runs, comma-separated (NAME@EXECUTORS overrides the executors); empty: simulator only",
     )
     ap.add_argument("--seed", type=int, default=7)
@@ -637,8 +640,8 @@ def report(d: dict[str, Any]) -> str:
         "## Real servers",
         "",
         "| system | completed | failed | misrouted | answers differing from the model alone | req/s | switches | "
-        "p50 s | p99 s | peak memory | scheduler time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "GiB loaded | p50 s | p99 s | peak memory | scheduler time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = next((r for r in d["real"] if r["system"] == "router"), None)
     for r in d["real"]:
@@ -646,6 +649,7 @@ def report(d: dict[str, Any]) -> str:
         lines.append(
             f"| {r['system']} | {r['completed']} | {r['failed']} | {r.get('misrouted', '-')} | "
             f"{r.get('differs_from_alone', '-')} | {r['throughput']:.3f} | {r.get('switches', '-'):.0f} | "
+            f"{r.get('bytes_loaded', 0) / gi:.2f} | "
             f"{r['p50']:.1f} | {r['p99']:.1f} | {r['peak_bytes'] / gi:.2f} GiB | {sched} |"
         )
     if base:

@@ -4,6 +4,7 @@ pipelines route by the answer, switches under a budget, bad input and failed loa
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -164,7 +165,9 @@ def test_unknown_models_failed_loads_and_metrics(served: tuple[OpenAI, Pool, Pat
         text = resp.read().decode()
     assert 'moetier_pool_model_load_failures_total{model="broken"} 1' in text
     assert 'moetier_pool_model_resident{model="d1"} 1' in text
-    assert "moetier_pool_switches_total" in text
+    switches = int(re.search(r"^moetier_pool_switches_total (\d+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    loaded = int(re.search(r"^moetier_pool_loaded_bytes_total (\d+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    assert switches == pool.sched.stats.loads and loaded == pool.sched.stats.bytes_loaded > 0
     assert pool.counters["broken"].failures == 1
 
 
