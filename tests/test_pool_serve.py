@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,10 +18,10 @@ import pytest
 from openai import InternalServerError, NotFoundError, OpenAI
 
 from conftest import ModelFactory
-from moetier import CacheConfig, ConfigError, Model, pack
-from moetier.pool.executor import Pool, estimate_cost
+from moetier import CacheConfig, ConfigError, Model, ModelError, pack
+from moetier.pool.executor import Pool, Work, estimate_cost, open_model
 from moetier.pool.server import PoolService, make_server
-from moetier.pool.spec import load_spec
+from moetier.pool.spec import ModelSpec, load_spec
 
 PROMPTS = ["hello there", "the cat sat", "one two three", "abc def"]
 
@@ -247,3 +248,29 @@ def test_profile_command_measures_each_shape_once(tmp_path: Path, tiny_model: Mo
     cfg.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="no costs for extra; run `moetier profile"):
         Pool(load_spec(cfg))
+
+
+def test_close_answers_what_is_still_queued(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    spec = load_spec(pool_yaml(tmp_path, tiny_model, budget_models=2.5))
+    gate, loading = threading.Event(), threading.Event()
+
+    def opener(m: ModelSpec, threads: int) -> Model:
+        loading.set()
+        gate.wait(30)
+        return open_model(m, threads)
+
+    pool = Pool(spec, opener=opener)
+    got: list[tuple[str, object, BaseException | None]] = []
+    for name in ("d1", "d2", "d3"):
+        pool.submit(name, Work("x", None, 2, lambda a, e, n=name: got.append((n, a, e))))
+    assert loading.wait(30)  # the executor has taken d1's batch
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    time.sleep(0.2)
+    gate.set()
+    closer.join(30)
+    assert sorted(n for n, _, _ in got) == ["d1", "d2", "d3"]  # every request answered
+    done = {n: (a, e) for n, a, e in got}
+    assert done["d1"][0] is not None, done  # the running batch finished
+    for n in ("d2", "d3"):
+        assert isinstance(done[n][1], ModelError) and "shutting down" in str(done[n][1])

@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import CacheConfig, ContextConfig, parse_size
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 from ..model import Model
 from .sched import Cost, Job, Scheduler
 from .spec import ModelSpec, PoolSpec
@@ -198,6 +199,14 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
+def _deliver(work: Work, answer: Answer | None, error: BaseException | None) -> None:
+    """Calls the job's callback; an error in it must not stop the executor that runs the others."""
+    try:
+        work.done(answer, error)
+    except Exception as e:  # the callback's own bug: said, and the executor goes on
+        sys.stderr.write(f"moetier pool: a request's callback failed: {type(e).__name__}: {e}\n")
+
+
 class Pool:
     """The executors over one Scheduler. submit() queues a job; each executor thread takes its next
     batch, unloads what the scheduler evicted, loads the model if needed and runs the jobs."""
@@ -260,6 +269,11 @@ class Pool:
             self._cv.notify_all()
         for t in self._threads:
             t.join()
+        # what is still queued is answered, never left waiting
+        for ex in self.sched.executors:
+            queued, ex.queue = ex.queue, []
+            for job in queued:
+                _deliver(job.payload, None, ModelError("the pool is shutting down; the request was not run"))
         for loaded in self._loaded:
             for m in list(loaded):
                 loaded.pop(m).close()
@@ -333,7 +347,7 @@ class Pool:
         c.jobs += 1
         if error is not None:
             c.failures += 1
-            work.done(None, error)
+            _deliver(work, None, error)
             return
         t = time.perf_counter()
         try:
@@ -342,7 +356,7 @@ class Pool:
             r = m.generate(prompt or "", max_tokens=work.max_tokens, temperature=work.temperature, seed=work.seed)
         except Exception as e:
             c.failures += 1
-            work.done(None, e)
+            _deliver(work, None, e)
             return
         run_s = time.perf_counter() - t
         c.run_seconds += run_s
@@ -357,4 +371,4 @@ class Pool:
             load_seconds=load_s,
             run_seconds=run_s,
         )
-        work.done(answer, None)
+        _deliver(work, answer, None)
