@@ -96,6 +96,14 @@ def test_two_stage_eviction_frees_orphaned_dependents_first_then_by_usage() -> N
     assert run_loads(s, ["new"]) == [["cls2", "other"]]
 
 
+def test_the_model_being_loaded_keeps_its_next_stage() -> None:
+    cs = costs(cls=c(nbytes=100 * MB, p=0.5), det=c(nbytes=200 * MB, p=0.9), other=c(nbytes=200 * MB, p=0.1))
+    s = Scheduler(cs, 450 * MB, 1, Mechanisms(), {"det": {"cls"}})
+    s.executors[0].resident.update({"det": 200 * MB, "other": 200 * MB})
+    # cls is loading: its answers lead to det, so det is no orphan; other (least used) goes
+    assert run_loads(s, ["cls"]) == [["other"]]
+
+
 def test_lru_and_fifo_replacement() -> None:
     cs = costs(a=c(), b=c(), d=c(), e=c())
     lru = Scheduler(cs, 300 * MB, 1, Mechanisms(arrange=False, evict="lru"))
@@ -202,6 +210,8 @@ pipelines:
 
 
 def test_spec_loads_models_pipelines_and_dependencies(tmp_path: Path) -> None:
+    s = load_spec(write(tmp_path, GOOD.replace('"{input} / {previous}"', '"{input} as JSON: {{\\"a\\": 1}}"')))
+    assert s.pipelines["p"].stages["two"].prompt.endswith('{{"a": 1}}')  # braces that are no field are text
     s = load_spec(write(tmp_path, GOOD))
     assert s.budget == 1 << 30 and s.executors == 2 and set(s.models) == {"a", "b"}
     p = s.pipelines["p"]
@@ -222,6 +232,7 @@ def test_spec_loads_models_pipelines_and_dependencies(tmp_path: Path) -> None:
         ('"(?i)yes"', '"(yes"', 10, "not a regular expression"),
         ("budget: 1G", "budget: lots", 1, "budget"),
         ("a.gguf", "missing.gguf", 4, "missing.gguf does not exist"),
+        ("b: {path: b.gguf,", "b: {path: b.gguf, cache: 25%,", 5, "an expert cache needs a store"),
         ("first: one", "first: two", 10, "unreachable from the first stage 'two'"),
         ('"{input} / {previous}"', '"{input} {answer}"', 11, r"unknown field \{answer\}"),
     ],

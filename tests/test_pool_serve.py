@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -170,6 +171,9 @@ def test_unknown_models_failed_loads_and_metrics(served: tuple[OpenAI, Pool, Pat
     loaded = int(re.search(r"^moetier_pool_loaded_bytes_total (\d+)$", text, re.M).group(1))  # type: ignore[union-attr]
     assert switches == pool.sched.stats.loads and loaded == pool.sched.stats.bytes_loaded > 0
     assert pool.counters["broken"].failures == 1
+    req = urllib.request.Request(f"{base}/v1/completions", b"{}", {"Content-Length": "x"})
+    with pytest.raises(urllib.error.HTTPError, match="400"):
+        urllib.request.urlopen(req)
 
 
 def test_budget_and_config_errors(tmp_path: Path, tiny_model: ModelFactory) -> None:
@@ -244,6 +248,11 @@ def test_profile_command_measures_each_shape_once(tmp_path: Path, tiny_model: Mo
         assert pool.resident()  # the preload dealt the used models by their usage
     finally:
         pool.close()
+    data["models"]["d2"]["n_ctx"] = 512  # the profile measured another context: stale
+    cfg.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"d2 was profiled as .* run `moetier profile"):
+        Pool(load_spec(cfg))
+    data["models"]["d2"]["n_ctx"] = 256
     data["models"]["extra"] = data["models"]["d1"]
     cfg.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="no costs for extra; run `moetier profile"):

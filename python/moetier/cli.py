@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -401,6 +402,10 @@ def cmd_serve_pool(ns: argparse.Namespace) -> int:
     if ns.scheduler:
         Mechanisms.baseline(ns.scheduler)
         spec = dataclasses.replace(spec, scheduler=ns.scheduler)
+    for flag, v in (("--executors", ns.executors), ("--threads", ns.threads)):
+        if v < 0:
+            msg = f"{flag}: {v} must be at least 1 (0 keeps the file's)"
+            raise ConfigError(msg)
     if ns.executors:
         spec = dataclasses.replace(spec, executors=ns.executors)
     if ns.threads:
@@ -439,7 +444,10 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     if ns.usage:
         try:
             weights = {str(k): float(v) for k, v in js.loads(Path(ns.usage).read_text()).items()}
-        except (ValueError, AttributeError) as e:
+            if not all(math.isfinite(w) for w in weights.values()):
+                bad = "a weight is not a finite number"
+                raise ValueError(bad)
+        except (ValueError, AttributeError, TypeError) as e:
             msg = f"{ns.usage}: expected a JSON object of model or pipeline name -> request weight ({e})"
             raise ConfigError(msg) from None
     out = Path(ns.output) if ns.output else (spec.profile or spec.path.with_suffix(".profile.json"))
@@ -905,7 +913,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr = _command(
         sub,
         "profile",
-        description="Measures each shape of model in a pool configuration (one model per architecture, size, "
+        description="Measures each shape of model in a pool configuration (one model per file size, "
         "store, cache and context): cold load time, bytes in memory, and the latency line k*n + b of a batch of n "
         "requests; with the usage probabilities of the request mix, writes the profile serve-pool's scheduler reads.",
     )

@@ -24,7 +24,7 @@ from typing import Any
 from ..config import CacheConfig, ContextConfig, parse_size
 from ..errors import ConfigError, ModelError
 from ..model import Model
-from .sched import Cost, Job, Scheduler
+from .sched import Batch, Cost, Job, Scheduler
 from .spec import ModelSpec, PoolSpec
 
 DISK_BYTES_PER_SECOND = 300e6  # a cold read's rate when no profile has measured it
@@ -151,17 +151,27 @@ def read_profile(path: Path, spec: PoolSpec) -> dict[str, Cost]:
     try:
         data = json.loads(path.read_text())
         rows = data["models"]
-        out = {
-            name: Cost(
+        out = {}
+        for name, r in rows.items():
+            m = spec.models.get(name)
+            if m is None:
+                continue
+            if r["path"] != str(m.path) or r["shape"] != m.shape():
+                msg = f"{path}: {name} was profiled as {r['path']} {r['shape']}, it is {m.path} {m.shape()} now"
+                raise ConfigError(msg + f"; run `moetier profile {spec.path}` again")
+            c = Cost(
                 k=float(r["k"]),
                 b=float(r["b"]),
                 load=float(r["load"]),
                 nbytes=int(r["nbytes"]),
-                max_batch=int(r["max_batch"]),
+                max_batch=m.max_batch,  # the file's: a scheduling choice, not a measurement
                 p=float(r.get("p", 0.0)),
             )
-            for name, r in rows.items()
-        }
+            times = (c.k, c.b, c.load)
+            if c.nbytes <= 0 or not all(math.isfinite(x) and x >= 0 for x in times) or not 0 <= c.p <= 1:
+                msg = f"{path}: {name}: costs out of range ({c}); run `moetier profile {spec.path}` again"
+                raise ConfigError(msg)
+            out[name] = c
     except OSError as e:
         msg = f"{path}: cannot read the profile: {e.strerror or e}"
         raise ConfigError(msg) from None
@@ -256,6 +266,9 @@ class Pool:
             msg = f"unknown model {model!r}"
             raise ConfigError(msg)
         with self._cv:
+            if self._stop:
+                msg = "the pool is shutting down; the request was not run"
+                raise ModelError(msg)
             t = time.perf_counter()
             self.sched.submit(Job(self._next_id, model, t, work), t)
             self.sched_seconds += time.perf_counter() - t
@@ -270,10 +283,12 @@ class Pool:
         for t in self._threads:
             t.join()
         # what is still queued is answered, never left waiting
-        for ex in self.sched.executors:
-            queued, ex.queue = ex.queue, []
-            for job in queued:
-                _deliver(job.payload, None, ModelError("the pool is shutting down; the request was not run"))
+        with self._cv:
+            queued = [j for ex in self.sched.executors for j in ex.queue]
+            for ex in self.sched.executors:
+                ex.queue = []
+        for job in queued:
+            _deliver(job.payload, None, ModelError("the pool is shutting down; the request was not run"))
         for loaded in self._loaded:
             for m in list(loaded):
                 loaded.pop(m).close()
@@ -281,6 +296,11 @@ class Pool:
     def resident(self) -> dict[str, int]:
         with self._cv:
             return self.sched.resident()
+
+    def resident_bytes(self) -> int:
+        """Bytes of the resident models over every executor (a model on two counts twice)."""
+        with self._cv:
+            return sum(ex.used for ex in self.sched.executors)
 
     def queue_depths(self) -> dict[str, int]:
         with self._cv:
@@ -301,7 +321,10 @@ class Pool:
             m.close()
             del m
             self.counters[model].unloads += 1
-        drop_page_cache(self.spec.models[model].path)
+        try:
+            drop_page_cache(self.spec.models[model].path)
+        except OSError:  # the file is gone or unreadable: nothing of it to drop
+            pass
 
     def _run(self, q: int) -> None:
         for model in self._plan[q]:
@@ -323,23 +346,38 @@ class Pool:
                         break
                     self._cv.wait()
             started = time.perf_counter()
-            for m in batch.evict:
-                self._unload(q, m)
-            load_s = 0.0
-            error: BaseException | None = ConfigError(batch.error) if batch.error else None
-            if batch.load and error is None:
-                try:
-                    load_s = self._load(q, batch.model)
-                except Exception as e:  # a failed load fails only this batch's jobs
-                    self.counters[batch.model].load_failures += 1
-                    error = e
-                    with self._cv:
-                        self.sched.unloaded(q, batch.model)
-            for job in batch.jobs:
-                self._run_job(q, batch.model, job, load_s, error)
+            answered = 0
+            try:
+                for m in batch.evict:
+                    self._unload(q, m)
+                answered = self._run_batch(q, batch)
+            except Exception as e:  # never leave a request waiting, never lose the executor
+                for job in batch.jobs[answered:]:
+                    _deliver(job.payload, None, e)
             self.busy_seconds[q] += time.perf_counter() - started
             with self._cv:
                 self.sched.finish(batch)
+
+    def _run_batch(self, q: int, batch: Batch) -> int:
+        """Loads the batch's model if needed and runs its jobs; returns how many were answered."""
+        load_s = 0.0
+        error: BaseException | None = ConfigError(batch.error) if batch.error else None
+        if batch.load and error is None:
+            try:
+                load_s = self._load(q, batch.model)
+            except Exception as e:  # a failed load fails only this batch's jobs
+                self.counters[batch.model].load_failures += 1
+                error = e
+                with self._cv:
+                    self.sched.unloaded(q, batch.model)
+        for i, job in enumerate(batch.jobs):
+            try:
+                self._run_job(q, batch.model, job, load_s, error)
+            except Exception as e:  # bookkeeping failed: this job and the rest get the error
+                for rest in batch.jobs[i:]:
+                    _deliver(rest.payload, None, e)
+                break
+        return len(batch.jobs)
 
     def _run_job(self, q: int, model: str, job: Job, load_s: float, error: BaseException | None) -> None:
         work: Work = job.payload

@@ -3,7 +3,7 @@
 Per model: the cold load time (its file dropped from the page cache first; with its first request's
 extra time, when the weights' pages come from the disk), the bytes it adds to
 this process once loaded and run, and the latency line k*n + b of a batch of n jobs, fitted to timed
-batches. Models of one shape (same architecture, file size, store, cache and context) cost the same,
+batches. Models of one shape (same file size, store, cache and context) cost the same,
 so one of them is measured for all, as the paper profiles once per architecture. Usage
 probabilities come from the request mix (weights per model or pipeline), carried through each
 pipeline's routes: a fixed route passes its whole share on, a route chosen by the answer splits it
@@ -41,7 +41,7 @@ def rss_bytes() -> int:
 
 
 def shape_key(spec: ModelSpec) -> tuple[Any, ...]:
-    return (spec.path.stat().st_size, str(spec.store is not None), spec.cache, spec.n_ctx, spec.max_batch)
+    return tuple(spec.shape())
 
 
 def usage_probabilities(spec: PoolSpec, weights: Mapping[str, float] | None = None) -> dict[str, float]:
@@ -176,7 +176,14 @@ def profile(
     rows = {}
     for name, m in spec.models.items():
         rep = reps[shape_key(m)]
-        rows[name] = {**measured[rep], "max_batch": m.max_batch, "p": probs[name], "profiled_as": rep}
+        rows[name] = {
+            **measured[rep],
+            "max_batch": m.max_batch,
+            "p": probs[name],
+            "profiled_as": rep,
+            "path": str(m.path),
+            "shape": m.shape(),
+        }
     return {
         "config": str(spec.path),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -239,7 +239,7 @@ class Scheduler:
             # first stages is evicted whenever none of them happens to be resident), and a model
             # queued here goes after those that are not (its load would be paid again within the queue)
             queued = {j.model for j in ex.queue}
-            present = ex.resident.keys() | queued
+            present = ex.resident.keys() | queued | {keep}  # the model being loaded is about to run
             stage1 = [m for m in others if self.deps.get(m) and not (self.deps[m] & present) and m not in queued]
             stage1.sort(key=lambda m: (-ex.resident[m], m))
             rest = [m for m in others if m not in stage1]

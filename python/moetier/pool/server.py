@@ -8,6 +8,7 @@ every stage's model and timing under the response's `moetier` key."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..errors import ConfigError, MoetierError
+from ..errors import MoetierError
 from .executor import Answer, ModelCounters, Pool, Work
 from .spec import Pipeline, PoolSpec
 
@@ -117,15 +118,19 @@ class PoolService:
         with self._lock:
             self.requests += 1
         if pipeline is None:
-            self._submit(run, name, text, max_tokens or 16, chat, stage="")
+            # OpenAI's defaults: 16 tokens for a completion; a chat runs until the model stops or its
+            # context is full
+            default = self.spec.models[name].n_ctx if chat else 16
+            self._submit(run, name, text, max_tokens or default, chat, stage="")
         else:
             self._stage(run, pipeline.first, "", chat)
         run.event.wait()
         if run.error is not None:
             with self._lock:
                 self.failed += 1
+            # the request itself was checked above: what fails now (a load, a model) is the server's
             if isinstance(run.error, MoetierError):
-                raise RequestError(500 if not isinstance(run.error, ConfigError) else 400, str(run.error))
+                raise RequestError(500, str(run.error))
             raise RequestError(500, f"{type(run.error).__name__}: {run.error}")
         assert run.answer is not None
         return self._response(run, chat)
@@ -133,7 +138,9 @@ class PoolService:
     def _stage(self, run: _Run, stage_name: str, previous: str, chat: bool) -> None:
         assert run.pipeline is not None
         st = run.pipeline.stages[stage_name]
-        text = st.prompt.replace("{input}", run.text).replace("{previous}", previous)
+        # one pass: a {previous} inside the request's own text stays as it was written
+        fields = {"{input}": run.text, "{previous}": previous}
+        text = re.sub(r"\{input\}|\{previous\}", lambda m: fields[m.group(0)], st.prompt)
         max_tokens = run.max_tokens if run.max_tokens is not None and st.default is None and not st.routes else None
         self._submit(run, st.model, text, max_tokens or st.max_tokens, chat, stage=stage_name)
 
@@ -199,7 +206,7 @@ class PoolService:
             f"moetier_pool_budget_bytes {self.spec.budget}",
             "# HELP moetier_pool_resident_bytes Bytes the resident models occupy (profiled or estimated).",
             "# TYPE moetier_pool_resident_bytes gauge",
-            f"moetier_pool_resident_bytes {sum(pool.costs[m].nbytes for m in resident)}",
+            f"moetier_pool_resident_bytes {pool.resident_bytes()}",
             "# HELP moetier_pool_rss_bytes This process's resident memory.",
             "# TYPE moetier_pool_rss_bytes gauge",
             f"moetier_pool_rss_bytes {_rss()}",
@@ -284,8 +291,12 @@ def make_server(service: PoolService, host: str, port: int) -> ThreadingHTTPServ
 
         def do_POST(self) -> None:
             path = self.path.split("?")[0]
-            n = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(n) if n else b""
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                self._error(400, "Content-Length: not a number")
+                return
+            raw = self.rfile.read(n) if n > 0 else b""
             if path not in ("/v1/completions", "/completions", "/v1/chat/completions", "/chat/completions"):
                 self._error(404, f"no such endpoint: {path}")
                 return
@@ -296,9 +307,11 @@ def make_server(service: PoolService, host: str, port: int) -> ThreadingHTTPServ
                 if body.get("stream"):
                     raise RequestError(400, "stream: streaming is not supported by the pool server; send stream=false")
                 self._json(200, service.run(body, chat="chat" in path))
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 self._error(400, f"the request body is not JSON: {e}")
             except RequestError as e:
                 self._error(e.status, str(e))
+            except MoetierError as e:  # the pool refused the request (it is shutting down)
+                self._error(503, str(e))
 
     return ThreadingHTTPServer((host, port), Handler)

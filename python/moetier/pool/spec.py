@@ -44,6 +44,11 @@ class ModelSpec:
     n_ctx: int = 512
     max_batch: int = 4  # the most jobs of this model one batch runs
 
+    def shape(self) -> list[Any]:
+        """What a model's costs depend on: models of one shape cost the same (the profile measures one
+        of them), and a profile of another shape is stale."""
+        return [self.path.stat().st_size, self.store is not None, self.cache, self.n_ctx]
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -201,7 +206,16 @@ def load_spec(path: str | os.PathLike[str]) -> PoolSpec:
         if store is not None and not store.exists():
             raise doc.error(m["store"][1], f"{what}.store: {store} does not exist")
         cache = str(doc.scalar(m["cache"][1], f"{what}.cache")) if "cache" in m else ""
-        if cache and not cache.endswith("%"):
+        if cache and store is None:
+            raise doc.error(m["cache"][1], f"{what}.cache: an expert cache needs a store (moetier pack); add store:")
+        if cache.endswith("%"):
+            try:
+                share = float(cache[:-1])
+            except ValueError:
+                share = -1.0
+            if not 0 < share <= 100:
+                raise doc.error(m["cache"][1], f"{what}.cache: {cache!r} is not a share above 0% and at most 100%")
+        elif cache:
             try:
                 parse_size(cache, f"{what}.cache")
             except ConfigError as e:
@@ -248,7 +262,7 @@ def _pipeline(doc: _Doc, name: str, node: yaml.Node, models: dict[str, ModelSpec
             raise doc.error(s["model"][1], f"{sw}.model: unknown model {model!r}; models: {', '.join(models)}")
         max_tokens = doc.integer(s["max_tokens"][1], f"{sw}.max_tokens", 1) if "max_tokens" in s else 32
         prompt = doc.string(s["prompt"][1], f"{sw}.prompt") if "prompt" in s else "{input}"
-        for token in re.findall(r"{([^{}]*)}", prompt):
+        for token in re.findall(r"{(\w+)}", prompt):  # other braces (a JSON example) are text
             if token not in ("input", "previous"):
                 what_ = f"{sw}.prompt: unknown field {{{token}}}; use {{input}} or {{previous}}"
                 raise doc.error(s["prompt"][1], what_)
