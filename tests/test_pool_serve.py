@@ -283,3 +283,12 @@ def test_close_answers_what_is_still_queued(tmp_path: Path, tiny_model: ModelFac
     assert done["d1"][0] is not None, done  # the running batch finished
     for n in ("d2", "d3"):
         assert isinstance(done[n][1], ModelError) and "shutting down" in str(done[n][1])
+
+
+def test_a_field_inside_the_request_text_stays_text(served: tuple[OpenAI, Pool, Path]) -> None:
+    client, _, cfg = served
+    spec = load_spec(cfg)
+    text = "say {previous} and {input}"
+    r = client.completions.create(model="routed", prompt=text, max_tokens=5)
+    first = alone(spec.models["d2"].path, text, 4)
+    assert r.choices[0].text == alone(spec.models["d3"].path, f"{first} | {text}", 5)
