@@ -256,33 +256,17 @@ def drive(
                 text = r["choices"][0]["text"]
             else:
                 st = cfg["pipelines"][f"board-{typ:02d}"]["stages"]
-                r = post(
-                    port,
-                    {
-                        "model": st["classify"]["model"],
-                        "prompt": prompt,
-                        "max_tokens": STAGE1_TOKENS,
-                        "temperature": 0,
-                        "cache_prompt": False,
-                    },
-                )
-                first = r["choices"][0]["text"]
+
+                def ask(stage: str, text: str, n: int) -> str:
+                    body = {"model": st[stage]["model"], "prompt": text, "max_tokens": n, "temperature": 0}
+                    return str(post(port, {**body, "cache_prompt": False})["choices"][0]["text"])
+
+                first = text = ask("classify", prompt, STAGE1_TOKENS)
                 stages = [st["classify"]["model"]]
-                text = first
                 if "inspect" in st:
                     p2 = st["inspect"]["prompt"].replace("{input}", prompt).replace("{previous}", first)
-                    r = post(
-                        port,
-                        {
-                            "model": st["inspect"]["model"],
-                            "prompt": p2,
-                            "max_tokens": STAGE2_TOKENS,
-                            "temperature": 0,
-                            "cache_prompt": False,
-                        },
-                    )
+                    text = ask("inspect", p2, STAGE2_TOKENS)
                     stages.append(st["inspect"]["model"])
-                    text = r["choices"][0]["text"]
             out[i] = {
                 "ok": True,
                 "type": typ,
@@ -303,11 +287,11 @@ def drive(
     return out
 
 
-def metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+def metric(text: str, name: str) -> float:
+    """A metric's value in a /metrics text (NaN if absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
     return float("nan")
 
 
@@ -371,10 +355,11 @@ def run_system(
         extra: dict[str, Any] = {}
         if name != "router":
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                (out_dir / f"{name}.metrics").write_bytes(r.read())
-            extra["switches"] = metric(port, "moetier_pool_switches_total")
-            extra["bytes_loaded"] = metric(port, "moetier_pool_loaded_bytes_total")
-            extra["sched_seconds"] = metric(port, "moetier_pool_scheduler_seconds_total")
+                text = r.read().decode()
+            (out_dir / f"{name}.metrics").write_text(text)
+            extra["switches"] = metric(text, "moetier_pool_switches_total")
+            extra["bytes_loaded"] = metric(text, "moetier_pool_loaded_bytes_total")
+            extra["sched_seconds"] = metric(text, "moetier_pool_scheduler_seconds_total")
         peak = int((group.path / "memory.max_usage_in_bytes").read_text())
     finally:
         proc.terminate()
@@ -615,6 +600,10 @@ def main() -> int:
         "real": [{k: v for k, v in r.items() if k != "records"} for r in real],
     }
     Path(str(out) + ".json").write_text(json.dumps(data, indent=1))
+    for r in real:  # each pool's own counters at the end of its run (loads, load and busy seconds)
+        src = run_dir / f"{r['system']}.metrics"
+        if src.exists():
+            shutil.copyfile(src, f"{out}.{r['system']}.metrics")
     Path(str(out) + ".md").write_text(report(data))
     log(f"wrote {out}.md and {out}.json")
     return 0

@@ -104,6 +104,23 @@ def test_the_model_being_loaded_keeps_its_next_stage() -> None:
     assert run_loads(s, ["cls"]) == [["other"]]
 
 
+def test_queued_models_count_for_the_eviction() -> None:
+    cs = costs(
+        cls=c(nbytes=100 * MB, p=0.5),
+        det=c(nbytes=200 * MB, p=0.9),
+        low=c(nbytes=100 * MB, p=0.1),
+        mid=c(nbytes=100 * MB, p=0.2),
+        new=c(nbytes=100 * MB, p=0.3),
+    )
+    s = Scheduler(cs, 450 * MB, 1, Mechanisms(), {"det": {"cls"}})
+    s.executors[0].resident.update({"det": 200 * MB, "low": 100 * MB, "mid": 100 * MB})
+    s.submit(Job(0, "new", 0.0), 0.0)
+    s.submit(Job(1, "cls", 0.0), 0.0)  # det's predecessor is queued: det is no orphan
+    s.submit(Job(2, "low", 0.0), 0.0)  # low is queued: it goes after mid though it is used less
+    bt = s.next_batch(0, 0.0)
+    assert bt is not None and bt.model == "new" and bt.evict == ["mid"]
+
+
 def test_lru_and_fifo_replacement() -> None:
     cs = costs(a=c(), b=c(), d=c(), e=c())
     lru = Scheduler(cs, 300 * MB, 1, Mechanisms(arrange=False, evict="lru"))
@@ -265,7 +282,7 @@ def test_no_executor_ever_holds_more_than_its_share() -> None:
 
 
 def test_usage_probabilities_follow_the_pipelines_routes(tmp_path: Path) -> None:
-    from moetier.pool.profile import fit_line, usage_probabilities
+    from moetier.pool.profile import fit_batch_line, usage_probabilities
 
     spec = load_spec(write(tmp_path, GOOD))
     # p: a on every request; b on half of them (the answer decides: split evenly between the outcomes)
@@ -273,9 +290,9 @@ def test_usage_probabilities_follow_the_pipelines_routes(tmp_path: Path) -> None
     assert usage_probabilities(spec, {"p": 1.0, "b": 1.0}) == pytest.approx({"a": 1 / 2.5, "b": 1.5 / 2.5})
     with pytest.raises(ConfigError, match="unknown model or pipeline 'q'"):
         usage_probabilities(spec, {"q": 1.0})
-    k, b = fit_line([1, 2, 4], [0.3, 0.5, 0.9])
+    k, b = fit_batch_line([1, 2, 4], [0.3, 0.5, 0.9])
     assert (k, b) == pytest.approx((0.2, 0.1))
-    k, b = fit_line([1, 2, 4], [0.5, 0.6, 0.7])  # would be b > k: fine
+    k, b = fit_batch_line([1, 2, 4], [0.5, 0.6, 0.7])  # would be b > k: fine
     assert b > 0
-    k, b = fit_line([1, 2], [0.5, 1.5])  # a negative intercept is clamped: the mean time per job
+    k, b = fit_batch_line([1, 2], [0.5, 1.5])  # a negative intercept is clamped: the mean time per job
     assert b == 0 and k == pytest.approx(2.0 / 3)

@@ -292,3 +292,24 @@ def test_a_field_inside_the_request_text_stays_text(served: tuple[OpenAI, Pool, 
     r = client.completions.create(model="routed", prompt=text, max_tokens=5)
     first = alone(spec.models["d2"].path, text, 4)
     assert r.choices[0].text == alone(spec.models["d3"].path, f"{first} | {text}", 5)
+
+
+def test_a_failing_callback_does_not_stop_the_executor(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    pool = Pool(load_spec(pool_yaml(tmp_path, tiny_model, budget_models=2.5)))
+    got: list[str] = []
+    done = threading.Event()
+
+    def broken(a: object, e: BaseException | None) -> None:
+        msg = "a bug in the caller"
+        raise RuntimeError(msg)
+
+    def ok(a: object, e: BaseException | None) -> None:
+        got.append("answered" if a is not None else repr(e))
+        done.set()
+
+    try:
+        pool.submit("d1", Work("x", None, 2, broken))
+        pool.submit("d1", Work("y", None, 2, ok))
+        assert done.wait(60) and got == ["answered"]
+    finally:
+        pool.close()

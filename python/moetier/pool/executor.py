@@ -197,6 +197,15 @@ def open_model(spec: ModelSpec, threads: int) -> Model:
     return Model(spec.path, store=spec.store, cache=cache, context=ctx)
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def drop_page_cache(path: Path) -> None:
     """Drops a file's clean pages from the page cache, so the next read comes from the disk."""
     try:

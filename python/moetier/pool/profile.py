@@ -12,7 +12,6 @@ evenly between its outcomes (the answer is not known before the router runs)."""
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from collections.abc import Callable, Mapping
@@ -20,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .executor import drop_page_cache, estimate_cost, footprint, open_model
+from .executor import drop_page_cache, estimate_cost, footprint, open_model, rss_bytes
+from .sched import fit_line
 from .spec import ModelSpec, PoolSpec
 
 PROMPTS = (
@@ -33,11 +33,6 @@ PROMPTS = (
     "What does a compiler do?",
     "Give a synonym for quick.",
 )
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def shape_key(spec: ModelSpec) -> tuple[Any, ...]:
@@ -93,13 +88,10 @@ def _topological(p: Any) -> list[Any]:
     return [p.stages[s] for s in reversed(order)]
 
 
-def fit_line(ns: list[int], ts: list[float]) -> tuple[float, float]:
-    """k, b of t = k*n + b by least squares; b is clamped at 0 (a batch never runs faster than its jobs)."""
-    m = len(ns)
-    mx, my = sum(ns) / m, sum(ts) / m
-    sxx = sum((x - mx) ** 2 for x in ns)
-    k = sum((x - mx) * (y - my) for x, y in zip(ns, ts, strict=True)) / sxx if sxx else my / max(mx, 1)
-    b = my - k * mx
+def fit_batch_line(ns: list[int], ts: list[float]) -> tuple[float, float]:
+    """k, b of t = k*n + b (sched.fit_line); a negative b is clamped to 0 with k the mean time per job
+    (a batch never runs faster than its jobs)."""
+    k, b = fit_line(ns, ts)
     if b < 0:
         k, b = sum(ts) / sum(ns), 0.0
     return k, b
@@ -160,7 +152,7 @@ def profile(
                 model.generate(prompts[(j + 1) % len(prompts)], max_tokens=n_tok)
             ns.append(n)
             ts.append(time.perf_counter() - t)
-        k, b = fit_line(ns, ts)
+        k, b = fit_batch_line(ns, ts)
         model.close()
         del model
         drop_page_cache(m.path)

@@ -370,7 +370,7 @@ def decay_window_search(
         n = n_at(hi)
         x = float(throughput(n))
         if len(xs) >= 2:
-            k, b = _fit_line(xs, ys)
+            k, b = fit_line(xs, ys)
             predicted = k * n + b
             if predicted > 0 and (predicted - x) / predicted > eps:
                 return (n_at(lo) if lo > 0 else 1, n)
@@ -381,7 +381,8 @@ def decay_window_search(
         lo, size = hi, size * decay
 
 
-def _fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """k, b of y = k*x + b by least squares (the mean when every x is the same)."""
     n = len(xs)
     mx = sum(xs) / n
     my = sum(ys) / n

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..errors import MoetierError
-from .executor import Answer, ModelCounters, Pool, Work
+from .executor import Answer, ModelCounters, Pool, Work, rss_bytes
 from .spec import Pipeline, PoolSpec
 
 
@@ -209,7 +209,7 @@ class PoolService:
             f"moetier_pool_resident_bytes {pool.resident_bytes()}",
             "# HELP moetier_pool_rss_bytes This process's resident memory.",
             "# TYPE moetier_pool_rss_bytes gauge",
-            f"moetier_pool_rss_bytes {_rss()}",
+            f"moetier_pool_rss_bytes {rss_bytes()}",
             "# HELP moetier_pool_switches_total Models loaded after the preload.",
             "# TYPE moetier_pool_switches_total counter",
             f"moetier_pool_switches_total {pool.sched.stats.loads}",
@@ -243,16 +243,6 @@ class PoolService:
             lines.append(f"# TYPE moetier_pool_model_{key} {kind}")
             lines += [f'moetier_pool_model_{key}{{model="{m}"}} {get(m, c)}' for m, c in pool.counters.items()]
         return "\n".join(lines) + "\n"
-
-
-def _rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            import os
-
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def make_server(service: PoolService, host: str, port: int) -> ThreadingHTTPServer:
