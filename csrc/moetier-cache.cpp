@@ -44,12 +44,14 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
                              const moetier_policy_weights & weights,
                              std::vector<moetier_proj>      shapes_,
                              bool                           simulate_,
-                             const moetier_policy_env &     env) :
+                             const moetier_policy_env &     env,
+                             int32_t                        n_route) :
     n_expert_(n_expert),
     rule(rule_),
     simulate(simulate_),
     shapes(std::move(shapes_)) {
-    GGML_ASSERT(n_slots[MOETIER_PRECISION_HIGH] >= n_expert && n_expert > 0 && n_slots[MOETIER_PRECISION_LOW] >= 0);
+    GGML_ASSERT(n_slots[MOETIER_PRECISION_HIGH] >= (n_route > 0 ? n_route : n_expert) && n_expert > 0 &&
+                n_slots[MOETIER_PRECISION_LOW] >= 0);
     GGML_ASSERT(n_slots[MOETIER_PRECISION_LOW] == 0 || shapes[0].store != nullptr);
     vram_env        = env;
     vram_env.record = nullptr;  // a decision log is the RAM tier's

@@ -110,7 +110,9 @@ struct moetier_pass {
 class moetier_cache {
   public:
     // n_slots per precision (low may be 0); shapes: the type and shape of each projection (the
-    // group's first layer). simulate: no memory, for trace replay (resolve does all the
+    // group's first layer). n_expert: the expert ids the cache keys; n_route (0: n_expert): the experts
+    // one layer routes to, the fewest slots it needs (variants sharing a cache key n_expert = variants
+    // * n_route). simulate: no memory, for trace replay (resolve does all the
     // bookkeeping; nothing is read). env: what replay gives the policies (the trace's future, a log
     // of decisions). throws std::runtime_error
     moetier_cache(int32_t                        n_expert,
@@ -120,7 +122,8 @@ class moetier_cache {
                   const moetier_policy_weights & weights,
                   std::vector<moetier_proj>      shapes,
                   bool                           simulate = false,
-                  const moetier_policy_env &     env      = {});
+                  const moetier_policy_env &     env      = {},
+                  int32_t                        n_route  = 0);
     ~moetier_cache();
 
     moetier_cache(const moetier_cache &)             = delete;

@@ -31,7 +31,21 @@ static void moetier_op_resolve_impl(ggml_tensor * dst, void * userdata, bool war
         e   = l->routing->ids(l->routing_layer, ids->ne[1]);
         nb1 = (size_t) ids->ne[0] * sizeof(int32_t);
     }
-    l->cache->resolve(*l, e, w ? (const float *) w->data : nullptr, ids->ne[0], ids->ne[1], nb1, w ? w->nb[1] : 0,
+    if (!l->keys.empty()) {
+        // a variant sharing a cache: its experts are keys of the cache
+        const int64_t n_used = ids->ne[0];
+        l->key_ids.resize((size_t) (n_used * ids->ne[1]));
+        for (int64_t t = 0; t < ids->ne[1]; ++t) {
+            const int32_t * row = (const int32_t *) ((const char *) e + t * nb1);
+            for (int64_t k = 0; k < n_used; ++k) {
+                l->key_ids[t * n_used + k] = l->keys[row[k]];
+            }
+        }
+        e   = l->key_ids.data();
+        nb1 = (size_t) n_used * sizeof(int32_t);
+    }
+    moetier_layer * u = l->target ? l->target : l;
+    l->cache->resolve(*u, e, w ? (const float *) w->data : nullptr, ids->ne[0], ids->ne[1], nb1, w ? w->nb[1] : 0,
                       (int32_t *) dst->data, warmup);
 }
 
@@ -63,7 +77,7 @@ static void moetier_op_pass_through(ggml_tensor * dst, int ith, int nth) {
 
 static void moetier_op_load(ggml_tensor * dst, int ith, int nth, void * userdata) noexcept {
     const moetier_layer * l = (const moetier_layer *) userdata;
-    l->cache->load(*l, ith, nth);
+    l->cache->load(l->target ? *l->target : *l, ith, nth);
     moetier_op_pass_through(dst, ith, nth);
 }
 

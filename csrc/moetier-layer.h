@@ -46,19 +46,34 @@ struct moetier_proj {
     uint64_t                   offset = 0;        // GGUF: file offset of expert 0
     uint64_t                   bytes  = 0;        // unpadded bytes of one high-precision expert
 
-    uint64_t expert_offset(int32_t e, moetier_precision prec) const {
+    // Variants of one model sharing this layer's cache (moetier_models_share_cache): the expert ids
+    // the cache sees are keys, variant * n_local + expert, and each variant's copies live in its own
+    // store. n_local 0: no variants, a key is the expert.
+    int32_t                                 n_local = 0;
+    std::vector<const moetier_file *>       variant_file;   // [variant]
+    std::vector<const moetier_store_proj *> variant_store;  // [variant]
+
+    const moetier_file * file_of(int32_t key) const { return n_local ? variant_file[key / n_local] : file; }
+
+    const moetier_store_proj * store_of(int32_t key) const { return n_local ? variant_store[key / n_local] : store; }
+
+    uint64_t expert_offset(int32_t key, moetier_precision prec) const {
         if (store) {
-            return prec == MOETIER_PRECISION_LOW ? store->offset_low[e] : store->offset_high[e];
+            const moetier_store_proj * s = store_of(key);
+            const int32_t              e = n_local ? key % n_local : key;
+            return prec == MOETIER_PRECISION_LOW ? s->offset_low[e] : s->offset_high[e];
         }
-        return offset + (uint64_t) e * bytes;
+        return offset + (uint64_t) key * bytes;
     }
 
     uint64_t expert_bytes(moetier_precision prec) const {
         return prec == MOETIER_PRECISION_LOW ? store->bytes_low : bytes;
     }
 
-    uint64_t expert_checksum(int32_t e, moetier_precision prec) const {
-        return prec == MOETIER_PRECISION_LOW ? store->checksum_low[e] : store->checksum_high[e];
+    uint64_t expert_checksum(int32_t key, moetier_precision prec) const {
+        const moetier_store_proj * s = store_of(key);
+        const int32_t              e = n_local ? key % n_local : key;
+        return prec == MOETIER_PRECISION_LOW ? s->checksum_low[e] : s->checksum_high[e];
     }
 
     // a store's, per precision and expert: its copy was read back intact once (the checksum matched).
@@ -88,6 +103,14 @@ struct moetier_layer {
     // per precision: projs in file order when, for every expert, they lie back to back in one file (a
     // store): one vectored read per expert; else empty
     std::vector<int32_t> file_order[MOETIER_N_PRECISIONS];
+
+    // a variant's layer whose experts another model's cache serves (moetier_models_share_cache): the
+    // ops resolve and load on target, the layer of the same index of the first model, with this
+    // layer's router ids mapped through keys (keys[e]: the cache key of expert e; also set on the
+    // first model's layers by moetier_model_set_expert_keys). nullptr / empty: none
+    moetier_layer *      target = nullptr;
+    std::vector<int32_t> keys;
+    std::vector<int32_t> key_ids;  // scratch of the resolve op: the ids mapped through keys
 };
 
 // the counters of b added to a (a.layer is kept)

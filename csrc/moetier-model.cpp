@@ -1192,3 +1192,166 @@ void moetier_model::init_warm() {
         }
     });
 }
+
+void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
+    if (ms.size() < 2) {
+        throw std::runtime_error("sharing an expert cache needs at least two variants");
+    }
+    moetier_model & host = *ms[0];
+    const int32_t   E    = host.n_expert;
+    const int32_t   V    = (int32_t) ms.size();
+    for (int32_t v = 0; v < V; ++v) {
+        moetier_model &     m    = *ms[v];
+        const std::string & name = m.paths[0];
+        if (m.shared_host != nullptr || m.n_variants > 0) {
+            throw std::runtime_error(format("%s: already shares an expert cache", name.c_str()));
+        }
+        if (!m.store) {
+            throw std::runtime_error(
+                format("%s: variants sharing a cache read their experts from a store; give "
+                       "each one its store (moetier pack)",
+                       name.c_str()));
+        }
+        if (m.prefetch > 0 || m.warm_on || m.vram > 0 || !m.exact() || !m.remote_layers.empty()) {
+            throw std::runtime_error(
+                format("%s: variants sharing a cache run without prefetch, warm start, a "
+                       "VRAM tier, RPC layers or mixed precision (prefetch=0 warm=0)",
+                       name.c_str()));
+        }
+        if (m.caches.size() != 1) {
+            throw std::runtime_error(
+                format("%s: %zu pool groups; variants sharing a cache need one", name.c_str(), m.caches.size()));
+        }
+        if (v == 0) {
+            continue;
+        }
+        if (m.n_expert != E || m.layers.size() != host.layers.size()) {
+            throw std::runtime_error(
+                format("%s: %zu MoE layers of %d experts, %s has %zu of %d: variants of one "
+                       "model have one shape",
+                       name.c_str(), m.layers.size(), m.n_expert, host.paths[0].c_str(), host.layers.size(), E));
+        }
+        for (size_t i = 0; i < m.layers.size(); ++i) {
+            const moetier_layer & a    = *host.layers[i];
+            const moetier_layer & b    = *m.layers[i];
+            bool                  same = a.il == b.il && a.projs.size() == b.projs.size();
+            for (size_t k = 0; same && k < a.projs.size(); ++k) {
+                const moetier_proj & pa = a.projs[k];
+                const moetier_proj & pb = b.projs[k];
+                same = pa.name == pb.name && pa.meta->type == pb.meta->type && pa.meta->ne[0] == pb.meta->ne[0] &&
+                       pa.meta->ne[1] == pb.meta->ne[1] && pa.store->bytes_high == pb.store->bytes_high &&
+                       a.file_order[0] == b.file_order[0];
+            }
+            if (!same) {
+                throw std::runtime_error(
+                    format("%s: layer %d's experts differ in type or shape from %s's: variants "
+                           "of one model have one shape",
+                           name.c_str(), b.il, host.paths[0].c_str()));
+            }
+        }
+        if (m.store->checksum() != host.store->checksum()) {
+            throw std::runtime_error(format("%s: its store's checksum differs from %s's; re-pack both",
+                                            m.store->manifest_path().c_str(), host.store->manifest_path().c_str()));
+        }
+    }
+
+    // the host's layers: every variant's copies, keyed
+    const int32_t n_keys = V * E;
+    for (size_t i = 0; i < host.layers.size(); ++i) {
+        moetier_layer & h = *host.layers[i];
+        for (size_t k = 0; k < h.projs.size(); ++k) {
+            moetier_proj & p = h.projs[k];
+            p.n_local        = E;
+            p.variant_file.resize(V);
+            p.variant_store.resize(V);
+            for (int32_t v = 0; v < V; ++v) {
+                p.variant_file[v]  = ms[v]->layers[i]->projs[k].file;
+                p.variant_store[v] = ms[v]->layers[i]->projs[k].store;
+            }
+            for (int32_t prec = 0; prec < MOETIER_N_PRECISIONS; ++prec) {
+                p.verified[prec].reset(new std::atomic<bool>[n_keys]);
+                for (int32_t e = 0; e < n_keys; ++e) {
+                    p.verified[prec][e].store(false, std::memory_order_relaxed);
+                }
+            }
+        }
+        h.uses.reset(new std::atomic<uint32_t>[n_keys]);
+        h.last_use.reset(new std::atomic<uint64_t>[n_keys]);
+        for (int32_t e = 0; e < n_keys; ++e) {
+            h.uses[e].store(0, std::memory_order_relaxed);
+            h.last_use[e].store(0, std::memory_order_relaxed);
+        }
+    }
+
+    // one cache over the host's budget, as many slots as it buys (one layer's experts at least)
+    uint64_t slot_bytes = 0;
+    for (const auto & p : host.layers[0]->projs) {
+        slot_bytes += moetier_align_up(p.bytes);
+    }
+    const int64_t fit        = E + (int64_t) ((host.cache_bytes - host.min_cache_bytes) / slot_bytes);
+    const int32_t n_high     = (int32_t) std::min<int64_t>((int64_t) n_keys * (int64_t) host.layers.size(), fit);
+    const int32_t n_slots[2] = { n_high, 0 };
+    auto c = std::make_unique<moetier_cache>(n_keys, n_slots, host.precision, host.policy_name, host.policy_weights,
+                                             host.layers[0]->projs, false, moetier_policy_env{}, E);
+    c->set_n_model_layers(std::max<int32_t>(host.n_model_layers, host.layers.back()->il + 1));
+    c->set_io(host.io.get());
+    for (auto & l : host.layers) {
+        c->add_layer(l.get());
+        for (size_t k = 0; k < l->projs.size(); ++k) {
+            l->projs[k].pool[MOETIER_PRECISION_HIGH] = c->pool(MOETIER_PRECISION_HIGH, k);
+            l->projs[k].pool[MOETIER_PRECISION_LOW]  = c->pool(MOETIER_PRECISION_LOW, k);
+        }
+    }
+    host.caches.clear();
+    host.caches.push_back(std::move(c));
+    host.n_variants = V;
+    for (int32_t v = 1; v < V; ++v) {
+        moetier_model & m = *ms[v];
+        for (size_t i = 0; i < m.layers.size(); ++i) {
+            moetier_layer & l = *m.layers[i];
+            moetier_layer & h = *host.layers[i];
+            l.target          = &h;
+            l.cache           = h.cache;
+            for (size_t k = 0; k < l.projs.size(); ++k) {
+                l.projs[k].pool[MOETIER_PRECISION_HIGH] = h.projs[k].pool[MOETIER_PRECISION_HIGH];
+                l.projs[k].pool[MOETIER_PRECISION_LOW]  = h.projs[k].pool[MOETIER_PRECISION_LOW];
+            }
+            l.keys.resize(E);
+            for (int32_t e = 0; e < E; ++e) {
+                l.keys[e] = v * E + e;
+            }
+        }
+        m.caches.clear();
+        m.shared_host = &host;
+    }
+    MOETIER_LOG_INFO(
+        "%s: %d variants share one expert cache: %d slots of %zu MoE layers x %d experts x %d variants "
+        "(%s)\n",
+        __func__, V, n_high, host.layers.size(), E, V, moetier_format_bytes(host.caches[0]->pool_bytes()).c_str());
+}
+
+void moetier_model::set_expert_keys(const int32_t * keys, int64_t n) {
+    moetier_model & host = shared_host ? *shared_host : *this;
+    if (host.n_variants == 0) {
+        throw std::runtime_error(
+            format("%s: shares no expert cache; expert keys map variants onto one cache", paths[0].c_str()));
+    }
+    const int64_t want = (int64_t) layers.size() * n_expert;
+    if (n != want) {
+        throw std::runtime_error(format("%s: %" PRId64
+                                        " expert keys, the model has %zu MoE layers x %d experts = %" PRId64,
+                                        paths[0].c_str(), n, layers.size(), n_expert, want));
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const int32_t e = (int32_t) (j % n_expert);
+        if (keys[j] < 0 || keys[j] >= host.n_variants * n_expert || keys[j] % n_expert != e) {
+            throw std::runtime_error(
+                format("%s: expert key %d for layer %d expert %d: a key names the same expert of "
+                       "one of the %d variants (variant * %d + %d)",
+                       paths[0].c_str(), keys[j], layers[j / n_expert]->il, e, host.n_variants, n_expert, e));
+        }
+    }
+    for (size_t i = 0; i < layers.size(); ++i) {
+        layers[i]->keys.assign(keys + i * n_expert, keys + (i + 1) * n_expert);
+    }
+}

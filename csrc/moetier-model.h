@@ -68,6 +68,23 @@ struct moetier_model {
     // logs the counters summed over layers (INFO), at model free
     void log_totals() const;
 
+    // Fine-tuned variants of one MoE model, each loaded with its own store, served from one expert
+    // cache: ms[0]'s, rebuilt over the budget it was loaded with, keyed by variant * n_expert + expert
+    // (each key read from its variant's store). The other models' layers then resolve and load on
+    // ms[0]'s layers, their router ids mapped to their own keys (set_expert_keys maps them elsewhere).
+    // Before any decode; the models are freed together, ms[0] last, and decode one at a time (the
+    // cache is one). throws std::runtime_error naming the model whose file does not fit
+    static void share_cache(const std::vector<moetier_model *> & ms);
+
+    // the cache key of each (served layer, expert) of a variant sharing a cache: keys[i * n_expert + e],
+    // the same expert of the variant whose copy serves it (key % n_expert == e). throws std::runtime_error
+    void set_expert_keys(const int32_t * keys, int64_t n);
+
+    // the caches this model's layers use: its own, or those of the model it shares them with
+    const std::vector<std::unique_ptr<moetier_cache>> & served_caches() const {
+        return shared_host ? shared_host->caches : caches;
+    }
+
     // then: starts the I/O pool (none if io_threads is 0: the compute threads read): an io_uring or
     // I/O threads, whose reads go through moetier-read
     void    init_io();
@@ -172,6 +189,9 @@ struct moetier_model {
     std::condition_variable       saver_cv;
     bool                          saver_stop = false;
     mutable std::mutex            save_mutex;  // the saver and the C API may write the sidecar at once
+
+    moetier_model * shared_host = nullptr;     // a variant: the model whose cache serves its layers (share_cache)
+    int32_t         n_variants  = 0;           // the model whose cache variants share: how many (share_cache)
 
     int32_t  n_expert         = 0;
     uint64_t expert_bytes     = 0;  // all served experts, unpadded

@@ -50,11 +50,12 @@ static bool moetier_read_verify_proj(const moetier_layer & l,
         return true;
     }
     checked = true;
-    if (p.store->checksum_of(moetier_slot_data(p, prec, s), p.expert_bytes(prec)) != p.expert_checksum(e, prec)) {
+    if (p.store_of(e)->checksum_of(moetier_slot_data(p, prec, s), p.expert_bytes(prec)) != p.expert_checksum(e, prec)) {
         err.set(MOETIER_ERROR_STORE,
                 format("%s: checksum mismatch for layer %d expert %d (%s, %s precision): the store is damaged; "
                        "restore the file or re-run `moetier pack`",
-                       p.file->path().c_str(), l.il, e, p.meta->name, prec == MOETIER_PRECISION_LOW ? "low" : "high"));
+                       p.file_of(e)->path().c_str(), l.il, p.n_local ? e % p.n_local : e, p.meta->name,
+                       prec == MOETIER_PRECISION_LOW ? "low" : "high"));
         return false;
     }
     if (done) {
@@ -97,7 +98,7 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
             iov[k].len             = moetier_align_up(p.expert_bytes(r.prec));
         }
         const moetier_proj & first = l.projs[order[0]];
-        if (!first.file->readv(iov, n, first.expert_offset(r.expert, r.prec), msg)) {
+        if (!first.file_of(r.expert)->readv(iov, n, first.expert_offset(r.expert, r.prec), msg)) {
             err.set(MOETIER_ERROR_IO, msg);
             return false;
         }
@@ -115,7 +116,8 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
     }
     // a store's slices are padded: read whole blocks straight into the slot
     const size_t n = p.store ? (size_t) moetier_align_up(bytes) : (size_t) bytes;
-    if (!p.file->read(moetier_slot_data(p, r.prec, r.slot), p.expert_offset(r.expert, r.prec), n, bb, msg)) {
+    if (!p.file_of(r.expert)->read(moetier_slot_data(p, r.prec, r.slot), p.expert_offset(r.expert, r.prec), n, bb,
+                                   msg)) {
         err.set(MOETIER_ERROR_IO, msg);
         return false;
     }
@@ -171,7 +173,7 @@ static bool moetier_read_prep(const moetier_layer & l,
     const moetier_proj & first = l.projs[order[0]];
     moetier_io_part &    part  = rd.parts[0];
     rd.n_parts                 = 1;
-    part.fd                    = first.file->direct_fd();
+    part.fd                    = first.file_of(e)->direct_fd();
     part.offset                = first.expert_offset(e, prec);
     part.n_iov                 = (unsigned) order.size();
     part.bytes                 = 0;
@@ -183,7 +185,7 @@ static bool moetier_read_prep(const moetier_layer & l,
     }
     part.need = part.bytes;
     if (part.fd < 0) {
-        err = format("%s: io_uring reads need O_DIRECT", first.file->path().c_str());
+        err = format("%s: io_uring reads need O_DIRECT", first.file_of(e)->path().c_str());
         return false;
     }
     return true;

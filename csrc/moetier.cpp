@@ -14,6 +14,7 @@
 #include <cinttypes>
 #include <cstring>
 #include <string>
+#include <vector>
 
 static moetier_model * moetier_of(const llama_model * model) {
     return model ? model->moetier.get() : nullptr;
@@ -21,7 +22,7 @@ static moetier_model * moetier_of(const llama_model * model) {
 
 // the open layer passes are finished: their read times and failed reads are accounted
 static void moetier_sync(moetier_model & m) {
-    for (auto & c : m.caches) {
+    for (auto & c : m.served_caches()) {
         c->sync();
     }
 }
@@ -38,7 +39,7 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     *info                  = {};
     info->n_layers         = (int32_t) m->layers.size();
     info->n_expert         = m->n_expert;
-    info->n_groups         = (int32_t) m->caches.size();
+    info->n_groups         = (int32_t) m->served_caches().size();
     info->expert_bytes     = m->expert_bytes;
     info->expert_bytes_low = m->expert_bytes_low;
     info->min_cache_bytes  = m->min_cache_bytes;
@@ -50,7 +51,7 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     info->from_store       = m->store != nullptr;
     info->direct_io        = m->store ? m->store_file->direct() : m->files[0]->direct();
     info->io_uring         = m->io && m->io->uses_uring();
-    for (const auto & c : m->caches) {
+    for (const auto & c : m->served_caches()) {
         info->n_slots += c->n_slots(MOETIER_PRECISION_HIGH);
         info->n_slots_low += c->n_slots(MOETIER_PRECISION_LOW);
         info->n_held += c->slots(MOETIER_PRECISION_HIGH).n_experts_held();
@@ -103,7 +104,7 @@ int32_t moetier_model_prefetch_stats(const struct llama_model * model, struct mo
         return -1;
     }
     moetier_sync(*m);
-    for (auto & c : m->caches) {
+    for (auto & c : m->served_caches()) {
         c->add_prefetch_stats(*out);
     }
     return 0;
@@ -119,7 +120,7 @@ void moetier_model_reset_stats(struct llama_model * model) {
         l->stats       = {};
         l->stats.layer = l->il;
     }
-    for (auto & c : m->caches) {
+    for (auto & c : m->served_caches()) {
         c->reset_prefetch_stats();
     }
     m->read_hist.reset();
@@ -130,7 +131,7 @@ void moetier_model_reset_sequence(struct llama_model * model) {
     if (!m) {
         return;
     }
-    for (auto & c : m->caches) {
+    for (auto & c : m->served_caches()) {
         c->reset_sequence();
     }
 }
@@ -140,7 +141,7 @@ bool moetier_abort_callback(void * model) {
     if (!m) {
         return false;
     }
-    for (const auto & c : m->caches) {
+    for (const auto & c : m->served_caches()) {
         if (c->failed()) {
             return true;
         }
@@ -151,7 +152,7 @@ bool moetier_abort_callback(void * model) {
 // the first error of any group
 static moetier_error moetier_model_first_error(const llama_model * model) {
     if (const moetier_model * m = moetier_of(model)) {
-        for (const auto & c : m->caches) {
+        for (const auto & c : m->served_caches()) {
             moetier_error e = c->error();
             if (!e.msg.empty()) {
                 return e;
@@ -176,7 +177,7 @@ enum moetier_error_kind moetier_model_error_kind(const struct llama_model * mode
 static uint64_t moetier_sum_caches(const struct llama_model * model, uint64_t (moetier_cache::*count)() const) {
     uint64_t n = 0;
     if (const moetier_model * m = moetier_of(model)) {
-        for (const auto & c : m->caches) {
+        for (const auto & c : m->served_caches()) {
             n += ((*c).*count)();
         }
     }
@@ -196,10 +197,47 @@ void moetier_model_clear_error(struct llama_model * model) {
     if (!m) {
         return;
     }
-    for (auto & c : m->caches) {
+    for (auto & c : m->served_caches()) {
         c->sync();
         c->clear_error();
     }
+}
+
+bool moetier_models_share_cache(struct llama_model ** models, int32_t n) {
+    moetier_set_last_error(MOETIER_ERROR_NONE, "");
+    std::vector<moetier_model *> ms;
+    for (int32_t i = 0; i < n; ++i) {
+        moetier_model * m = moetier_of(models[i]);
+        if (m == nullptr) {
+            moetier_set_last_error(MOETIER_ERROR_CONFIG,
+                                   "moetier_models_share_cache: a model was loaded without an expert cache");
+            return false;
+        }
+        ms.push_back(m);
+    }
+    try {
+        moetier_model::share_cache(ms);
+    } catch (const std::exception & e) {
+        moetier_set_last_error(MOETIER_ERROR_CONFIG, e.what());
+        return false;
+    }
+    return true;
+}
+
+bool moetier_model_set_expert_keys(struct llama_model * model, const int32_t * keys, int64_t n) {
+    moetier_set_last_error(MOETIER_ERROR_NONE, "");
+    moetier_model * m = moetier_of(model);
+    if (m == nullptr) {
+        moetier_set_last_error(MOETIER_ERROR_CONFIG, "moetier_model_set_expert_keys: the model has no expert cache");
+        return false;
+    }
+    try {
+        m->set_expert_keys(keys, n);
+    } catch (const std::exception & e) {
+        moetier_set_last_error(MOETIER_ERROR_CONFIG, e.what());
+        return false;
+    }
+    return true;
 }
 
 //

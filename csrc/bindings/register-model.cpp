@@ -357,6 +357,21 @@ void register_model(py::module_ & m) {
         "cache_info_at", [](uintptr_t addr) { return cache_info(model_at(addr)); }, py::arg("model"),
         "the cache_info of the llama_model at this address");
 
+    m.def(
+        "share_cache",
+        [](const std::vector<py_model *> & models) {
+            std::vector<llama_model *> ms;
+            for (py_model * pm : models) {
+                ms.push_back(pm->model());
+            }
+            if (!moetier_models_share_cache(ms.data(), (int32_t) ms.size())) {
+                throw moetier_py_error{ moetier_last_error_kind(), moetier_last_error() };
+            }
+        },
+        py::arg("models"),
+        "fine-tuned variants of one MoE, each loaded with its store (prefetch=0, warm=0), served from one expert "
+        "cache: the first model's, over its budget; before any decode; decode one at a time; free them together");
+
     py::class_<py_model>(m, "Model")
         .def(py::init([](const std::string & path, const py::object & params, const llama_context_params & cparams,
                          bool repack, int32_t n_gpu_layers, const std::string & rpc,
@@ -370,6 +385,16 @@ void register_model(py::module_ & m) {
         .def("tokenize", &tokenize, py::arg("text"), py::arg("add_special") = true)
         .def("detokenize", &detokenize, py::arg("tokens"))
         .def("chat_prompt", &chat_prompt, py::arg("messages"))
+        .def(
+            "set_expert_keys",
+            [](py_model & pm, const std::vector<int32_t> & keys) {
+                if (!moetier_model_set_expert_keys(pm.model(), keys.data(), (int64_t) keys.size())) {
+                    throw moetier_py_error{ moetier_last_error_kind(), moetier_last_error() };
+                }
+            },
+            py::arg("keys"),
+            "consolidation, for a model sharing a cache: keys[layer * n_expert + e] = v * n_expert + e, the copy of "
+            "variant v serves expert e")
         .def("logits", &logits, py::arg("tokens"))
         .def("generate", &generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature") = 0.0f,
              py::arg("seed") = 0, py::arg("on_first_token") = py::none())

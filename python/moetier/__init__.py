@@ -18,6 +18,7 @@ from .errors import ConfigError, ModelError, MoetierError, StoreError
 from .lcpp import point_llama_cpp_here as _point_llama_cpp_here
 from .model import CacheStats, GenerateResult, LayerStats, Model, PrefetchStats
 from .pack import pack
+from .variants import Variants, VariantSpec
 
 _point_llama_cpp_here()
 
@@ -49,6 +50,8 @@ __all__ = [
     "PackConfig",
     "PrefetchStats",
     "StoreError",
+    "VariantSpec",
+    "Variants",
     "__version__",
     "format_size",
     "pack",

@@ -27,6 +27,7 @@ STUDY = "Study routing and policies"
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("run", RUN_AND_SERVE, "generate text with the expert cache; prints one stats line"),
     ("serve", RUN_AND_SERVE, "llama-server with the expert cache (OpenAI API, /metrics); its flags pass through"),
+    ("serve-variants", RUN_AND_SERVE, "serve fine-tuned variants of one MoE from one expert cache (OpenAI API)"),
     ("serve-pool", RUN_AND_SERVE, "serve many models and pipelines under one memory budget (CoServe; OpenAI API)"),
     ("stats", RUN_AND_SERVE, "watch a server's /metrics: hit rate, bytes read, precision split, tok/s"),
     ("demo", RUN_AND_SERVE, "fetch Qwen2.5-Coder-0.5B, moefy it, run it with 25% of its experts cached vs stock"),
@@ -301,6 +302,8 @@ def cmd_moefy(ns: argparse.Namespace) -> int:
         check_texts=tuple(t[-4000:] for t in texts),
         n_threads=ns.threads,
         progress=False if ns.quiet else None,
+        partition=ns.partition,
+        save_partition=ns.save_partition,
     )
     sys.stderr.write(f"moetier: wrote {ns.output}: {cfg.n_expert} experts, top-{cfg.n_expert_used}; {res.summary()}\n")
     if ns.report:
@@ -430,6 +433,48 @@ def cmd_serve_pool(ns: argparse.Namespace) -> int:
     finally:
         server.server_close()
         pool.close()
+    return 0
+
+
+def cmd_serve_variants(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .pool.server import make_server
+    from .pool.variant_service import VariantService
+    from .variants import Variants, VariantSpec
+
+    if len(ns.stores) != len(ns.models):
+        msg = f"--stores: {len(ns.stores)} stores for {len(ns.models)} variants; give one store per variant, in order"
+        raise ConfigError(msg)
+    names = ns.names.split(",") if ns.names else [Path(m).stem for m in ns.models]
+    if len(names) != len(ns.models):
+        msg = f"--names: {len(names)} names for {len(ns.models)} variants"
+        raise ConfigError(msg)
+    if ns.cache is None:
+        msg = "--cache: give the expert cache budget the variants share (e.g. 1GiB)"
+        raise ConfigError(msg)
+    cache = CacheConfig.exact(budget=ns.cache, prefetch=0, warm=False)
+    specs = [VariantSpec(n, Path(m), Path(st)) for n, m, st in zip(names, ns.models, ns.stores, strict=True)]
+    vs = Variants(specs, cache, consolidation=ns.consolidate, n_ctx=ns.ctx_size, n_threads=ns.threads)
+    server = make_server(VariantService(vs, ns.ctx_size), ns.host, ns.port)
+    info = vs.cache_info()
+    lossy = (
+        f"consolidated by {ns.consolidate} ({vs.map['capacity'] if vs.map else 0} shared positions; lossy)"
+        if vs.consolidated
+        else "each variant's own experts (exact)"
+    )
+    sys.stderr.write(
+        f"moetier serve-variants: {len(specs)} variants ({', '.join(names)}) share one expert cache of "
+        f"{format_size(int(info['cache_bytes']))}, {info['n_slots']} slots; {lossy}; "
+        f"listening on http://{ns.host}:{server.server_port}\n"
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        vs.close()
     return 0
 
 
@@ -840,6 +885,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="where collected activations and distilled layers are kept, so an interrupted conversion resumes "
         "(default: $MOETIER_CACHE/moefy-work)",
     )
+    f.add_argument(
+        "--save-partition",
+        default=None,
+        metavar="FILE",
+        help="write which neurons went to which expert (.npz): convert fine-tuned variants of this model with it",
+    )
+    f.add_argument(
+        "--partition",
+        default=None,
+        metavar="FILE",
+        help="use the neuron partition of another conversion (--save-partition on the base of fine-tuned "
+        "variants): every variant's expert (layer, e) then holds the same neurons, as consolidation needs; "
+        "routers and down projections are still fitted on this model",
+    )
     _add_dataclass_args(f.add_argument_group("conversion"), MoefyConfig)
     from .tools.distill import DistillConfig
 
@@ -909,6 +968,33 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=int, default=0, help="override the file's compute threads per executor")
     sp.add_argument("--no-profile", action="store_true", help="ignore the file's profile: estimate the costs")
     sp.set_defaults(func=cmd_serve_pool)
+
+    sv = _command(
+        sub,
+        "serve-variants",
+        usage="%(prog)s V1.gguf V2.gguf ... --stores S1 S2 ... --cache SIZE [options]",
+        description="Serves fine-tuned variants of one MoE (one architecture and shape, each with its expert store) "
+        "from one expert cache behind an OpenAI-compatible API: `model` names a variant; the variants' non-expert "
+        "weights stay resident and their experts share the cache's slots. With --consolidate, the positions a map "
+        "from `moetier consolidate` shares are served by one variant's copy for all (lossy). See "
+        "docs/serving-variants.md.",
+    )
+    sv.add_argument("models", nargs="+", help="the variants' GGUF files")
+    sv.add_argument("--stores", nargs="+", required=True, help="each variant's expert store (moetier pack), in order")
+    sv.add_argument("--names", default="", help="comma-separated names for `model` (default: the files' stems)")
+    sv.add_argument("--cache", default=None, help="the expert cache budget the variants share (bytes or 1GiB, 512MiB)")
+    sv.add_argument(
+        "--consolidate",
+        default=None,
+        metavar="MAP",
+        help="serve the positions this map (moetier consolidate, of these variants in this order) shares with one "
+        "copy for every variant: fewer reads, lower quality",
+    )
+    sv.add_argument("-c", "--ctx-size", type=int, default=2048, help="context tokens per variant (default: 2048)")
+    sv.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: llama.cpp's)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
+    sv.set_defaults(func=cmd_serve_variants)
 
     pr = _command(
         sub,

@@ -15,11 +15,21 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import MoetierError
 from .executor import Answer, ModelCounters, Pool, Work, rss_bytes
 from .spec import Pipeline, PoolSpec
+
+
+class Service(Protocol):
+    """What the HTTP layer serves: the names, the metrics text, and one request's response."""
+
+    def names(self) -> list[dict[str, Any]]: ...
+
+    def metrics(self) -> str: ...
+
+    def run(self, body: dict[str, Any], chat: bool) -> dict[str, Any]: ...
 
 
 class RequestError(Exception):
@@ -44,6 +54,74 @@ class _Run:
     error: BaseException | None = None
     event: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class Request:
+    """An API request's fields, checked."""
+
+    name: str
+    text: str  # a completion's prompt, a chat's last user message
+    messages: list[tuple[str, str]] | None  # a chat's conversation
+    max_tokens: int | None
+    temperature: float
+    seed: int
+
+
+def parse_request(body: dict[str, Any], chat: bool, known: list[str], served: str) -> Request:
+    """The fields of a completion (chat: chat completion) request; RequestError for bad ones.
+    known: the names `model` may take ("unknown model ...; {served}: ...")."""
+    name = body.get("model")
+    if not isinstance(name, str) or name not in known:
+        raise RequestError(404, f"unknown model {name!r}; {served}: {', '.join(known)}")
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise RequestError(400, f"max_tokens: {max_tokens!r} must be a positive integer")
+    temperature = body.get("temperature", 0.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise RequestError(400, f"temperature: {temperature!r} must be a number >= 0")
+    seed = body.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise RequestError(400, f"seed: {seed!r} must be an integer")
+    messages: list[tuple[str, str]] | None = None
+    if chat:
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise RequestError(400, "messages: a non-empty list of {role, content} is required")
+        messages = []
+        for m in raw:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise RequestError(400, "messages: each message needs a string role and a string content")
+            messages.append((m["role"], m["content"]))
+        users = [c for r, c in messages if r == "user"]
+        text = users[-1] if users else messages[-1][1]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise RequestError(400, "prompt: a string is required")
+        text = prompt
+    return Request(name, text, messages, max_tokens, float(temperature), seed)
+
+
+def completion(name: str, a: Answer, chat: bool, meta: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI response object of an answer (meta under the `moetier` key)."""
+    usage = {
+        "prompt_tokens": a.prompt_tokens,
+        "completion_tokens": a.completion_tokens,
+        "total_tokens": a.prompt_tokens + a.completion_tokens,
+    }
+    base = {"id": f"moetier-{uuid.uuid4().hex[:16]}", "created": int(time.time()), "model": name}
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": a.text},
+            "finish_reason": a.finish_reason,
+        }
+        return {**base, "object": "chat.completion", "choices": [choice], "usage": usage, "moetier": meta}
+    choice = {"index": 0, "text": a.text, "finish_reason": a.finish_reason, "logprobs": None}
+    return {**base, "object": "text_completion", "choices": [choice], "usage": usage, "moetier": meta}
 
 
 class PoolService:
@@ -75,44 +153,9 @@ class PoolService:
         return out
 
     def run(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
-        name = body.get("model")
-        if not isinstance(name, str) or (name not in self.spec.models and name not in self.spec.pipelines):
-            known = ", ".join([*self.spec.models, *self.spec.pipelines])
-            raise RequestError(404, f"unknown model {name!r}; this pool serves: {known}")
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        if max_tokens is not None and (
-            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
-        ):
-            raise RequestError(400, f"max_tokens: {max_tokens!r} must be a positive integer")
-        temperature = body.get("temperature", 0.0)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-            raise RequestError(400, f"temperature: {temperature!r} must be a number >= 0")
-        seed = body.get("seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise RequestError(400, f"seed: {seed!r} must be an integer")
-        messages: list[tuple[str, str]] | None = None
-        if chat:
-            raw = body.get("messages")
-            if not isinstance(raw, list) or not raw:
-                raise RequestError(400, "messages: a non-empty list of {role, content} is required")
-            messages = []
-            for m in raw:
-                if (
-                    not isinstance(m, dict)
-                    or not isinstance(m.get("role"), str)
-                    or not isinstance(m.get("content"), str)
-                ):
-                    raise RequestError(400, "messages: each message needs a string role and a string content")
-                messages.append((m["role"], m["content"]))
-            users = [c for r, c in messages if r == "user"]
-            text = users[-1] if users else messages[-1][1]
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise RequestError(400, "prompt: a string is required")
-            text = prompt
+        req = parse_request(body, chat, [*self.spec.models, *self.spec.pipelines], "this pool serves")
+        name, text, messages, max_tokens = req.name, req.text, req.messages, req.max_tokens
+        temperature, seed = req.temperature, req.seed
         pipeline = self.spec.pipelines.get(name)
         run = _Run(name, text, messages if pipeline is None else None, max_tokens, float(temperature), seed, pipeline)
         with self._lock:
@@ -177,24 +220,9 @@ class PoolService:
         self.pool.submit(model, Work(None if messages else text, messages, max_tokens, done, run.temperature, run.seed))
 
     def _response(self, run: _Run, chat: bool) -> dict[str, Any]:
-        a = run.answer
-        assert a is not None
-        usage = {
-            "prompt_tokens": a.prompt_tokens,
-            "completion_tokens": a.completion_tokens,
-            "total_tokens": a.prompt_tokens + a.completion_tokens,
-        }
+        assert run.answer is not None
         meta = {"stages": run.stages, "seconds": round(time.perf_counter() - run.started, 4)}
-        base = {"id": f"moetier-{uuid.uuid4().hex[:16]}", "created": int(time.time()), "model": run.name}
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": a.text},
-                "finish_reason": a.finish_reason,
-            }
-            return {**base, "object": "chat.completion", "choices": [choice], "usage": usage, "moetier": meta}
-        choice = {"index": 0, "text": a.text, "finish_reason": a.finish_reason, "logprobs": None}
-        return {**base, "object": "text_completion", "choices": [choice], "usage": usage, "moetier": meta}
+        return completion(run.name, run.answer, chat, meta)
 
     def metrics(self) -> str:
         pool = self.pool
@@ -245,7 +273,7 @@ class PoolService:
         return "\n".join(lines) + "\n"
 
 
-def make_server(service: PoolService, host: str, port: int) -> ThreadingHTTPServer:
+def make_server(service: Service, host: str, port: int) -> ThreadingHTTPServer:
     """A threaded HTTP server (one thread per connection) over the service; serve_forever() runs it."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -295,7 +323,7 @@ def make_server(service: PoolService, host: str, port: int) -> ThreadingHTTPServ
                 if not isinstance(body, dict):
                     raise RequestError(400, "the request body must be a JSON object")
                 if body.get("stream"):
-                    raise RequestError(400, "stream: streaming is not supported by the pool server; send stream=false")
+                    raise RequestError(400, "stream: streaming is not supported by this server; send stream=false")
                 self._json(200, service.run(body, chat="chat" in path))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 self._error(400, f"the request body is not JSON: {e}")

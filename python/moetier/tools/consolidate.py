@@ -151,6 +151,104 @@ def consolidate(paths: Sequence[str | os.PathLike[str]], capacity: int | float) 
     }
 
 
+def _expert_bytes(t: Any) -> npt.NDArray[np.uint8]:
+    """One projection's raw bytes, one row per expert."""
+    return np.asarray(t.data).view(np.uint8).reshape(int(t.shape[-1]), -1)
+
+
+def _write_like(path: Path, out: Path, data: dict[str, Any]) -> None:
+    """The GGUF at path with the tensors named in data replaced (raw bytes or float32 of the same type)."""
+    import gguf
+
+    from .moefy import _kv_copy
+
+    r = gguf.GGUFReader(str(path))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    tmp = out.with_name(out.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    _kv_copy(r, w, arch, arch)
+    for t in r.tensors:
+        a = data.get(t.name, np.asarray(t.data))
+        w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(out)
+
+
+def write_consolidated(m: dict[str, Any], index: int, out: str | os.PathLike[str]) -> None:
+    """Variant `index` of the map m as its requests compute under consolidation: every shared position's
+    expert replaced by the copy of the variant the map gives it. What serving with the map computes,
+    as one GGUF: the reference its quality is measured on."""
+    vs = [_open(Path(v["path"])) for v in m["variants"]]
+    _check_same(vs)
+    if not 0 <= index < len(vs):
+        msg = f"variant {index}: the map has {len(vs)} variants"
+        raise ConfigError(msg)
+    me = vs[index]
+    data: dict[str, Any] = {}
+    for il, row in zip(m["layers"], m["map"], strict=True):
+        for p in PROJS:
+            t = me.layers[il][p]
+            raw = _expert_bytes(t).copy()
+            for e, owner in enumerate(row):
+                if owner >= 0 and owner != index:
+                    src = vs[owner].layers[il][p]
+                    if src.tensor_type != t.tensor_type:
+                        msg = (
+                            f"{vs[owner].path}: blk.{il}.{p} is {src.tensor_type.name}, "
+                            f"{me.path}'s {t.tensor_type.name}"
+                        )
+                        raise ConfigError(msg)
+                    raw[e] = _expert_bytes(src)[e]
+            data[t.name] = raw.reshape(np.asarray(t.data).view(np.uint8).shape)
+    _write_like(me.path, Path(out), data)
+
+
+def write_average(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) -> None:
+    """The weight average of the variants (the multi-MoE paper's baseline): every tensor that differs
+    between them dequantized, averaged and quantized back to the first variant's type."""
+    import gguf
+
+    from .. import _core
+    from .moefy import _ggml_type_name
+
+    readers = [gguf.GGUFReader(str(p)) for p in paths]
+    vs = [_open(Path(p)) for p in paths]
+    _check_same(vs)
+    data: dict[str, Any] = {}
+    others = [{t.name: t for t in r.tensors} for r in readers[1:]]
+    for t in readers[0].tensors:
+        copies = [t] + [o[t.name] for o in others]
+        raws = [np.asarray(c.data).view(np.uint8) for c in copies]
+        if all(np.array_equal(raws[0], r) for r in raws[1:]):
+            continue
+        qt = t.tensor_type
+        fl = [np.asarray(_experts_flat(c), dtype=np.float64) for c in copies]
+        mean = np.mean(np.stack(fl), axis=0).astype(np.float32)
+        if qt == gguf.GGMLQuantizationType.F32:
+            data[t.name] = mean.reshape(np.asarray(t.data).shape)
+        elif qt == gguf.GGMLQuantizationType.F16:
+            data[t.name] = mean.astype(np.float16).reshape(np.asarray(t.data).shape)
+        else:
+            ne0 = int(t.shape[0])
+            q = _core.quantize(np.ascontiguousarray(mean.reshape(-1, ne0)), _ggml_type_name(qt), None)
+            data[t.name] = q.reshape(raws[0].shape)
+    _write_like(Path(paths[0]), Path(out), data)
+
+
+def _experts_flat(t: Any) -> F32:
+    """Any tensor dequantized to float32, flattened."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = np.asarray(t.data)
+    qt = GGMLQuantizationType(int(t.tensor_type))
+    w = data.astype(np.float32) if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else dequantize(data, qt)
+    return np.asarray(w, dtype=np.float32).reshape(-1)
+
+
 def _head_digest(path: Path) -> str:
     """sha256 of the file's first MiB and its size: enough to tell a map's variants from other files."""
     h = hashlib.sha256()

@@ -350,12 +350,24 @@ def token_weights(y: F32, how: str) -> F32 | None:
     return w
 
 
-def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rng: np.random.Generator) -> LayerPlan:
-    """x [N, d] ffn inputs; w_gate/w_up [ff, d]; w_down [d, ff]."""
+def plan_layer(
+    x: F32,
+    w_gate: F32,
+    w_up: F32,
+    w_down: F32,
+    cfg: MoefyConfig,
+    rng: np.random.Generator,
+    split: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None,
+) -> LayerPlan:
+    """x [N, d] ffn inputs; w_gate/w_up [ff, d]; w_down [d, ff]. split: the (shared, groups) neuron
+    indices to use instead of clustering (a partition shared by variants of one base): only the router
+    and the down projections are fitted."""
     ff = w_gate.shape[0]
     E, k = cfg.n_expert, cfg.n_expert_used
     h = _silu(x @ w_gate.T) * (x @ w_up.T)  # [N, ff]
     y = h @ w_down.T  # [N, d]
+    if split is not None:
+        return _fit_plan(x, h, y, w_down, cfg, split[0], split[1])
 
     # shared expert: the most important neurons; the routed rest must split into E equal groups
     # whose size is a multiple of 32 (q8_0 blocks run along it in the down projection)
@@ -380,13 +392,6 @@ def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rn
     groups = routed[_balanced_kmeans(act.astype(np.float32), E, ff_e, rng)]
     del act
 
-    def router_fit(groups: npt.NDArray[np.int64]) -> F32:
-        """[d, E]: softmax(x @ it) ~ predicted group output norms [HOBBIT needs importance in the weights]"""
-        norms = np.stack([np.linalg.norm(h[:, g] @ w_down[:, g].T, axis=1) for g in groups], axis=1)  # [N, E]
-        target = np.log(norms + 1e-6)
-        target -= target.mean(axis=1, keepdims=True)
-        return _ridge(x, target.astype(np.float32), cfg.router_ridge)
-
     if cfg.split_rounds:
         # co-activation is a proxy: what a token loses is the output of the routed neurons in the
         # experts its router does not select. Each round moves every neuron to the expert whose
@@ -395,7 +400,7 @@ def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rn
         energy = np.square(h[:, routed]) * np.square(np.linalg.norm(w_down[:, routed], axis=0))
         energy /= energy.sum(axis=1, keepdims=True) + 1e-12
         for _ in range(cfg.split_rounds):
-            top = np.argsort(-(x @ router_fit(groups)), axis=1)[:, :k]
+            top = np.argsort(-(x @ _router_fit(x, h, w_down, groups, cfg.router_ridge)), axis=1)[:, :k]
             selected = np.zeros((len(x), E), dtype=np.float32)
             np.put_along_axis(selected, top, 1.0, axis=1)
             kept = energy.T @ selected  # [n_routed, E]: energy kept if the neuron were in expert e
@@ -403,7 +408,25 @@ def plan_layer(x: F32, w_gate: F32, w_up: F32, w_down: F32, cfg: MoefyConfig, rn
             groups = np.stack([routed[assign == e] for e in range(E)])
         del energy
 
-    router_unscaled = router_fit(groups)
+    return _fit_plan(x, h, y, w_down, cfg, shared, groups)
+
+
+def _router_fit(x: F32, h: F32, w_down: F32, groups: npt.NDArray[np.int64], ridge: float) -> F32:
+    """[d, E]: softmax(x @ it) ~ predicted group output norms [HOBBIT needs importance in the weights]"""
+    norms = np.stack([np.linalg.norm(h[:, g] @ w_down[:, g].T, axis=1) for g in groups], axis=1)  # [N, E]
+    target = np.log(norms + 1e-6)
+    target -= target.mean(axis=1, keepdims=True)
+    return _ridge(x, target.astype(np.float32), ridge)
+
+
+def _fit_plan(
+    x: F32, h: F32, y: F32, w_down: F32, cfg: MoefyConfig, shared: npt.NDArray[np.int64], groups: npt.NDArray[np.int64]
+) -> LayerPlan:
+    """The router and the down projections of a layer split into shared and groups."""
+    E, k = cfg.n_expert, cfg.n_expert_used
+    n_sh = len(shared)
+    ff_e = groups.shape[1]
+    router_unscaled = _router_fit(x, h, w_down, groups, cfg.router_ridge)
     router = router_unscaled.T * np.float32(cfg.router_scale)  # [E, d]
     logits = x @ router.T
     # router_scale 0 (flat weights): rank by the unscaled fit so top-k routing stays real
@@ -750,6 +773,8 @@ def moefy(
     check_texts: tuple[str, ...] = (),
     n_threads: int | None = None,
     progress: bool | None = None,
+    partition: str | os.PathLike[str] | None = None,
+    save_partition: str | os.PathLike[str] | None = None,
 ) -> MoefyResult:
     """Converts the dense qwen2 GGUF src into the MoE GGUF dst (written to a temp name, checked for
     finite logits on held-out text, then renamed).
@@ -760,7 +785,12 @@ def moefy(
     compound unseen); the trained gate/up go back to the source's quantization types, weighted by the
     calibration inputs (an importance matrix). work_dir keeps the collected activations and trained
     layers, so an interrupted conversion resumes where it stopped. check_texts: more samples (e.g. the
-    end of each calibration file) on which the converted model's logits must be finite."""
+    end of each calibration file) on which the converted model's logits must be finite.
+
+    partition: a file written by save_partition on another conversion (of the base these variants were
+    fine-tuned from): its neurons go to the same experts here, so that an expert position (layer,
+    expert) means the same neurons in every variant; the routers and down projections are fitted on
+    this model. save_partition: where to write this conversion's partition."""
     cfg = cfg or MoefyConfig()
     dcfg = distill if distill is not None and distill.epochs > 0 else None
     src, dst = Path(src), Path(dst)
@@ -778,6 +808,8 @@ def moefy(
         raise ConfigError(msg)
     tensors = {t.name: t for t in reader.tensors}
     renorm, sh_gate = ARCHS[cfg.arch]
+    n_ff = int(tensors["blk.0.ffn_gate.weight"].shape[1])
+    given = read_partition(partition, n_layer, n_ff, cfg) if partition is not None else None
 
     from ..model import Model
 
@@ -832,14 +864,18 @@ def moefy(
     for il in tqdm(range(cfg.dense_lead, n_layer), desc="moefy layers", disable=not show):
         # dequantized once per layer: the plan, the balance step and the held-out error use them
         w_gate, w_up, w_down = dense_weights(il)
-        plan_path = work / f"plan-{cache_key(_plan_fields(cfg))}" / f"layer-{il}.npz" if work else None
+        pkey = (
+            cache_key(_plan_fields(cfg), _partition_key(given)) if given is not None else cache_key(_plan_fields(cfg))
+        )
+        plan_path = work / f"plan-{pkey}" / f"layer-{il}.npz" if work else None
         if plan_path is not None and plan_path.exists():
             layer, err = _load_layer(plan_path)
             with np.load(plan_path) as z:
                 split = (np.asarray(z["shared"]), np.asarray(z["groups"]))
         else:
             # one generator per layer: a resumed conversion plans the missing layers as a whole run would
-            pl = plan_layer(np.asarray(xs[il]), w_gate, w_up, w_down, cfg, np.random.default_rng([cfg.seed, il]))
+            rng = np.random.default_rng([cfg.seed, il])
+            pl = plan_layer(np.asarray(xs[il]), w_gate, w_up, w_down, cfg, rng, given[il] if given else None)
             layer, err, split = layer_from_plan(pl, w_gate, w_up), pl.rel_error, (pl.shared, pl.groups)
             if plan_path is not None:
                 plan_path.parent.mkdir(parents=True, exist_ok=True)
@@ -864,6 +900,8 @@ def moefy(
         layers.append(layer)
         errors.append(err)
     seconds["plan"] = time.monotonic() - t0
+    if save_partition is not None:
+        write_partition(save_partition, splits, n_ff, cfg, src.name)
 
     for rnd in range(1, cfg.correct_rounds + 1):
         # errors of earlier layers compound: each layer is refitted on the inputs the converted model
@@ -960,6 +998,87 @@ def moefy(
     os.replace(tmp, dst)
     seconds["total"] = time.monotonic() - t_start
     return MoefyResult(errors_plan, errors, seconds, len(tokens), errors_held, len(held), cfg.dense_lead)
+
+
+PARTITION_FORMAT = "moetier-moefy-partition-1"
+
+
+def write_partition(
+    path: str | os.PathLike[str],
+    splits: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None],
+    n_ff: int,
+    cfg: MoefyConfig,
+    source: str,
+) -> None:
+    """The neuron partition of a conversion (shared and per-expert neuron indices of each MoE layer),
+    for converting variants of the same base with the same experts (moefy's partition argument)."""
+    meta = {
+        "format": PARTITION_FORMAT,
+        "source": source,
+        "n_layer": len(splits),
+        "n_ff": n_ff,
+        "n_expert": cfg.n_expert,
+        "dense_lead": cfg.dense_lead,
+    }
+    arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
+    for il, sp in enumerate(splits):
+        if sp is not None:
+            arrays[f"shared_{il}"], arrays[f"groups_{il}"] = sp
+    tmp = Path(str(path) + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def read_partition(
+    path: str | os.PathLike[str], n_layer: int, n_ff: int, cfg: MoefyConfig
+) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None]:
+    """A partition written by write_partition, checked against the model it is applied to."""
+    try:
+        z = np.load(path)
+    except (OSError, ValueError) as e:
+        msg = f"{path}: not a moefy partition ({e})"
+        raise ConfigError(msg) from None
+    with z:
+        problem = ""
+        try:
+            meta = json.loads(bytes(z["meta"]).decode())
+        except (KeyError, ValueError):
+            meta = {}
+            problem = "not a moefy partition (no meta record)"
+        if not problem and meta.get("format") != PARTITION_FORMAT:
+            problem = f"format {meta.get('format')!r}, expected {PARTITION_FORMAT}"
+        for key, want in (
+            ("n_layer", n_layer),
+            ("n_ff", n_ff),
+            ("n_expert", cfg.n_expert),
+            ("dense_lead", cfg.dense_lead),
+        ):
+            if not problem and meta.get(key) != want:
+                problem = f"{key} {meta.get(key)} in the partition (of {meta.get('source')}), {want} here"
+        out: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None] = [None] * cfg.dense_lead
+        for il in range(cfg.dense_lead, n_layer):
+            if problem:
+                break
+            if f"shared_{il}" not in z.files or f"groups_{il}" not in z.files:
+                problem = f"layer {il} is missing"
+                break
+            shared = np.asarray(z[f"shared_{il}"], dtype=np.int64)
+            groups = np.asarray(z[f"groups_{il}"], dtype=np.int64)
+            if groups.ndim != 2 or groups.shape[0] != cfg.n_expert or groups.shape[1] % 32:
+                problem = f"layer {il}: groups of shape {groups.shape}, need [{cfg.n_expert}, a multiple of 32]"
+            elif not np.array_equal(np.sort(np.concatenate([shared, groups.reshape(-1)])), np.arange(n_ff)):
+                problem = f"layer {il}: the shared and expert neurons are not each of the {n_ff} neurons once"
+            out.append((shared, groups))
+    if problem:
+        msg = f"{path}: {problem}"
+        raise ConfigError(msg)
+    return out
+
+
+def _partition_key(
+    given: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None],
+) -> str:
+    return cache_key(*(np.concatenate([sp[0], sp[1].reshape(-1)]).tobytes() for sp in given if sp is not None))
 
 
 def _default_cache() -> Path:

@@ -1,0 +1,186 @@
+"""moetier.Variants: several fine-tuned variants of one MoE served from one expert cache.
+
+Each variant is loaded with its own GGUF (its non-expert weights stay resident: attention, norms,
+embeddings, routers and any shared expert) and its own expert store; the variants then share one
+expert cache, the first variant's, over one budget. The cache keys an expert by (variant, layer,
+expert), so a request computes with its own variant's experts, read from its store on a miss, and
+the variants compete for the same slots: whichever is busy gets the room.
+
+With a consolidation map (`moetier consolidate`, the multi-MoE paper's algorithm 1) the positions the
+map shares are served by one variant's copy for every variant: one slot instead of one per variant,
+at a cost in quality. Consolidation is lossy, so it is only on when a map is given; `consolidated`
+says so. Without a map every variant's output equals that variant served alone.
+
+One cache means one decode at a time: generate() serialises the variants' requests (each runs with
+every thread). Prefetch and warm start are off here (their predictions and sidecar are one model's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import _core
+from .config import CacheConfig
+from .errors import ConfigError
+from .model import GenerateResult, Model
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One variant: the name requests use, its GGUF and its expert store (`moetier pack`)."""
+
+    name: str
+    model: Path
+    store: Path
+
+
+def _head_digest(path: Path) -> str:
+    # as `moetier consolidate` names a map's variants: the first MiB and the size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    h.update(str(path.stat().st_size).encode())
+    return h.hexdigest()
+
+
+def read_map(path: str | os.PathLike[str], variants: Sequence[VariantSpec]) -> dict[str, Any]:
+    """A consolidation map, checked against the variants it is applied to (same files, same order)."""
+    p = Path(path)
+    try:
+        m = json.loads(p.read_text())
+    except FileNotFoundError:
+        msg = f"{p}: the consolidation map does not exist"
+        raise ConfigError(msg) from None
+    except (OSError, ValueError) as e:
+        msg = f"{p}: not a consolidation map ({e})"
+        raise ConfigError(msg) from None
+    if not isinstance(m, dict) or m.get("format") != "moetier-consolidation-1":
+        msg = f"{p}: not a consolidation map (no format moetier-consolidation-1); write it with `moetier consolidate`"
+        raise ConfigError(msg)
+    mv = m.get("variants", [])
+    if len(mv) != len(variants):
+        msg = f"{p}: the map is of {len(mv)} variants, {len(variants)} are served"
+        raise ConfigError(msg)
+    for i, (entry, v) in enumerate(zip(mv, variants, strict=True)):
+        if entry.get("sha256_head") != _head_digest(v.model):
+            msg = (
+                f"{p}: variant {i} of the map is {entry.get('path')}, but {v.model} is served there (another file, or "
+                "the variants in another order); write the map again with `moetier consolidate`"
+            )
+            raise ConfigError(msg)
+    return m
+
+
+class Variants:
+    """Fine-tuned variants of one MoE architecture and shape served from one expert cache (see the
+    module's docstring). cache: the one budget and policy (exact; prefetch and warm start are off:
+    asking for them is a ConfigError); consolidation: a map from `moetier consolidate` (lossy)."""
+
+    def __init__(
+        self,
+        variants: Sequence[VariantSpec],
+        cache: CacheConfig,
+        *,
+        consolidation: str | os.PathLike[str] | None = None,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+    ) -> None:
+        if len(variants) < 2:
+            msg = "variants: serve at least two (one variant is a plain model: moetier serve)"
+            raise ConfigError(msg)
+        names = [v.name for v in variants]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            msg = f"variants: the name {dup[0]!r} is given twice"
+            raise ConfigError(msg)
+        if cache.prefetch not in (0, CacheConfig().prefetch):
+            msg = "variants: prefetch is off for variants sharing a cache (its predictions are one model's); drop it"
+            raise ConfigError(msg)
+        if cache.t1 < 1.0 or cache.t2 < 1.0:
+            msg = "variants: mixed precision (t1/t2 below 1) is not supported with variants sharing a cache"
+            raise ConfigError(msg)
+        self.specs = tuple(variants)
+        self.cache = dataclasses.replace(cache, prefetch=0, warm=False)
+        self.map: dict[str, Any] | None = read_map(consolidation, variants) if consolidation is not None else None
+        self._lock = threading.Lock()
+        self._models: list[Model] = []
+        for v in variants:
+            self._models.append(Model(v.model, store=v.store, cache=self.cache, n_ctx=n_ctx, n_threads=n_threads))
+        _core.share_cache([m._m for m in self._models])
+        info = self._models[0].cache_info()
+        self.n_layers, self.n_expert = int(info["n_layers"]), int(info["n_expert"])
+        if self.map is not None:
+            self._apply(self.map, str(consolidation))
+        self.requests = dict.fromkeys(names, 0)
+
+    def _apply(self, m: dict[str, Any], where: str) -> None:
+        rows = m.get("map")
+        E = self.n_expert
+        if not isinstance(rows, list) or len(rows) != self.n_layers or any(len(r) != E for r in rows):
+            msg = f"{where}: the map is of another shape than the variants' {self.n_layers} MoE layers x {E} experts"
+            raise ConfigError(msg)
+        for v, model in enumerate(self._models):
+            keys = [(o if o >= 0 else v) * E + e for row in rows for e, o in enumerate(row)]
+            model._m.set_expert_keys(keys)
+
+    @property
+    def names(self) -> list[str]:
+        return [v.name for v in self.specs]
+
+    @property
+    def consolidated(self) -> bool:
+        """Whether some expert positions are served by another variant's copy (lossy)."""
+        return self.map is not None and int(self.map.get("capacity", 0)) > 0
+
+    def model(self, name: str) -> Model:
+        try:
+            return self._models[self.names.index(name)]
+        except ValueError:
+            msg = f"unknown variant {name!r}; these are served: {', '.join(self.names)}"
+            raise ConfigError(msg) from None
+
+    def generate(
+        self,
+        name: str,
+        prompt: str | list[int],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        seed: int = 0,
+        on_first_token: Callable[[], object] | None = None,
+    ) -> GenerateResult:
+        """Variant `name`'s answer (Model.generate), after the requests before it (one cache, one decode
+        at a time); its stats are the shared cache's, all variants together."""
+        m = self.model(name)
+        with self._lock:
+            self.requests[name] += 1
+            self._models[0].reset_stats()
+            res = m.generate(prompt, max_tokens, temperature, seed, on_first_token)
+        return dataclasses.replace(res, stats=self._models[0].stats())
+
+    def chat_prompt(self, name: str, messages: Sequence[tuple[str, str]]) -> str:
+        return self.model(name).chat_prompt(messages)
+
+    def cache_info(self) -> dict[str, int | bool]:
+        """The shared cache's pools (the first variant's cache_info)."""
+        return self._models[0].cache_info()
+
+    def close(self) -> None:
+        """Frees the variants, the first (whose cache the others use) last."""
+        with self._lock:
+            for m in reversed(self._models):
+                m.close()
+            self._models = []
+
+    def __del__(self) -> None:
+        # the other variants point at the first one's cache: never let the collector free it first
+        models = getattr(self, "_models", [])
+        while models:
+            models.pop().close()

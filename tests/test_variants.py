@@ -1,0 +1,200 @@
+"""Fine-tuned variants of one MoE served from one expert cache (moetier.Variants, serve-variants),
+on tiny generated variants: exact without consolidation, the materialized map's answer with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import LONG_PROMPT, ModelFactory
+from moetier import CacheConfig, ConfigError, Model, StoreError, Variants, VariantSpec, pack
+from moetier.tools.consolidate import consolidate, write_consolidated
+from moetier.tools.moefy import MoefyConfig, moefy
+from moetier.tools.tiny import write_tiny_model
+from test_consolidate import variant
+
+PROMPTS = ["the cat sat on", LONG_PROMPT[:120], "abc abc abc"]
+CFG = CacheConfig.exact(budget="1M", prefetch=0, warm=False)
+
+
+def alone(path: Path, store: Path) -> list[list[int]]:
+    m = Model(path, store=store, cache=CFG, n_ctx=256)
+    return [m.generate(p, max_tokens=10).tokens for p in PROMPTS]
+
+
+@pytest.fixture
+def seeded(tmp_path: Path) -> list[VariantSpec]:
+    """Three tiny MoEs of one shape whose every weight differs (seeds 1-3), each with its store."""
+    out = []
+    for i in range(3):
+        p = write_tiny_model(tmp_path / f"v{i}.gguf", "qwen2moe", n_expert=8, n_expert_used=2, n_layer=3, seed=i + 1)
+        out.append(VariantSpec(f"v{i}", p, pack(p, tmp_path / f"s{i}", progress=False)))
+    return out
+
+
+def test_variants_share_one_cache_and_each_answers_as_alone(seeded: list[VariantSpec]) -> None:
+    want = [alone(v.model, v.store) for v in seeded]
+    assert want[0] != want[1] != want[2], "the variants answer differently: a misrouted request would show"
+    vs = Variants(seeded, CFG, n_ctx=256)
+    info = vs.cache_info()
+    # one cache for all: fewer slots than the three variants' 3 layers x 8 experts, so they evict each other
+    assert 8 <= int(info["n_slots"]) < 3 * 3 * 8
+    assert not vs.consolidated
+    for _ in range(2):  # interleaved: each variant's requests between the others'
+        for qi in range(len(PROMPTS)):
+            for i in (2, 0, 1):
+                r = vs.generate(f"v{i}", PROMPTS[qi], max_tokens=10)
+                assert r.tokens == want[i][qi], f"variant {i} prompt {qi}"
+    st = vs.generate("v1", PROMPTS[0], max_tokens=10).stats
+    assert st.n_lookups > 0 and st.n_hits < st.n_lookups
+    with pytest.raises(ConfigError, match="unknown variant 'v9'"):
+        vs.generate("v9", "x")
+    vs.close()
+
+
+def test_consolidation_serves_shared_positions_with_one_copy(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    base = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    paths = [variant(base, tmp_path / f"c{i}.gguf", i) for i in range(3)]
+    specs = [VariantSpec(f"c{i}", p, pack(p, tmp_path / f"cs{i}", progress=False)) for i, p in enumerate(paths)]
+    m = consolidate(paths, 0.5)
+    mp = tmp_path / "map.json"
+    mp.write_text(json.dumps(m))
+    vs = Variants(specs, CFG, consolidation=mp, n_ctx=256)
+    assert vs.consolidated
+    got = {i: [vs.generate(f"c{i}", p, max_tokens=10).tokens for p in PROMPTS] for i in (1, 2, 0)}
+    vs.close()
+    for i in range(3):
+        # the oracle: the variant's GGUF with every shared position's expert taken from its owner
+        ref = tmp_path / f"ref{i}.gguf"
+        write_consolidated(m, i, ref)
+        assert got[i] == alone(ref, pack(ref, tmp_path / f"rs{i}", progress=False)), f"variant {i}"
+    # sharing changed what some variant computes (a map left unapplied would show)
+    assert any(got[i] != alone(p, s.store) for i, (p, s) in enumerate(zip(paths, specs, strict=True)))
+    # capacity 0 shares nothing: not consolidated, exact
+    m0 = tmp_path / "map0.json"
+    m0.write_text(json.dumps(consolidate(paths, 0)))
+    vs0 = Variants(specs, CFG, consolidation=m0, n_ctx=256)
+    assert not vs0.consolidated
+    assert [vs0.generate("c2", p, max_tokens=10).tokens for p in PROMPTS] == alone(paths[2], specs[2].store)
+    vs0.close()
+
+
+def test_bad_variant_sets_are_clear_errors(seeded: list[VariantSpec], tmp_path: Path) -> None:
+    other = write_tiny_model(tmp_path / "wide.gguf", "qwen2moe", n_expert=4, n_expert_used=2, n_layer=3, seed=9)
+    odd = VariantSpec("wide", other, pack(other, tmp_path / "sw", progress=False))
+    with pytest.raises(ConfigError, match=r"wide\.gguf: .*experts.*one shape"):
+        Variants([seeded[0], odd], CFG, n_ctx=256)
+    with pytest.raises(ConfigError, match="given twice"):
+        Variants([seeded[0], seeded[0]], CFG, n_ctx=256)
+    with pytest.raises(ConfigError, match="prefetch is off"):
+        Variants(seeded, CacheConfig.exact(budget="1M", prefetch=2), n_ctx=256)
+    # a map of other files, or of the same files in another order
+    mp = tmp_path / "map.json"
+    mp.write_text(json.dumps(consolidate([v.model for v in seeded], 4)))
+    with pytest.raises(ConfigError, match=r"map\.json: variant 0 of the map is .*v0\.gguf, but .*v1\.gguf"):
+        Variants([seeded[1], seeded[0], seeded[2]], CFG, consolidation=mp, n_ctx=256)
+    with pytest.raises(ConfigError, match="the map is of 3 variants, 2"):
+        Variants(seeded[:2], CFG, consolidation=mp, n_ctx=256)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigError, match=r"bad\.json: not a consolidation map"):
+        Variants(seeded, CFG, consolidation=bad, n_ctx=256)
+
+
+def test_a_damaged_variant_store_fails_with_its_file_named(seeded: list[VariantSpec]) -> None:
+    data = next(seeded[1].store.glob("*.bin"))
+    size = data.stat().st_size
+    with open(data, "r+b") as f:  # every expert of variant 1 garbled (past the header); 0 and 2 untouched
+        f.seek(4096)
+        f.write(os.urandom(size - 4096))
+    vs = Variants(seeded, CFG, n_ctx=256)
+    assert vs.generate("v0", PROMPTS[0], max_tokens=4).tokens == alone(seeded[0].model, seeded[0].store)[0][:4]
+    with pytest.raises(StoreError, match=rf"{seeded[1].store.name}.*checksum mismatch"):
+        vs.generate("v1", PROMPTS[0], max_tokens=4)
+    vs.close()
+
+
+def test_serve_variants_answers_each_variant_through_the_openai_client(seeded: list[VariantSpec]) -> None:
+    from openai import OpenAI
+
+    want = {v.name: alone(v.model, v.store) for v in seeded}
+    detok = Model(seeded[0].model)  # one vocabulary for all
+    cmd = [sys.executable, "-m", "moetier.cli", "serve-variants", *[str(v.model) for v in seeded]]
+    cmd += ["--stores", *[str(v.store) for v in seeded], "--cache", "1M", "-c", "256", "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        port = 0
+        t0 = time.time()
+        assert proc.stderr is not None
+        while time.time() - t0 < 60:
+            line = proc.stderr.readline()
+            if "listening on http://" in line:
+                port = int(line.rsplit(":", 1)[1].strip())
+                break
+            assert proc.poll() is None, line
+        assert port, "the server did not start"
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        assert sorted(m.id for m in client.models.list()) == ["v0", "v1", "v2"]
+        for qi, p in enumerate(PROMPTS):
+            for name in ("v2", "v0", "v1"):
+                r = client.completions.create(model=name, prompt=p, max_tokens=10)
+                assert r.usage is not None and r.usage.completion_tokens == 10
+                assert r.choices[0].text == detok.detokenize(want[name][qi]), (name, qi)
+        with pytest.raises(Exception, match="unknown model 'v7'"):
+            client.completions.create(model="v7", prompt="x", max_tokens=2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as resp:
+            metrics = resp.read().decode()
+        assert 'moetier_variants_requests_total{variant="v1"} 3' in metrics
+        assert "moetier_variants_consolidated 0" in metrics
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def test_moefy_shares_one_partition_across_variants(tmp_path: Path) -> None:
+    calib = (LONG_PROMPT + " 0123456789 (){}[] <> +-*/=\n") * 12
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024)
+    base = write_tiny_model(tmp_path / "base.gguf", "qwen2", n_layer=2, n_ff_exp=512, seed=3)
+    ft = write_tiny_model(tmp_path / "ft.gguf", "qwen2", n_layer=2, n_ff_exp=512, seed=4)
+    part = tmp_path / "part.npz"
+    moefy(base, tmp_path / "base-moe.gguf", calib, cfg, progress=False, save_partition=part)
+    moefy(ft, tmp_path / "ft-moe.gguf", calib, cfg, progress=False, partition=part)
+    moefy(ft, tmp_path / "ft-own.gguf", calib, cfg, progress=False)
+    import numpy as np
+    from gguf import GGUFReader
+
+    def gate_rows(path: Path) -> np.ndarray:
+        t = {x.name: x for x in GGUFReader(str(path)).tensors}
+        return np.asarray(t["blk.0.ffn_gate_exps.weight"].data)
+
+    def dense_gate(path: Path) -> np.ndarray:
+        t = {x.name: x for x in GGUFReader(str(path)).tensors}
+        return np.asarray(t["blk.0.ffn_gate.weight"].data)
+
+    with np.load(part) as z:
+        groups = z["groups_0"]
+    # expert e of the variant holds the variant's neurons that the base's expert e holds
+    np.testing.assert_array_equal(gate_rows(tmp_path / "ft-moe.gguf"), dense_gate(ft)[groups])
+    assert not np.array_equal(gate_rows(tmp_path / "ft-own.gguf"), gate_rows(tmp_path / "ft-moe.gguf"))
+    # a partition of another shape is refused with its file named
+    small = write_tiny_model(tmp_path / "small.gguf", "qwen2", n_layer=2, n_ff_exp=256, seed=5)
+    with pytest.raises(ConfigError, match=r"part\.npz: n_ff 512 in the partition .* 256 here"):
+        moefy(small, tmp_path / "x.gguf", calib, cfg, progress=False, partition=part)
+    with pytest.raises(ConfigError, match=r"part\.npz: n_expert"):
+        moefy(
+            ft,
+            tmp_path / "x.gguf",
+            calib,
+            MoefyConfig(n_expert=2, n_expert_used=1, calib_tokens=1024),
+            progress=False,
+            partition=part,
+        )
