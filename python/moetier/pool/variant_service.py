@@ -63,7 +63,8 @@ class VariantService:
             "variant": req.name,
             "consolidated": self.variants.consolidated,
             "seconds": round(time.perf_counter() - t0, 4),
-            "ttft_seconds": round(r.prefill_seconds, 4),
+            "prefill_seconds": round(r.prefill_seconds, 4),
+            "decode_seconds": round(r.decode_seconds, 4),
         }
         return completion(req.name, answer, chat, meta)
 
