@@ -463,3 +463,62 @@ def test_replay_leaves_no_warm_start_sidecar(tiny_model: ModelFactory, tmp_path:
     rp.geometry(model, None, info, 50, 1.0, 1.0, 0.0)
     gc.collect()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def shared_format(path: Path, ids: npt.NDArray[np.int32], offsets: list[int], **extra: object) -> Path:
+    """A trace in the shared format of real routing recorded by other tools (uint8 ids, seq_offsets)."""
+    np.savez(
+        path,
+        ids=ids.astype(np.uint8),
+        seq_offsets=np.asarray(offsets, dtype=np.int64),
+        is_decode=np.ones(ids.shape[0], dtype=bool),
+        layers=np.arange(1, ids.shape[1] + 1, dtype=np.int16),
+        n_experts=np.int32(16),
+        top_k=np.int32(ids.shape[2]),
+        **extra,  # type: ignore[arg-type]
+    )
+    return path
+
+
+def test_replay_reads_real_traces_without_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ids = synthetic(5)
+    path = shared_format(tmp_path / "real.npz", ids, [0, 120, 300])
+    tr = Trace.load(path)
+    # each token one step, each selected expert 1/K without gate weights, the sequences kept
+    assert not tr.has_weights and tr.seq_starts == (0, 120) and tr.ubatch_starts == tuple(range(300))
+    assert tr.layers == (1, 2, 3, 4) and np.array_equal(tr.ids, ids) and np.allclose(tr.weights, 0.25)
+    rep = rp.replay(path, None, [25.0], ["lru", "reuse-rank", "belady"], progress=False)
+    geo = rep["geometry"][0]
+    assert (geo["n_layers"], geo["n_expert"], geo["n_slots"]) == (4, 16, 16)
+    at = {r["policy"]: r for r in rep["rows"]}
+    # the same routing in moetier's own format replays to the same counters
+    own = Trace(ids, np.full(ids.shape, 0.25, np.float32), (1, 2, 3, 4), 16, (0, 120), tuple(range(300)))
+    for p in ("lru", "belady"):
+        c = rp.replay_one(own, geo, p, 1.0, 1.0, W)
+        assert c["n_misses"] == at[p]["n_misses"]
+    assert at["belady"]["n_misses"] < at["lru"]["n_misses"] and at["belady"]["gap_closed"] == 1.0
+    # gate weights, where the trace has them, are used
+    w = np.random.default_rng(0).random(ids.shape).astype(np.float32)
+    assert Trace.load(shared_format(tmp_path / "w.npz", ids, [0, 300], weights=w)).has_weights
+    # the command: no -m, sizes given as numbers
+    assert (
+        rp.replay_main([str(path), "--budgets", "10,50", "--policies", "lru,belady", "-q", "--expert-bytes", "2M"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "4 layers x 16 experts" in out and "no gate weights" in out
+    with pytest.raises(ConfigError, match="--expert-bytes: the model"):
+        rp.replay_main([str(path), "-m", "x.gguf", "--expert-bytes", "5M"])
+    with pytest.raises(ConfigError, match="need the model"):
+        rp.replay(path, None, [25.0], ["lru"], t1=0.5, progress=False)
+
+
+def test_bad_real_traces_are_named(tmp_path: Path) -> None:
+    ids = synthetic(6, n_tokens=50)
+    with pytest.raises(ConfigError, match=r"gap\.npz: seq_offsets must rise strictly from 0 to the 50 tokens"):
+        Trace.load(shared_format(tmp_path / "gap.npz", ids, [0, 30, 40]))
+    big = ids.copy()
+    big[3, 1, 0] = 20  # past n_experts = 16
+    with pytest.raises(ConfigError, match=r"ids\.npz: expert ids must lie in \[0, 16\)"):
+        Trace.load(shared_format(tmp_path / "ids.npz", big, [0, 50]))
+    with pytest.raises(ConfigError, match=r"w\.npz: weights .* differ in shape"):
+        Trace.load(shared_format(tmp_path / "w.npz", ids, [0, 50], weights=np.ones((50, 4, 3), np.float32)))

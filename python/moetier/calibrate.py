@@ -84,6 +84,10 @@ class Trace:
     - seq_starts: int64, the tokens where a sequence starts (an empty KV cache);
     - ubatch_starts: int64, the tokens where a ubatch starts (the tokens one forward pass
       computed together; a trace written before this field reads as one ubatch per sequence).
+
+    load() also reads the shared format of real routing recorded by other tools (ids uint8 [T, L, K],
+    seq_offsets [S + 1], n_experts, top_k, layers, optional weights): each token is one step, and
+    without weights each selected expert weighs 1/K (has_weights False).
     """
 
     ids: npt.NDArray[np.int32]
@@ -92,6 +96,7 @@ class Trace:
     n_expert: int
     seq_starts: tuple[int, ...]
     ubatch_starts: tuple[int, ...] = ()
+    has_weights: bool = True  # False: a real trace without gate weights (each selected expert weighs 1/K)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         p = Path(path)
@@ -120,15 +125,18 @@ class Trace:
             raise ConfigError(msg)
         try:
             with np.load(path) as z:
-                seq = tuple(int(x) for x in z["seq_starts"])
-                tr = cls(
-                    ids=z["ids"].astype(np.int32),
-                    weights=z["weights"].astype(np.float32),
-                    layers=tuple(int(x) for x in z["layers"]),
-                    n_expert=int(z["n_expert"]),
-                    seq_starts=seq,
-                    ubatch_starts=tuple(int(x) for x in z["ubatch_starts"]) if "ubatch_starts" in z else seq,
-                )
+                if "seq_offsets" in z.files and "seq_starts" not in z.files:
+                    tr = _shared_trace(z, path)
+                else:
+                    seq = tuple(int(x) for x in z["seq_starts"])
+                    tr = cls(
+                        ids=z["ids"].astype(np.int32),
+                        weights=z["weights"].astype(np.float32),
+                        layers=tuple(int(x) for x in z["layers"]),
+                        n_expert=int(z["n_expert"]),
+                        seq_starts=seq,
+                        ubatch_starts=tuple(int(x) for x in z["ubatch_starts"]) if "ubatch_starts" in z else seq,
+                    )
         except OSError as e:
             msg = f"{path}: cannot read the routing trace ({e.strerror or e})"
             raise ConfigError(msg) from None
@@ -152,6 +160,31 @@ class Trace:
         return tr
 
 
+def _shared_trace(z: Any, path: str | os.PathLike[str]) -> Trace:
+    """A trace in the shared format of real routing recorded elsewhere (ids uint8 [T, L, K], seq_offsets
+    [S + 1], n_experts, top_k, layers; weights optional): every token is its own step, as a decode
+    replays it. Without gate weights every selected expert weighs 1/K: the order of ids is the rank."""
+    ids = np.asarray(z["ids"]).astype(np.int32)
+    n_expert = int(z["n_experts"])
+    offs = [int(x) for x in z["seq_offsets"]]
+    if ids.ndim != 3:
+        msg = f"{path}: ids of shape {ids.shape}, need [tokens, layers, top_k]"
+        raise ConfigError(msg)
+    n = ids.shape[0]
+    if offs[:1] != [0] or offs[-1] != n or any(b <= a for a, b in itertools.pairwise(offs)):
+        msg = f"{path}: seq_offsets must rise strictly from 0 to the {n} tokens"
+        raise ConfigError(msg)
+    if "weights" in z.files:
+        weights = np.asarray(z["weights"], dtype=np.float32)
+        if weights.shape != ids.shape:
+            msg = f"{path}: weights {weights.shape} and ids {ids.shape} differ in shape"
+            raise ConfigError(msg)
+    else:
+        weights = np.full(ids.shape, 1.0 / ids.shape[2], dtype=np.float32)
+    layers = tuple(int(x) for x in z["layers"]) if "layers" in z.files else tuple(range(ids.shape[1]))
+    return Trace(ids, weights, layers, n_expert, tuple(offs[:-1]), tuple(range(n)), "weights" in z.files)
+
+
 def concat_traces(traces: list[Trace], names: list[str]) -> Trace:
     """One trace of several recorded on the same model, one after the other (each keeps its own
     sequence and ubatch starts)."""
@@ -170,6 +203,7 @@ def concat_traces(traces: list[Trace], names: list[str]) -> Trace:
         first.n_expert,
         tuple(sorted(seqs)),
         tuple(int(o) + s for t, o in zip(traces, offs, strict=False) for s in t.ubatch_starts),
+        all(t.has_weights for t in traces),
     )
 
 

@@ -83,6 +83,23 @@ def geometry(
     }
 
 
+def geometry_of(n_layers: int, n_expert: int, pct: float, expert_bytes: int) -> dict[str, int]:
+    """A cache at pct % of n_layers x n_expert experts of expert_bytes each, with no model to load (a
+    trace of real routing): the slots that share buys, one layer's experts at least, as the engine sizes
+    them; no low-precision pool."""
+    n_all = n_layers * n_expert
+    return {
+        "pct": pct,  # type: ignore[dict-item]
+        "budget_bytes": int(n_all * expert_bytes * pct / 100),
+        "n_layers": n_layers,
+        "n_expert": n_expert,
+        "n_slots": min(n_all, max(n_expert, round(n_all * pct / 100))),
+        "n_slots_low": 0,
+        "bytes_high": expert_bytes,
+        "bytes_low": 0,
+    }
+
+
 def replay_one(
     trace: Trace, geo: dict[str, int], policy: str, t1: float, t2: float, weights: Sequence[float]
 ) -> dict[str, Any]:
@@ -127,7 +144,7 @@ def check_trace(trace: Trace, geo: dict[str, int], path: str | Path) -> None:
 
 def replay(
     trace_path: str | Path | Sequence[str | Path],
-    model: str | Path,
+    model: str | Path | None,
     budgets: Sequence[float],
     policies: Sequence[str],
     store: str | Path | None = None,
@@ -138,10 +155,16 @@ def replay(
     tokens: int = 0,
     progress: bool = True,
     vram: float = 0.0,
+    expert_bytes: int = 1,
 ) -> dict[str, Any]:
     """Every policy at every budget; the report with, per budget, the share of the gap between LRU
     and Belady in bytes each policy closes. vram: a VRAM tier over the cache of that % of the experts
-    (its hits and the bytes copied into it per token are in the rows; each tier runs the policy)."""
+    (its hits and the bytes copied into it per token are in the rows; each tier runs the policy).
+    model None: the geometry is the trace's (layers, experts), each expert expert_bytes (1: the bytes
+    count misses), for a trace of real routing with no model file to load."""
+    if model is None and (store is not None or t1 < 1.0 or t2 < 1.0):
+        msg = "replay: a store and mixed precision need the model (-m) for their sizes"
+        raise ConfigError(msg)
     if not 0 <= vram <= 100:
         msg = f"replay: vram={vram:g}: a share of the experts in [0, 100]"
         raise ConfigError(msg)
@@ -163,14 +186,18 @@ def replay(
             trace.n_expert,
             tuple(s for s in trace.seq_starts if s < n),
             tuple(s for s in trace.ubatch_starts if s < n),
+            trace.has_weights,
         )
     lf = CacheConfig(budget="auto").low_frac if low_frac is None else low_frac
     rows: list[dict[str, Any]] = []
     geos = []
     bar = tqdm(total=len(budgets) * len(policies), desc="replaying", unit="run", disable=not progress)
-    facts = probe(model, store)
+    facts = probe(model, store) if model is not None else {}
     for pct in budgets:
-        geo = geometry(model, store, facts, pct, t1, t2, lf)
+        if model is None:
+            geo = geometry_of(trace.ids.shape[1], trace.n_expert, pct, expert_bytes)
+        else:
+            geo = geometry(model, store, facts, pct, t1, t2, lf)
         if vram > 0:
             n_all = geo["n_layers"] * geo["n_expert"]
             geo["n_slots_vram"] = min(n_all, max(geo["n_expert"], round(n_all * vram / 100)))
@@ -188,7 +215,9 @@ def replay(
                 r["gap_closed"] = (at[BASELINE]["n_bytes_read"] - r["n_bytes_read"]) / gap if gap > 0 else None
     return {
         "trace": str(trace_path),
-        "model": str(model),
+        "model": str(model) if model is not None else None,
+        "has_weights": trace.has_weights,
+        "expert_bytes": expert_bytes if model is None else None,
         "store": str(store) if store else None,
         "tokens": int(trace.ids.shape[0]),
         "n_used": int(trace.ids.shape[2]),
@@ -204,9 +233,17 @@ def replay(
 
 def table(rep: dict[str, Any]) -> str:
     """Markdown: per budget, the policies from fewest bytes read to most."""
+    on = (
+        Path(rep["model"]).name
+        if rep.get("model")
+        else f"the trace's geometry ({rep['geometry'][0]['n_layers']} layers x {rep['geometry'][0]['n_expert']} "
+        f"experts{'' if rep.get('expert_bytes', 1) > 1 else '; MB/token counts misses, 1 byte each'})"
+    )
+    weights = "" if rep.get("has_weights", True) else " The trace has no gate weights: ranks follow its id order."
     out = [
-        f"Replay of {rep['trace']} ({rep['tokens']} tokens, top-{rep['n_used']}) on {Path(rep['model']).name}; "
-        f"t1={rep['t1']:g}, t2={rep['t2']:g}. gap closed: share of the bytes between LRU and Belady a policy saves.",
+        f"Replay of {rep['trace']} ({rep['tokens']} tokens, top-{rep['n_used']}) on {on}; "
+        f"t1={rep['t1']:g}, t2={rep['t2']:g}. gap closed: share of the bytes between LRU and Belady a policy saves."
+        + weights,
         "",
         "| budget | slots | policy | hit rate | misses/token | MB/token | low loads | skipped | gap closed |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -255,7 +292,8 @@ def plot(rep: dict[str, Any], out: Path) -> bool:
     axes[0].set(xlabel="cache budget (% of expert bytes)", ylabel="hit rate (%)", title="hits")
     axes[1].set(xlabel="cache budget (% of expert bytes)", ylabel="MB read per token", title="bytes")
     axes[1].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{Path(rep['model']).name}: {rep['tokens']} traced tokens replayed", fontsize=9)
+    name = Path(rep["model"]).name if rep.get("model") else Path(rep["trace"].split(",")[0]).parent.name
+    fig.suptitle(f"{name}: {rep['tokens']} traced tokens replayed", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -296,6 +334,17 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _expert_bytes(text: str, model: str | None) -> int:
+    n = _core.parse_size(text)
+    if n is None or n < 1:
+        msg = f"--expert-bytes: {text!r} is not a size of at least 1 byte"
+        raise ConfigError(msg)
+    if model is not None and text != "1":
+        msg = "--expert-bytes: the model (-m) gives the experts' sizes; give one or the other"
+        raise ConfigError(msg)
+    return n
+
+
 def replay_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="moetier replay",
@@ -304,9 +353,23 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         "a plot.",
     )
     p.add_argument(
-        "trace", nargs="+", help="routing trace(s) (.npz of moetier trace or calibrate), replayed one after another"
+        "trace",
+        nargs="+",
+        help="routing trace(s), replayed one after another: .npz of moetier trace or calibrate, or the shared "
+        "format of real routing (ids, seq_offsets, n_experts; gate weights optional)",
     )
-    p.add_argument("-m", "--model", required=True, help="the MoE GGUF the trace was recorded on (gives the geometry)")
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="the MoE GGUF the trace was recorded on (gives the geometry); without one, the trace's layers and "
+        "experts, each of --expert-bytes",
+    )
+    p.add_argument(
+        "--expert-bytes",
+        default="1",
+        help="without -m: bytes of one expert, e.g. 5M (default 1: the byte columns count misses)",
+    )
     p.add_argument("--store", default=None, help="expert store (gives the low-precision sizes; default: none)")
     p.add_argument(
         "--budgets",
@@ -356,6 +419,7 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         a.tokens,
         not a.quiet,
         a.vram,
+        _expert_bytes(a.expert_bytes, a.model),
     )
     md = table(rep)
     sys.stdout.write(md)
