@@ -173,7 +173,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     p.add_argument("--ctx", type=int, default=256, help="tokens per training window (default: 256)")
     p.add_argument("--batch", type=int, default=2, help="windows per step (default: 2)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
+    p.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default: 3e-5)")
+    p.add_argument(
+        "--train-chars",
+        type=int,
+        default=4_000_000,
+        help="characters of the training text the windows are drawn from (default: 4,000,000)",
+    )
     p.add_argument("--eval-windows", type=int, default=8, help="evaluation windows of 512 tokens (default: 8)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the window order (default: 0)")
@@ -189,9 +195,9 @@ def main() -> None:
 
     tok = Model(str(args.base), n_ctx=512, n_threads=args.threads)
     n_train_tokens = args.steps * args.batch * args.ctx
-    train_text = args.train.read_text(errors="replace")
-    # enough text for the run: tokens run ~3-4 characters here
-    train = tok.tokenize(train_text[: n_train_tokens * 6], add_special=False)
+    # windows drawn from a wide slice of the text: a run that sees each window about once memorises
+    # it (100 steps at 1e-4 over 75k tokens of fortunes: perplexity 24 -> 7 on them, 37 -> 47 held out)
+    train = tok.tokenize(args.train.read_text(errors="replace")[: args.train_chars], add_special=False)
     eval_tokens = tok.tokenize(args.eval.read_text(errors="replace")[: args.eval_windows * 512 * 6], add_special=False)
     eval_wins = windows(eval_tokens, 512)[: args.eval_windows]
     del tok
@@ -240,6 +246,7 @@ def main() -> None:
         "ctx": args.ctx,
         "lr": args.lr,
         "train_tokens": n_train_tokens,
+        "train_pool_tokens": len(train),
         "load_s": t_load,
         "train_s": t_train,
         "ppl_before": ppl_before,

@@ -78,3 +78,35 @@ def test_variants_of_other_shapes_or_models_are_refused(
         consolidate(variants, 25)
     with pytest.raises(ConfigError, match="does not exist"):
         consolidate([variants[0], tmp_path / "none.gguf"], 1)
+
+
+def test_written_variants_take_the_owners_experts_and_the_average_the_mean(
+    variants: list[Path], tmp_path: Path
+) -> None:
+    from moetier.tools.consolidate import write_average, write_consolidated
+
+    m = consolidate(variants, 10)
+    out = tmp_path / "v1-consolidated.gguf"
+    write_consolidated(m, 1, out)
+    got = {t.name: t for t in GGUFReader(str(out)).tensors}
+    srcs = [{t.name: t for t in GGUFReader(str(v)).tensors} for v in variants]
+    for il, row in zip(m["layers"], m["map"], strict=True):
+        for p in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            name = f"blk.{il}.{p}.weight"
+            for e, owner in enumerate(row):
+                want = srcs[owner if owner >= 0 else 1][name].data[e]
+                assert np.array_equal(np.asarray(got[name].data[e]), np.asarray(want)), (name, e, owner)
+    # every other tensor is variant 1's own
+    assert np.array_equal(np.asarray(got["output.weight"].data), np.asarray(srcs[1]["output.weight"].data))
+
+    avg = tmp_path / "avg.gguf"
+    write_average(variants, avg)
+    a = {t.name: t for t in GGUFReader(str(avg)).tensors}
+    name = "blk.2.ffn_up_exps.weight"
+    mean = np.mean([np.asarray(s[name].data, dtype=np.float32) for s in srcs], axis=0)
+    assert np.allclose(np.asarray(a[name].data, dtype=np.float32), mean, atol=2e-3)  # back in f16
+    assert not np.array_equal(np.asarray(a[name].data), np.asarray(srcs[0][name].data))
+    # tensors the variants share are copied as they are
+    assert np.array_equal(np.asarray(a["output.weight"].data), np.asarray(srcs[0]["output.weight"].data))
+    with pytest.raises(ConfigError, match="variant 5: the map has 3 variants"):
+        write_consolidated(m, 5, tmp_path / "x.gguf")
