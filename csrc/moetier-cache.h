@@ -246,6 +246,9 @@ class moetier_cache {
 
     int32_t n_expert() const { return n_expert_; }
 
+    // layer passes resolved so far (0: the cache has not served a decode)
+    uint64_t n_resolves() const { return tick; }
+
     //
     // graph API: custom op bodies, noexcept
     //

@@ -98,8 +98,8 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
         }
         const moetier_model_identity id = moetier_model_identity_compute(paths[0]);
         try {
-            store      = std::make_unique<moetier_store>(params.store_dir, id);
-            store_file = std::make_unique<moetier_file>(store->data_path(), direct_io);
+            store      = std::make_shared<moetier_store>(params.store_dir, id);
+            store_file = std::make_shared<moetier_file>(store->data_path(), direct_io);
             store_file->set_fault_injection(true);
         } catch (const std::runtime_error & e) {
             throw moetier_exception(MOETIER_ERROR_STORE, e.what());
@@ -1203,6 +1203,17 @@ void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
     for (int32_t v = 0; v < V; ++v) {
         moetier_model &     m    = *ms[v];
         const std::string & name = m.paths[0];
+        for (int32_t u = 0; u < v; ++u) {
+            if (ms[u] == ms[v]) {
+                throw std::runtime_error(format("%s: given twice; each variant is a model of its own", name.c_str()));
+            }
+        }
+        for (const auto & c : m.caches) {
+            if (c->n_resolves() > 0) {
+                throw std::runtime_error(format(
+                    "%s: has decoded already; variants share a cache from before their first decode", name.c_str()));
+            }
+        }
         if (m.shared_host != nullptr || m.n_variants > 0) {
             throw std::runtime_error(format("%s: already shares an expert cache", name.c_str()));
         }
@@ -1249,14 +1260,31 @@ void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
                            name.c_str(), b.il, host.paths[0].c_str()));
             }
         }
+        if (m.store_file->direct() != host.store_file->direct()) {
+            throw std::runtime_error(
+                format("%s: read %s O_DIRECT, %s's store %s; put the stores on file systems "
+                       "that agree (the first model's reads decide how every store is read)",
+                       m.store->data_path().c_str(), m.store_file->direct() ? "with" : "without", host.paths[0].c_str(),
+                       host.store_file->direct() ? "with" : "without"));
+        }
         if (m.store->checksum() != host.store->checksum()) {
             throw std::runtime_error(format("%s: its store's checksum differs from %s's; re-pack both",
                                             m.store->manifest_path().c_str(), host.store->manifest_path().c_str()));
         }
     }
 
+    const int32_t n_keys     = V * E;
+    // one cache over the host's budget, as many slots as it buys (one layer's experts at least)
+    uint64_t      slot_bytes = 0;
+    for (const auto & p : host.layers[0]->projs) {
+        slot_bytes += moetier_align_up(p.bytes);
+    }
+    const int64_t fit        = E + (int64_t) ((host.cache_bytes - host.min_cache_bytes) / slot_bytes);
+    const int32_t n_high     = (int32_t) std::min<int64_t>((int64_t) n_keys * (int64_t) host.layers.size(), fit);
+    const int32_t n_slots[2] = { n_high, 0 };
+    auto c = std::make_unique<moetier_cache>(n_keys, n_slots, host.precision, host.policy_name, host.policy_weights,
+                                             host.layers[0]->projs, false, moetier_policy_env{}, E);
     // the host's layers: every variant's copies, keyed
-    const int32_t n_keys = V * E;
     for (size_t i = 0; i < host.layers.size(); ++i) {
         moetier_layer & h = *host.layers[i];
         for (size_t k = 0; k < h.projs.size(); ++k) {
@@ -1283,16 +1311,6 @@ void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
         }
     }
 
-    // one cache over the host's budget, as many slots as it buys (one layer's experts at least)
-    uint64_t slot_bytes = 0;
-    for (const auto & p : host.layers[0]->projs) {
-        slot_bytes += moetier_align_up(p.bytes);
-    }
-    const int64_t fit        = E + (int64_t) ((host.cache_bytes - host.min_cache_bytes) / slot_bytes);
-    const int32_t n_high     = (int32_t) std::min<int64_t>((int64_t) n_keys * (int64_t) host.layers.size(), fit);
-    const int32_t n_slots[2] = { n_high, 0 };
-    auto c = std::make_unique<moetier_cache>(n_keys, n_slots, host.precision, host.policy_name, host.policy_weights,
-                                             host.layers[0]->projs, false, moetier_policy_env{}, E);
     c->set_n_model_layers(std::max<int32_t>(host.n_model_layers, host.layers.back()->il + 1));
     c->set_io(host.io.get());
     for (auto & l : host.layers) {
@@ -1301,6 +1319,9 @@ void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
             l->projs[k].pool[MOETIER_PRECISION_HIGH] = c->pool(MOETIER_PRECISION_HIGH, k);
             l->projs[k].pool[MOETIER_PRECISION_LOW]  = c->pool(MOETIER_PRECISION_LOW, k);
         }
+    }
+    for (auto & old : host.caches) {
+        old->sync();  // nothing may be in flight into the pools about to go
     }
     host.caches.clear();
     host.caches.push_back(std::move(c));
@@ -1321,8 +1342,14 @@ void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
                 l.keys[e] = v * E + e;
             }
         }
+        for (auto & old : m.caches) {
+            old->sync();
+        }
         m.caches.clear();
         m.shared_host = &host;
+        // the first model reads this one's store: it keeps it, whichever model is freed first
+        host.variant_stores.push_back(m.store);
+        host.variant_stores.push_back(m.store_file);
     }
     MOETIER_LOG_INFO(
         "%s: %d variants share one expert cache: %d slots of %zu MoE layers x %d experts x %d variants "

@@ -163,12 +163,13 @@ struct moetier_model {
     bool                   prefetch_gate  = true;   // prefetch measures whether it pays (moetier_prefetch_gate)
     bool                   use_uring      = true;
 
-    std::unique_ptr<moetier_routing>           routing;   // MOETIER_ROUTING_TRACE, else nullptr
-    std::vector<std::string>                   warnings;  // of the load, in order (moetier_model_warning)
-    std::vector<std::string>                   paths;     // GGUF files, split order
-    std::vector<std::unique_ptr<moetier_file>> files;     // opened on demand for GGUF reads
-    std::unique_ptr<moetier_store>             store;
-    std::unique_ptr<moetier_file>              store_file;
+    std::unique_ptr<moetier_routing>           routing;         // MOETIER_ROUTING_TRACE, else nullptr
+    std::vector<std::string>                   warnings;        // of the load, in order (moetier_model_warning)
+    std::vector<std::string>                   paths;           // GGUF files, split order
+    std::vector<std::unique_ptr<moetier_file>> files;           // opened on demand for GGUF reads
+    std::shared_ptr<moetier_store>             store;           // shared: variants sharing a cache keep each
+    std::shared_ptr<moetier_file>              store_file;      // other's stores (share_cache)
+    std::vector<std::shared_ptr<const void>>   variant_stores;  // the first model of share_cache: the others' stores
 
     ggml_context * meta_ctx = nullptr;                          // served tensors, no data
 

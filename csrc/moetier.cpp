@@ -78,9 +78,11 @@ int32_t moetier_model_layer_stats(const struct llama_model * model, struct moeti
         return 0;
     }
     moetier_sync(*m);
-    const int32_t n = (int32_t) m->layers.size();
+    // a variant sharing a cache: the counters live on the layers the cache serves, the first model's
+    const moetier_model & s = m->shared_host ? *m->shared_host : *m;
+    const int32_t         n = (int32_t) s.layers.size();
     for (int32_t i = 0; i < n && i < n_max; ++i) {
-        out[i] = m->layers[i]->stats;
+        out[i] = s.layers[i]->stats;
     }
     return n;
 }
@@ -89,7 +91,7 @@ struct moetier_layer_stats moetier_model_stats_total(const struct llama_model * 
     moetier_layer_stats total = {};
     if (moetier_model * m = moetier_of(model)) {
         moetier_sync(*m);
-        for (const auto & l : m->layers) {
+        for (const auto & l : (m->shared_host ? m->shared_host : m)->layers) {
             moetier_stats_add(total, l->stats);
         }
     }
@@ -116,7 +118,7 @@ void moetier_model_reset_stats(struct llama_model * model) {
         return;
     }
     moetier_sync(*m);
-    for (auto & l : m->layers) {
+    for (auto & l : (m->shared_host ? m->shared_host : m)->layers) {
         l->stats       = {};
         l->stats.layer = l->il;
     }

@@ -370,9 +370,10 @@ MOETIER_API uint64_t moetier_model_read_retries(const struct llama_model * model
 // Fine-tuned variants of one MoE model (one architecture and shape; each loaded with an expert cache
 // over its own store, prefetch=0, warm=0, exact) served from one expert cache: models[0]'s, rebuilt
 // over the budget it was loaded with. The cache keys variant * n_expert + expert and reads each key
-// from its variant's store; the other models' own caches are freed. Call before any decode; decode
-// one model at a time (one cache); free the models together, models[0] last. false + the reason in
-// moetier_last_error (the file that does not fit).
+// from its variant's store; the other models' own caches are freed, and their cache counters
+// (moetier_model_stats_total, ...) are models[0]'s, all variants together. Call before any decode;
+// decode one model at a time (one cache); free the other models before models[0] (it keeps their
+// stores). false + the reason in moetier_last_error (the file that does not fit).
 MOETIER_API bool moetier_models_share_cache(struct llama_model ** models, int32_t n);
 // Consolidation: the cache key of every (MoE layer, expert) of a model sharing a cache,
 // keys[layer * n_expert + e] = v * n_expert + e: the copy of variant v serves it (its own by default).

@@ -41,22 +41,40 @@ def seeded(tmp_path: Path) -> list[VariantSpec]:
 
 def test_variants_share_one_cache_and_each_answers_as_alone(seeded: list[VariantSpec]) -> None:
     want = [alone(v.model, v.store) for v in seeded]
-    assert want[0] != want[1] != want[2], "the variants answer differently: a misrouted request would show"
+    assert len({str(w) for w in want}) == 3, "the variants answer differently: a misrouted request would show"
     vs = Variants(seeded, CFG, n_ctx=256)
-    info = vs.cache_info()
-    # one cache for all: fewer slots than the three variants' 3 layers x 8 experts, so they evict each other
-    assert 8 <= int(info["n_slots"]) < 3 * 3 * 8
+    # one cache for all, keyed by variant: more slots than one variant's 3 layers x 8 experts, fewer than all
+    assert 3 * 8 < int(vs.cache_info()["n_slots"]) < 3 * 3 * 8
     assert not vs.consolidated
     for _ in range(2):  # interleaved: each variant's requests between the others'
         for qi in range(len(PROMPTS)):
             for i in (2, 0, 1):
                 r = vs.generate(f"v{i}", PROMPTS[qi], max_tokens=10)
                 assert r.tokens == want[i][qi], f"variant {i} prompt {qi}"
+    # the slots hold more experts than one variant has: the variants' copies live side by side
+    assert int(vs.cache_info()["n_held"]) > 3 * 8
     st = vs.generate("v1", PROMPTS[0], max_tokens=10).stats
     assert st.n_lookups > 0 and st.n_hits < st.n_lookups
     with pytest.raises(ConfigError, match="unknown variant 'v9'"):
         vs.generate("v9", "x")
+
+    # concurrent requests of all variants: answered one at a time, each its own
+    import threading
+
+    got: dict[tuple[int, int], list[int]] = {}
+
+    def ask(i: int, qi: int) -> None:
+        got[i, qi] = vs.generate(f"v{i}", PROMPTS[qi], max_tokens=10).tokens
+
+    threads = [threading.Thread(target=ask, args=(i, qi)) for qi in range(len(PROMPTS)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {(i, qi): want[i][qi] for i in range(3) for qi in range(len(PROMPTS))}
     vs.close()
+    with pytest.raises(ConfigError, match="closed"):
+        vs.generate("v0", "x")
 
 
 def test_consolidation_serves_shared_positions_with_one_copy(tiny_model: ModelFactory, tmp_path: Path) -> None:
@@ -95,6 +113,18 @@ def test_bad_variant_sets_are_clear_errors(seeded: list[VariantSpec], tmp_path: 
         Variants([seeded[0], seeded[0]], CFG, n_ctx=256)
     with pytest.raises(ConfigError, match="prefetch is off"):
         Variants(seeded, CacheConfig.exact(budget="1M", prefetch=2), n_ctx=256)
+    with pytest.raises(ConfigError, match="a budget in bytes"):
+        Variants(seeded, CacheConfig.exact(budget="auto", prefetch=0, warm=False), n_ctx=256)
+    # the C API refuses one model given twice, and a model that decoded already
+    from moetier import _core
+
+    a = Model(seeded[0].model, store=seeded[0].store, cache=CFG, n_ctx=256)
+    with pytest.raises(ConfigError, match="given twice"):
+        _core.share_cache([a._m, a._m])
+    b = Model(seeded[1].model, store=seeded[1].store, cache=CFG, n_ctx=256)
+    b.generate("x", max_tokens=2)
+    with pytest.raises(ConfigError, match="has decoded already"):
+        _core.share_cache([a._m, b._m])
     # a map of other files, or of the same files in another order
     mp = tmp_path / "map.json"
     mp.write_text(json.dumps(consolidate([v.model for v in seeded], 4)))
@@ -118,6 +148,8 @@ def test_a_damaged_variant_store_fails_with_its_file_named(seeded: list[VariantS
     assert vs.generate("v0", PROMPTS[0], max_tokens=4).tokens == alone(seeded[0].model, seeded[0].store)[0][:4]
     with pytest.raises(StoreError, match=rf"{seeded[1].store.name}.*checksum mismatch"):
         vs.generate("v1", PROMPTS[0], max_tokens=4)
+    # the other variants go on answering, their own answers
+    assert vs.generate("v2", PROMPTS[1], max_tokens=10).tokens == alone(seeded[2].model, seeded[2].store)[1]
     vs.close()
 
 

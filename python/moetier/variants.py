@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _core
-from .config import CacheConfig
+from .config import AUTO, CacheConfig
 from .errors import ConfigError
 from .model import GenerateResult, Model
 
@@ -104,6 +104,9 @@ class Variants:
         if cache.prefetch not in (0, CacheConfig().prefetch):
             msg = "variants: prefetch is off for variants sharing a cache (its predictions are one model's); drop it"
             raise ConfigError(msg)
+        if cache.budget_bytes == AUTO:
+            msg = "variants: give the shared cache a budget in bytes (an automatic one would not count the variants)"
+            raise ConfigError(msg)
         if cache.t1 < 1.0 or cache.t2 < 1.0:
             msg = "variants: mixed precision (t1/t2 below 1) is not supported with variants sharing a cache"
             raise ConfigError(msg)
@@ -140,7 +143,11 @@ class Variants:
         """Whether some expert positions are served by another variant's copy (lossy)."""
         return self.map is not None and int(self.map.get("capacity", 0)) > 0
 
-    def model(self, name: str) -> Model:
+    def _model(self, name: str) -> Model:
+        """The variant's model; call with the lock held (the models share one cache)."""
+        if not self._models:
+            msg = "variants: closed"
+            raise ConfigError(msg)
         try:
             return self._models[self.names.index(name)]
         except ValueError:
@@ -157,20 +164,21 @@ class Variants:
         on_first_token: Callable[[], object] | None = None,
     ) -> GenerateResult:
         """Variant `name`'s answer (Model.generate), after the requests before it (one cache, one decode
-        at a time); its stats are the shared cache's, all variants together."""
-        m = self.model(name)
+        at a time); its stats are the shared cache's during this request."""
         with self._lock:
+            m = self._model(name)
             self.requests[name] += 1
-            self._models[0].reset_stats()
             res = m.generate(prompt, max_tokens, temperature, seed, on_first_token)
-        return dataclasses.replace(res, stats=self._models[0].stats())
+            return dataclasses.replace(res, stats=m.stats())
 
     def chat_prompt(self, name: str, messages: Sequence[tuple[str, str]]) -> str:
-        return self.model(name).chat_prompt(messages)
+        with self._lock:
+            return self._model(name).chat_prompt(messages)
 
     def cache_info(self) -> dict[str, int | bool]:
         """The shared cache's pools (the first variant's cache_info)."""
-        return self._models[0].cache_info()
+        with self._lock:
+            return self._model(self.names[0]).cache_info()
 
     def close(self) -> None:
         """Frees the variants, the first (whose cache the others use) last."""
