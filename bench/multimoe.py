@@ -379,7 +379,7 @@ def main() -> None:
     skip = set(args.skip.split(",")) if args.skip else set()
     if "quality" not in skip:
         res["quality"] = quality(domains, args.chunks)
-        out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+        Path(str(out) + ".json").write_text(json.dumps(res, indent=1))
     if "qos" not in skip:
         info = Model(
             moe_variant(domains[0]),
@@ -405,7 +405,7 @@ def main() -> None:
                 r.update(capacity=cap1, rate=rate, cap=cap)
                 by[system] = r
                 res["qos"]["runs"].append(r)
-                out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+                Path(str(out) + ".json").write_text(json.dumps(res, indent=1))
             # the exact systems answer each request alike (each variant's own experts, greedy)
             space = by["space"]["records"]
             for system in ("shared", "time"):
@@ -416,9 +416,9 @@ def main() -> None:
                 )
                 by[system]["differ_from_space"] = diff
     res["load"] = os.getloadavg()
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    out.with_suffix(".md").write_text(report(res))
-    log(f"wrote {out.with_suffix('.md')}")
+    Path(str(out) + ".json").write_text(json.dumps(res, indent=1))
+    Path(str(out) + ".md").write_text(report(res))
+    log(f"wrote {out}.md")
 
 
 def report(res: dict[str, Any]) -> str:
