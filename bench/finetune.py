@@ -7,8 +7,8 @@ every layer are trained, the rest stays the base's, so the variants differ where
 attention, norms and embeddings. The trained FFN weights are written as q8_0 (a step small enough to
 keep the fine-tune's changes), every other tensor as the base's bytes.
 
-The forward pass is checked against llama.cpp before training: the perplexity of the first windows of
-the evaluation text, computed here and by the model through moetier, must agree within 1%.
+The record beside the GGUF (.json) holds the held-out perplexity before and after, computed by this
+forward pass (for the base it agrees with llama-perplexity's: bench/results/multimoe-quality-*.md).
 
     python bench/finetune.py --base qwen2.5-coder-0.5b.gguf --train fortunes.calib.txt \\
         --eval fortunes.eval.txt --steps 300 -o variant-fortunes.gguf
@@ -24,7 +24,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
@@ -32,16 +31,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from moetier.tools.moefy import _kv_copy, _tensor_f32
+
 FFN = ("ffn_gate", "ffn_up", "ffn_down")
-
-
-def tensor_f32(t: Any) -> np.ndarray[Any, Any]:
-    """A reader tensor dequantized to float32, numpy shape = reversed ggml ne."""
-    shape = tuple(int(v) for v in reversed(t.shape))
-    data = np.asarray(t.data)
-    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        return data.astype(np.float32).reshape(shape)
-    return np.asarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
 class Qwen2:
@@ -63,7 +55,7 @@ class Qwen2:
         tensors = {t.name: t for t in r.tensors}
         self.w: dict[str, torch.Tensor] = {}
         for name, t in tqdm(tensors.items(), desc="dequantize", disable=not sys.stderr.isatty()):
-            self.w[name] = torch.from_numpy(tensor_f32(t).copy())
+            self.w[name] = torch.from_numpy(_tensor_f32(t).copy())
         if "output.weight" not in self.w:  # tied embeddings
             self.w["output.weight"] = self.w["token_embd.weight"]
         self.n_embd = self.w["token_embd.weight"].shape[1]
@@ -124,30 +116,14 @@ def perplexity(model: Qwen2, wins: torch.Tensor) -> float:
     return math.exp(nll / count)
 
 
-def write_variant(base: Path, model: Qwen2, out: Path, name: str) -> None:
+def write_variant(base: Path, model: Qwen2, out: Path) -> None:
     """The base's GGUF with the trained FFN weights as q8_0."""
     from moetier import _core
 
     r = gguf.GGUFReader(base)
     tmp = out.with_name(out.name + ".tmp")
     writer = gguf.GGUFWriter(tmp, "qwen2")
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        vtype = f.types[0]
-        if f.name == "general.name":
-            writer.add_key_value(f.name, name, vtype)
-        elif vtype == gguf.GGUFValueType.ARRAY:
-            sub = f.types[-1]
-            if sub == gguf.GGUFValueType.STRING:
-                vals: Any = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-            else:
-                vals = [f.parts[i].tolist()[0] for i in f.data]
-            writer.add_key_value(f.name, vals, vtype, sub_type=sub)
-        elif vtype == gguf.GGUFValueType.STRING:
-            writer.add_key_value(f.name, bytes(f.parts[f.data[0]]).decode("utf-8"), vtype)
-        else:
-            writer.add_key_value(f.name, f.parts[f.data[0]].tolist()[0], vtype)
+    _kv_copy(r, writer, "qwen2", "qwen2")
     for t in r.tensors:
         if t.name.split(".")[-2] in FFN:
             a = model.w[t.name].detach().numpy().astype(np.float32)
@@ -169,7 +145,6 @@ def main() -> None:
     p.add_argument("--train", required=True, type=Path, help="training text")
     p.add_argument("--eval", required=True, type=Path, help="held-out text of the same domain")
     p.add_argument("-o", "--out", required=True, type=Path, help="variant GGUF to write")
-    p.add_argument("--name", default="", help="general.name of the variant (default: the output's stem)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     p.add_argument("--ctx", type=int, default=256, help="tokens per training window (default: 256)")
     p.add_argument("--batch", type=int, default=2, help="windows per step (default: 2)")
@@ -195,8 +170,7 @@ def main() -> None:
 
     tok = Model(str(args.base), n_ctx=512, n_threads=args.threads)
     n_train_tokens = args.steps * args.batch * args.ctx
-    # windows drawn from a wide slice of the text: a run that sees each window about once memorises
-    # it (100 steps at 1e-4 over 75k tokens of fortunes: perplexity 24 -> 7 on them, 37 -> 47 held out)
+    # windows drawn from a wide slice of the text: a short run over a small slice memorises it
     train = tok.tokenize(args.train.read_text(errors="replace")[: args.train_chars], add_special=False)
     eval_tokens = tok.tokenize(args.eval.read_text(errors="replace")[: args.eval_windows * 512 * 6], add_special=False)
     eval_wins = windows(eval_tokens, 512)[: args.eval_windows]
@@ -235,8 +209,7 @@ def main() -> None:
         print(f"{n_steps} steps of {args.batch} x {args.ctx} tokens: {t_train:.1f} s ({t_train / n_steps:.2f} s/step)")
         return
     ppl_after = perplexity(model, eval_wins)
-    name = args.name or args.out.stem
-    write_variant(args.base, model, args.out, name)
+    write_variant(args.base, model, args.out)
     rec = {
         "base": str(args.base),
         "train": str(args.train),

@@ -18,7 +18,6 @@ every thread). Prefetch and warm start are off here (their predictions and sidec
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import threading
@@ -31,6 +30,7 @@ from . import _core
 from .config import AUTO, CacheConfig
 from .errors import ConfigError
 from .model import GenerateResult, Model
+from .tools.consolidate import _head_digest
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,6 @@ class VariantSpec:
     name: str
     model: Path
     store: Path
-
-
-def _head_digest(path: Path) -> str:
-    # as `moetier consolidate` names a map's variants: the first MiB and the size
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    h.update(str(path.stat().st_size).encode())
-    return h.hexdigest()
 
 
 def read_map(path: str | os.PathLike[str], variants: Sequence[VariantSpec]) -> dict[str, Any]:
