@@ -7,6 +7,8 @@ Corpora (documents are files; each goes wholly to one split, by a hash of its pa
     linux-doc     the Linux 6.1 Documentation/ reStructuredText (Debian linux-doc-6.1)
     py-stdlib     the running Python's standard library sources, top level *.py ("code")
     fortunes      general English prose: quotes, literature, definitions (Debian fortunes)
+    fortunes-de   German prose: quotes, anecdotes, recipes, proverbs (Debian fortunes-de)
+    fortunes-es   Spanish prose: quotes, proverbs, humour (Debian fortunes-es)
 
 The .deb files are fetched with `apt-get download` (no install, no root needed to read them) and
 read as tar streams from `dpkg-deb --fsys-tarfile`. Built text is cached under
@@ -335,6 +337,23 @@ CORPORA: dict[str, CorpusSpec] = {
             _fortunes,
             deb="fortunes",
             skip=(".dat", ".u8", "ascii-art", "art"),
+        ),
+        CorpusSpec(
+            "fortunes-de",
+            "German prose: quotes, anecdotes, recipes, proverbs (Debian fortunes-de)",
+            "usr/share/games/fortunes/de",
+            "",
+            _fortunes,
+            deb="fortunes-de",
+            skip=(".u8", "asciiart"),
+        ),
+        CorpusSpec(
+            "fortunes-es",
+            "Spanish prose: quotes, proverbs, humour (Debian fortunes-es)",
+            "usr/share/games/fortunes/es",
+            ".fortunes",
+            _fortunes,
+            deb="fortunes-es",
         ),
     )
 }

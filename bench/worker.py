@@ -25,6 +25,7 @@ INT_OPTS = (
     "fitted_prefetch",
     "verify_all",
     "prefetch_gate",
+    "grow",
 )
 
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -48,6 +49,8 @@ static void moetier_cgroup_walk(const std::string & base,
         if (moetier_read_number(file, v) && (mem.cgroup_limit == 0 || v < mem.cgroup_limit)) {
             mem.cgroup_limit  = v;
             mem.cgroup_source = format("%s %s", kind, file.c_str());
+            mem.cgroup_dir    = file.substr(0, file.find_last_of('/'));
+            mem.cgroup_v2     = std::string(kind) == "cgroup v2";
         }
         if (path == "/" || path.empty()) {
             break;
@@ -84,6 +87,8 @@ moetier_memory moetier_memory_read(const std::string & root_) {
         uint64_t           kb = 0;
         if ((ss >> key >> kb) && key == "MemAvailable:") {
             mem.available = kb * 1024;
+        } else if (key == "MemTotal:") {
+            mem.total = kb * 1024;
         }
     }
     return mem;
@@ -145,4 +150,103 @@ uint64_t moetier_budget_auto(const moetier_memory &       mem,
         note = "expert cache auto: no memory limit could be read (no cgroup limit, no MemAvailable)";
     }
     return budget;
+}
+
+// the value of key in a "key value" file (memory.stat, /proc/meminfo), times scale
+static bool moetier_read_key(const std::string & path, const char * name, uint64_t scale, uint64_t & out) {
+    std::ifstream f(path);
+    std::string   key;
+    uint64_t      v = 0;
+    while (f >> key >> v) {
+        if (key == name) {
+            out = v * scale;
+            return true;
+        }
+        f.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+    }
+    return false;
+}
+
+bool moetier_memory_headroom(const std::string & root_, const moetier_memory & mem, uint64_t & out) {
+    const std::string root  = root_ == "/" ? "" : root_;
+    bool              found = false;
+    uint64_t          room  = UINT64_MAX;
+    if (mem.cgroup_limit > 0 && !mem.cgroup_dir.empty()) {
+        uint64_t usage = 0;
+        if (moetier_read_number(mem.cgroup_dir + (mem.cgroup_v2 ? "/memory.current" : "/memory.usage_in_bytes"),
+                                usage)) {
+            uint64_t          inactive = 0;
+            const std::string stat     = mem.cgroup_dir + "/memory.stat";
+            // v1: the hierarchical count (the group's children too); v2 counts them in inactive_file
+            const bool hierarchical    = !mem.cgroup_v2 && moetier_read_key(stat, "total_inactive_file", 1, inactive);
+            if (!hierarchical) {
+                moetier_read_key(stat, "inactive_file", 1, inactive);
+            }
+            const uint64_t used = usage > inactive ? usage - inactive : 0;
+            room                = mem.cgroup_limit > used ? mem.cgroup_limit - used : 0;
+            found               = true;
+        }
+    }
+    uint64_t avail = 0;
+    if (moetier_read_key(root + "/proc/meminfo", "MemAvailable:", 1024, avail)) {
+        room  = std::min(room, avail);
+        found = true;
+    }
+    out = found ? room : 0;
+    return found;
+}
+
+int64_t moetier_elastic_delta(uint64_t headroom, uint64_t uncommitted, uint64_t margin) {
+    const int64_t free = (int64_t) headroom - (int64_t) uncommitted;
+    const int64_t m    = (int64_t) margin;
+    if (free > 2 * m || free < m) {
+        return free - m - m / 2;
+    }
+    return 0;
+}
+
+uint64_t moetier_elastic_margin(const moetier_memory & mem, uint64_t reserve) {
+    uint64_t of = mem.total;
+    if (mem.cgroup_limit > 0 && (of == 0 || mem.cgroup_limit < of)) {
+        of = mem.cgroup_limit;
+    }
+    return std::max<uint64_t>((uint64_t) 64 << 20, of / 32) + reserve;
+}
+
+moetier_elastic::moetier_elastic(std::string root_, uint64_t reserve_, int64_t interval) :
+    root(std::move(root_)),
+    reserve(reserve_),
+    interval_us(interval) {}
+
+int32_t moetier_elastic::add_pool(uint64_t capacity_bytes) {
+    pools.push_back({ capacity_bytes, 0, 0 });
+    return (int32_t) pools.size() - 1;
+}
+
+int64_t moetier_elastic::poll(int32_t i, uint64_t uncommitted, int64_t now_us) {
+    pools[i].uncommitted = uncommitted;
+    if (now_us >= next_us) {
+        next_us = now_us + interval_us;
+        ++checks;
+        // read afresh: the limit may have changed since the load
+        const moetier_memory mem = moetier_memory_read(root);
+        margin_                  = moetier_elastic_margin(mem, reserve);
+        if (moetier_memory_headroom(root, mem, headroom)) {
+            uint64_t all_uncommitted = 0;
+            uint64_t all_capacity    = 0;
+            for (const pool & p : pools) {
+                all_uncommitted += p.uncommitted;
+                all_capacity += p.capacity;
+            }
+            const int64_t delta = moetier_elastic_delta(headroom, all_uncommitted, margin_);
+            for (pool & p : pools) {
+                // each pool in proportion to what it may hold
+                p.pending =
+                    all_capacity > 0 ? (int64_t) ((double) delta * (double) p.capacity / (double) all_capacity) : 0;
+            }
+        }
+    }
+    const int64_t d  = pools[i].pending;
+    pools[i].pending = 0;
+    return d;
 }

@@ -6,13 +6,17 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 // The memory this process may use: the lowest cgroup limit on its path (v2 memory.max, v1
 // memory.limit_in_bytes), and MemAvailable. root: where /proc and /sys are ("" = "/").
 struct moetier_memory {
     uint64_t    cgroup_limit = 0;  // 0: no cgroup limit found
     std::string cgroup_source;     // the file it comes from, with "cgroup v1"/"cgroup v2"
+    std::string cgroup_dir;        // the directory of that file
+    bool        cgroup_v2 = false;
     uint64_t    available = 0;     // MemAvailable (0 if /proc/meminfo has none)
+    uint64_t    total     = 0;     // MemTotal
 };
 
 moetier_memory moetier_memory_read(const std::string & root);
@@ -38,3 +42,57 @@ uint64_t moetier_budget_auto(const moetier_memory &       mem,
                              const moetier_budget_needs & needs,
                              uint64_t                     all_experts,
                              std::string &                note);
+
+// The memory an elastic expert cache may still take, read while it runs (mem: moetier_memory_read
+// just before, as a limit may change at run time): the lowest cgroup limit minus that group's usage
+// plus its inactive page cache (which the kernel reclaims first), and MemAvailable, whichever is
+// lower. false if neither could be read.
+bool moetier_memory_headroom(const std::string & root, const moetier_memory & mem, uint64_t & out);
+
+// How far the free memory of an elastic cache lies from its band [margin, 2 margin]: the bytes to
+// take (> 0: free - 1.5 margin, when free > 2 margin) or to give back (< 0: free - 1.5 margin, when
+// free < margin), 0 inside the band. free = headroom - uncommitted (memory the cache's empty slots
+// in use will still take).
+int64_t moetier_elastic_delta(uint64_t headroom, uint64_t uncommitted, uint64_t margin);
+
+// the free memory an elastic cache leaves: the auto budget's margin, 1/32 of the cgroup limit or of
+// MemTotal (the lower), at least 64 MiB, plus reserve
+uint64_t moetier_elastic_margin(const moetier_memory & mem, uint64_t reserve);
+
+// The elastic budget of a model's expert caches: they take memory the limit leaves free beyond their
+// budget (up to every expert) and give it back, down to the budget, when free memory runs short,
+// keeping the free memory in [margin, 2 margin]. Polled from the caches' layer passes; reads the
+// memory files at most once per interval. Pools are the caches' high-precision slot pools.
+class moetier_elastic {
+  public:
+    moetier_elastic(std::string root, uint64_t reserve, int64_t interval_us = 100000);
+
+    // a pool that may take capacity_bytes at most; its index
+    int32_t add_pool(uint64_t capacity_bytes);
+
+    // The bytes pool i should take (> 0) or give back (< 0) now, 0 between checks. uncommitted: the
+    // bytes of its slots in use whose memory was never written (the pool takes them as it fills).
+    int64_t poll(int32_t i, uint64_t uncommitted, int64_t now_us);
+
+    uint64_t margin() const { return margin_; }
+
+    uint64_t last_headroom() const { return headroom; }
+
+    uint64_t n_checks() const { return checks; }
+
+  private:
+    struct pool {
+        uint64_t capacity    = 0;
+        uint64_t uncommitted = 0;
+        int64_t  pending     = 0;
+    };
+
+    std::string       root;
+    uint64_t          reserve;
+    uint64_t          margin_ = 0;
+    int64_t           interval_us;
+    int64_t           next_us  = 0;
+    uint64_t          headroom = 0;
+    uint64_t          checks   = 0;
+    std::vector<pool> pools;
+};

@@ -45,7 +45,8 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
                              std::vector<moetier_proj>      shapes_,
                              bool                           simulate_,
                              const moetier_policy_env &     env,
-                             int32_t                        n_route) :
+                             int32_t                        n_route,
+                             int32_t                        n_capacity) :
     n_expert_(n_expert),
     rule(rule_),
     simulate(simulate_),
@@ -57,7 +58,8 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
     vram_env.record = nullptr;  // a decision log is the RAM tier's
     for (int32_t prec = 0; prec < MOETIER_N_PRECISIONS; ++prec) {
         sets[prec] = std::make_unique<moetier_slots>((moetier_precision) prec, n_slots[prec], n_expert,
-                                                     moetier_policy_create(policy, weights, env));
+                                                     moetier_policy_create(policy, weights, env),
+                                                     prec == MOETIER_PRECISION_HIGH ? n_capacity : 0);
         if (!simulate) {
             sets[prec]->alloc(shapes);
         }
@@ -386,6 +388,35 @@ void moetier_cache::reset_sequence() {
     }
 }
 
+void moetier_cache::set_elastic(moetier_elastic * e) {
+    moetier_slots & hi = *sets[MOETIER_PRECISION_HIGH];
+    GGML_ASSERT(hi.elastic() && !simulate && !vram);
+    elastic      = e;
+    elastic_pool = e->add_pool(hi.slot_bytes() * (uint64_t) hi.n_capacity());
+}
+
+void moetier_cache::apply_elastic(const moetier_policy_ctx & ctx) noexcept {
+    moetier_slots & hi    = *sets[MOETIER_PRECISION_HIGH];
+    const uint64_t  bytes = hi.slot_bytes();
+    const int64_t   d     = elastic->poll(elastic_pool, (uint64_t) hi.n_untouched() * bytes, ggml_time_us());
+    if (d >= (int64_t) bytes) {
+        const int32_t n = hi.grow((int32_t) std::min<int64_t>(d / (int64_t) bytes, hi.n_capacity()));
+        if (n > 0) {
+            grown.fetch_add(n, std::memory_order_relaxed);
+            MOETIER_LOG_INFO("moetier: expert cache grows into free memory: +%d slots (%s), %d in use\n", n,
+                             moetier_format_bytes((uint64_t) n * bytes).c_str(), hi.n_slots());
+        }
+    } else if (d < 0) {
+        const int32_t n =
+            hi.shrink((int32_t) std::min<int64_t>((-d + (int64_t) bytes - 1) / (int64_t) bytes, hi.n_capacity()), ctx);
+        if (n > 0) {
+            shrunk.fetch_add(n, std::memory_order_relaxed);
+            MOETIER_LOG_INFO("moetier: expert cache gives memory back: -%d slots (%s), %d in use\n", n,
+                             moetier_format_bytes((uint64_t) n * bytes).c_str(), hi.n_slots());
+        }
+    }
+}
+
 moetier_policy_ctx moetier_cache::policy_ctx(int32_t layer) const {
     moetier_policy_ctx c;
     c.tick     = tick;
@@ -412,7 +443,7 @@ void moetier_cache::reset_prefetch_stats() {
 int32_t moetier_cache::warm_take(const moetier_layer & layer, int32_t e) {
     moetier_slots & hi = *sets[MOETIER_PRECISION_HIGH];
     if (warm_entry.empty()) {
-        warm_entry.assign(hi.n_slots(), -1);
+        warm_entry.assign(hi.n_capacity(), -1);
     }
     if (n_warm + n_expert_ >= hi.n_slots() || hi.find(layer.il, e) >= 0) {
         return -1;
@@ -780,6 +811,9 @@ void moetier_cache::resolve(moetier_layer & layer,
     moetier_policy_ctx pctx = policy_ctx(layer.il);
     pctx.batch              = n_tokens > 1;
     missing.clear();
+    if (elastic != nullptr && !warmup) {
+        apply_elastic(pctx);
+    }
 
     moetier_layer_stats & c = layer.stats;
     for (int32_t e = 0; e < n_expert_; ++e) {

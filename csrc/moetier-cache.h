@@ -18,6 +18,7 @@
 // in order, so by then the previous layer's mul_mat_ids are done. The same next resolve finishes
 // the pass (or sync() does, between decodes).
 
+#include "moetier-budget.h"
 #include "moetier-iopool.h"
 #include "moetier-layer.h"
 #include "moetier-precision.h"
@@ -112,7 +113,8 @@ class moetier_cache {
     // n_slots per precision (low may be 0); shapes: the type and shape of each projection (the
     // group's first layer). n_expert: the expert ids the cache keys; n_route (0: n_expert): the experts
     // one layer routes to, the fewest slots it needs (variants sharing a cache key n_expert = variants
-    // * n_route). simulate: no memory, for trace replay (resolve does all the
+    // * n_route). n_capacity > the high slots: the high pool is elastic (set_elastic), up to that many
+    // slots. simulate: no memory, for trace replay (resolve does all the
     // bookkeeping; nothing is read). env: what replay gives the policies (the trace's future, a log
     // of decisions). throws std::runtime_error
     moetier_cache(int32_t                        n_expert,
@@ -121,9 +123,10 @@ class moetier_cache {
                   const std::string &            policy,
                   const moetier_policy_weights & weights,
                   std::vector<moetier_proj>      shapes,
-                  bool                           simulate = false,
-                  const moetier_policy_env &     env      = {},
-                  int32_t                        n_route  = 0);
+                  bool                           simulate   = false,
+                  const moetier_policy_env &     env        = {},
+                  int32_t                        n_route    = 0,
+                  int32_t                        n_capacity = 0);
     ~moetier_cache();
 
     moetier_cache(const moetier_cache &)             = delete;
@@ -142,6 +145,15 @@ class moetier_cache {
     void set_io(moetier_io_pool * pool) { io = pool; }
 
     void set_prefetch(moetier_prefetch_ptr p) { prefetcher = std::move(p); }
+
+    // the elastic budget (the high pool was made with room to grow): each layer pass polls it and
+    // grows or shrinks the high pool by what it says
+    void set_elastic(moetier_elastic * e);
+
+    // slots the elastic budget added and took back since load
+    uint64_t n_grown() const { return grown.load(std::memory_order_relaxed); }
+
+    uint64_t n_shrunk() const { return shrunk.load(std::memory_order_relaxed); }
 
     // The VRAM tier, a cache over this one (call before add_layer): n_slots high-precision slots in
     // dev's memory (host: in host memory, computed on the CPU, which checks the tier where no GPU is),
@@ -236,7 +248,11 @@ class moetier_cache {
                                                                                    nullptr;
     }
 
-    uint64_t pool_bytes() const { return sets[0]->mem_bytes() + sets[1]->mem_bytes(); }
+    // bytes of the slots in use (an elastic pool's reservation beyond them is not counted)
+    uint64_t pool_bytes() const {
+        return sets[0]->slot_bytes() * (uint64_t) sets[0]->n_slots() +
+               sets[1]->slot_bytes() * (uint64_t) sets[1]->n_slots();
+    }
 
     uint64_t vram_bytes() const { return vram ? vram->mem_bytes() : 0; }
 
@@ -361,6 +377,8 @@ class moetier_cache {
     // waits for every pending warm read (a miss found no evictable slot: warm holds them)
     void    wait_warm_all() noexcept;
     moetier_policy_ctx policy_ctx(int32_t layer) const;
+    // resolve: grows or shrinks the high pool as the elastic budget says
+    void               apply_elastic(const moetier_policy_ctx & ctx) noexcept;
 
     const int32_t          n_expert_;
     moetier_precision_rule rule;
@@ -422,4 +440,9 @@ class moetier_cache {
     std::atomic<bool>     has_error{ false };
     std::atomic<uint64_t> n_read_errors_{ 0 };
     std::atomic<uint64_t> n_read_retries_{ 0 };
+
+    moetier_elastic *     elastic      = nullptr;
+    int32_t               elastic_pool = -1;
+    std::atomic<uint64_t> grown{ 0 };
+    std::atomic<uint64_t> shrunk{ 0 };
 };

@@ -3,6 +3,7 @@
 #include "moetier-impl.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -33,6 +34,42 @@ void moetier_aligned_buffer::reserve(size_t n) {
     }
     data.reset(p);
     size = n;
+}
+
+moetier_mapped_memory::~moetier_mapped_memory() {
+    if (base != nullptr) {
+        munmap(base, len);
+    }
+}
+
+void moetier_mapped_memory::map(size_t n) {
+    if (base != nullptr) {
+        munmap(base, len);
+        base = nullptr;
+        len  = 0;
+    }
+    if (n == 0) {
+        return;
+    }
+    n        = moetier_align_up(n);
+    void * p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+        throw std::bad_alloc();
+    }
+    base = p;
+    len  = n;
+}
+
+void moetier_mapped_memory::release(size_t off, size_t n) noexcept {
+    if (base == nullptr || off >= len) {
+        return;
+    }
+    // whole pages only: a slot's stride is page-aligned, so its pages are its own
+    const size_t a = moetier_align_up(off);
+    const size_t b = std::min(len, off + n) & ~(MOETIER_ALIGN - 1);
+    if (b > a) {
+        madvise((char *) base + a, b - a, MADV_DONTNEED);
+    }
 }
 
 moetier_file::moetier_file(const std::string & path, bool direct_io) : path_(path) {

@@ -71,6 +71,31 @@ struct moetier_aligned_buffer {
     void reserve(size_t n);
 };
 
+// Anonymous memory mapped for the expert cache's pools: reserved, not committed (MAP_NORESERVE),
+// so a pool may reserve room to grow into while only the pages its slots wrote count; page-aligned,
+// as O_DIRECT needs for its destination.
+class moetier_mapped_memory {
+  public:
+    moetier_mapped_memory() = default;
+    ~moetier_mapped_memory();
+    moetier_mapped_memory(const moetier_mapped_memory &)             = delete;
+    moetier_mapped_memory & operator=(const moetier_mapped_memory &) = delete;
+
+    // maps n bytes (rounded up to pages), unmapping what was mapped before. throws std::bad_alloc
+    void map(size_t n);
+
+    // gives the pages of [off, off + n) back to the system (they read as zeros after)
+    void release(size_t off, size_t n) noexcept;
+
+    void * data() const { return base; }
+
+    size_t size() const { return len; }
+
+  private:
+    void * base = nullptr;
+    size_t len  = 0;
+};
+
 // A read-only file for expert reads. With direct I/O requested and accepted by the file system,
 // reads bypass the page cache: an expert read once must not stay resident behind the cache's back
 // (that is what a memory cap counts). Otherwise reads are buffered and the pages are dropped after.

@@ -74,6 +74,7 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     io_threads     = params.io_threads;
     prefetch_waste = params.prefetch_waste;
     prefetch_gate  = params.prefetch_gate;
+    grow           = params.grow;
     use_uring      = params.io_uring;
     policy_weights = { params.w_lru, params.w_lfu, params.w_lhu, params.w_fld };
     std::string policy_err;
@@ -641,13 +642,25 @@ void moetier_model::finish_load(const llama_model & model) {
         }
     }
 
+    // the elastic budget: each RAM-only group's high pool may grow to every expert of the group (its
+    // memory is reserved, and committed as its slots fill)
     for (auto & pl : plans) {
         std::vector<moetier_proj> shapes     = pl.layers[0]->projs;
         const int32_t             n_slots[2] = { (int32_t) pl.n_slots[MOETIER_PRECISION_HIGH],
                                                  (int32_t) pl.n_slots[MOETIER_PRECISION_LOW] };
-        caches.push_back(
-            std::make_unique<moetier_cache>(n_expert, n_slots, precision, policy_name, policy_weights, shapes));
+        const int64_t             max_slots  = (int64_t) n_expert * (int64_t) pl.layers.size();
+        const bool elastic_group = (grow > 0 || (grow < 0 && budget_auto)) && vram == 0 && pl.dev == nullptr &&
+                                   pl.n_slots[MOETIER_PRECISION_HIGH] < max_slots;
+        caches.push_back(std::make_unique<moetier_cache>(n_expert, n_slots, precision, policy_name, policy_weights,
+                                                         shapes, false, moetier_policy_env{}, 0,
+                                                         elastic_group ? (int32_t) max_slots : 0));
         moetier_cache * c = caches.back().get();
+        if (elastic_group) {
+            if (!elastic) {
+                elastic = std::make_unique<moetier_elastic>("", reserve);
+            }
+            c->set_elastic(elastic.get());
+        }
         c->set_n_model_layers(std::max<int32_t>(n_model_layers, layers.back()->il + 1));
         if (pl.dev != nullptr) {
             const bool all_of_them = pl.n_vram == (int64_t) n_expert * (int64_t) pl.layers.size();
@@ -700,6 +713,18 @@ void moetier_model::finish_load(const llama_model & model) {
                      exact() ? "exact: every expert in high precision" : "mixed precision", precision.t1, precision.t2,
                      policy_name.c_str(), store ? store->dir().c_str() : paths[0].c_str(),
                      (store ? store_file->direct() : files[0]->direct()) ? " (O_DIRECT)" : "");
+    if (elastic) {
+        int64_t n_max = 0;
+        for (auto & c : caches) {
+            n_max += c->slots(MOETIER_PRECISION_HIGH).n_capacity();
+        }
+        MOETIER_LOG_INFO("%s: elastic budget: the high slots grow up to %" PRId64
+                         " (every expert) into memory the limit leaves free, keeping %s free, and give it back "
+                         "down to %" PRId64 " when it runs short\n",
+                         __func__, n_max,
+                         moetier_format_bytes(moetier_elastic_margin(moetier_memory_read(""), reserve)).c_str(),
+                         n_slots);
+    }
     if (!exact()) {
         // a lossy mode the user chose: said where the tools print it by default (INFO lines are not)
         MOETIER_LOG_WARN(
@@ -1223,10 +1248,10 @@ void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
                        "each one its store (moetier pack)",
                        name.c_str()));
         }
-        if (m.prefetch > 0 || m.warm_on || m.vram > 0 || !m.exact() || !m.remote_layers.empty()) {
+        if (m.prefetch > 0 || m.warm_on || m.vram > 0 || !m.exact() || !m.remote_layers.empty() || m.elastic) {
             throw std::runtime_error(
-                format("%s: variants sharing a cache run without prefetch, warm start, a "
-                       "VRAM tier, RPC layers or mixed precision (prefetch=0 warm=0)",
+                format("%s: variants sharing a cache run without prefetch, warm start, an elastic budget, a "
+                       "VRAM tier, RPC layers or mixed precision (prefetch=0 warm=0 grow=0)",
                        name.c_str()));
         }
         if (m.caches.size() != 1) {

@@ -161,6 +161,7 @@ struct moetier_model {
     int32_t                io_threads     = 1;
     float                  prefetch_waste = 0.25f;  // the prefetch byte cap's share (moetier-prefetch.h)
     bool                   prefetch_gate  = true;   // prefetch measures whether it pays (moetier_prefetch_gate)
+    int32_t                grow           = -1;     // the elastic budget (moetier_elastic): -1 auto budgets only
     bool                   use_uring      = true;
 
     std::unique_ptr<moetier_routing>           routing;         // MOETIER_ROUTING_TRACE, else nullptr
@@ -175,9 +176,10 @@ struct moetier_model {
 
     std::vector<int32_t>                        remote_layers;  // MoE layers left to an RPC server (create_tensor)
     std::string                                 remote_device;  // that server's device name, for the note
-    std::vector<std::unique_ptr<moetier_layer>> layers;  // served layers, in layer order after finish_load (owned
-                                                         // here: the graph's custom ops point at them)
-    std::vector<std::unique_ptr<moetier_cache>> caches;  // one per pool group
+    std::vector<std::unique_ptr<moetier_layer>> layers;   // served layers, in layer order after finish_load (owned
+                                                          // here: the graph's custom ops point at them)
+    std::unique_ptr<moetier_elastic>            elastic;  // the elastic budget of the caches (grow), or nullptr
+    std::vector<std::unique_ptr<moetier_cache>> caches;   // one per pool group
 
     // I/O threads or ring (stopped before the caches go) and their bounce buffers (per I/O thread)
     std::unique_ptr<moetier_io_pool>    io;

@@ -101,6 +101,14 @@ static const moetier_param_info g_rows[] = {
             "per 64 measured, then both "
             "are measured again (a fast disk may hide reads behind compute already, and then wasted prefetch reads "
             "only cost time); 0: prefetch always reads"),
+    MOETIER_ROW(grow, MOETIER_PARAM_TYPE_INT, -1, 1, true,
+            "elastic budget: the cache grows past its budget into memory the memory limit leaves free (the cgroup "
+            "limit less what the group holds beside reclaimable page cache, and MemAvailable), up to every expert, "
+            "and gives it back, down to its budget, when free memory runs short: it keeps between 1/32 of the "
+            "limit (64 MiB at least) plus reserve and twice that free, checked every 100 ms of decoding, as the "
+            "page cache holds the experts of a memory-mapped model. -1: on for an auto budget, off for a given one; "
+            "1: on (a given budget is the least the cache keeps); 0: off. A RAM tier under a VRAM tier and variants "
+            "sharing a cache keep a fixed budget"),
 };
 
 #undef MOETIER_ROW
@@ -126,6 +134,7 @@ struct moetier_params moetier_default_params(void) {
         /*.io_threads  =*/6,
         /*.prefetch_waste=*/0.25f,
         /*.n_ctx       =*/0,
+        /*.grow        =*/-1,
         /*.io_uring    =*/true,
         /*.direct_io   =*/true,
         /*.warm        =*/true,

@@ -6,22 +6,32 @@
 #include <algorithm>
 #include <stdexcept>
 
-moetier_slots::moetier_slots(moetier_precision prec, int32_t n_slots, int32_t n_expert_, moetier_policy_ptr policy_) :
+moetier_slots::moetier_slots(moetier_precision  prec,
+                             int32_t            n_slots,
+                             int32_t            n_expert_,
+                             moetier_policy_ptr policy_,
+                             int32_t            n_capacity) :
     prec_(prec),
     n_expert(n_expert_),
-    policy(std::move(policy_)) {
+    policy(std::move(policy_)),
+    n_floor(n_slots) {
     GGML_ASSERT(policy && n_slots >= 0 && n_expert > 0);
-    keys.assign(n_slots, moetier_key{});
-    pinned.assign(n_slots, 0);
-    readers.assign(n_slots, -1);
-    holds.assign(n_slots, 0);
-    unchecked.assign(n_slots, 0);
-    mask.assign(n_slots, 0);
+    const int32_t cap = std::max(n_slots, n_capacity);
+    keys.assign(cap, moetier_key{});
+    pinned.assign(cap, 0);
+    readers.assign(cap, -1);
+    holds.assign(cap, 0);
+    unchecked.assign(cap, 0);
+    mask.assign(cap, 0);
+    enabled.assign(cap, 0);
+    touched.assign(cap, 0);
     free_slots.resize(n_slots);
     for (int32_t s = 0; s < n_slots; ++s) {
         free_slots[s] = n_slots - 1 - s;  // pop_back hands out slot 0 first
+        enabled[s]    = 1;
     }
-    policy->init(n_slots);
+    n_enabled.store(n_slots, std::memory_order_relaxed);
+    policy->init(cap);
 }
 
 void moetier_slots::alloc(const std::vector<moetier_proj> & shapes,
@@ -31,9 +41,10 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes,
     tensors.clear();
     buf.reset();
     ctx.reset();
-    mem             = moetier_aligned_buffer{};
+    mem.map(0);
     buf_size        = 0;
-    const int32_t n = n_slots();
+    slot_bytes_     = 0;
+    const int32_t n = n_capacity();
     if (n == 0) {
         return;
     }
@@ -44,6 +55,7 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes,
     for (const auto & p : shapes) {
         stride.push_back(device ? p.expert_bytes(prec_) : moetier_align_up(p.expert_bytes(prec_)));
         total += stride.back() * (uint64_t) n;
+        slot_bytes_ += stride.back();
     }
     ggml_init_params ip = {
         /*.mem_size   =*/ggml_tensor_overhead() * (shapes.size() + 1),
@@ -89,12 +101,12 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes,
         } else {
             // not touched here: pages become resident as slots fill (and the memory-fit pass of
             // common_fit_params, which loads the model with no_alloc, costs no RSS)
-            mem.reserve(total);
-            buf.reset(ggml_backend_cpu_buffer_from_ptr(mem.data.get(), total));
+            mem.map(total);
+            buf.reset(ggml_backend_cpu_buffer_from_ptr(mem.data(), total));
             if (!buf) {
                 throw std::runtime_error("failed to create the expert cache buffer");
             }
-            base = (uint8_t *) mem.data.get();
+            base = (uint8_t *) mem.data();
         }
         buf_size = total;
         for (size_t k = 0; k < shapes.size(); ++k) {
@@ -121,7 +133,7 @@ void moetier_slots::unpin_all() {
     std::fill(pinned.begin(), pinned.end(), 0);
 }
 
-void moetier_slots::drop(int32_t s) noexcept {
+void moetier_slots::forget(int32_t s) noexcept {
     const moetier_key k = keys[s];
     if (k.layer < 0 || k.expert < 0) {
         return;
@@ -130,7 +142,54 @@ void moetier_slots::drop(int32_t s) noexcept {
     --held[k.layer];
     keys[s]      = moetier_key{};
     unchecked[s] = 0;
+}
+
+void moetier_slots::drop(int32_t s) noexcept {
+    if (keys[s].layer < 0 || keys[s].expert < 0) {
+        return;
+    }
+    forget(s);
     free_slots.push_back(s);
+}
+
+int32_t moetier_slots::pick_victim(const moetier_policy_ctx & pctx) noexcept {
+    // candidates: slots in use holding an expert, not pinned by the layer being resolved, not being
+    // read by a prefetch, not held for a later layer by a prediction
+    const int32_t n = n_capacity();
+    cand.assign(held.size(), 0);
+    int32_t n_cand = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        mask[i] = !enabled[i] || keys[i].layer < 0 || pinned[i] || readers[i] >= 0 || holds[i];
+        if (!mask[i]) {
+            ++n_cand;
+            ++cand[keys[i].layer];
+        }
+    }
+    if (n_cand == 0) {
+        return -1;
+    }
+    if (!policy->across_layers()) {
+        // donor layer: the most slots above the fair share among layers with a candidate
+        const double quota = (double) n_slots() / std::max(1, n_layers);
+        int32_t      donor = -1;
+        double       best  = 0.0;
+        for (int32_t l = 0; l < (int32_t) held.size(); ++l) {
+            if (cand[l] == 0) {
+                continue;
+            }
+            const double excess = held[l] - quota;
+            if (donor < 0 || excess > best) {
+                donor = l;
+                best  = excess;
+            }
+        }
+        for (int32_t i = 0; i < n; ++i) {
+            mask[i] = mask[i] || keys[i].layer != donor;
+        }
+    }
+    const int32_t s = policy->victim(mask, pctx);
+    GGML_ASSERT(s >= 0 && !mask[s]);
+    return s;
 }
 
 int32_t moetier_slots::take(const moetier_key & key, const moetier_policy_ctx & pctx) noexcept {
@@ -139,52 +198,70 @@ int32_t moetier_slots::take(const moetier_key & key, const moetier_policy_ctx & 
         s = free_slots.back();
         free_slots.pop_back();
     } else {
-        // candidates: not pinned by the layer being resolved, not being read by a prefetch, not held
-        // for a later layer by a prediction
-        const int32_t n = n_slots();
-        cand.assign(held.size(), 0);
-        int32_t n_cand = 0;
-        for (int32_t i = 0; i < n; ++i) {
-            mask[i] = pinned[i] || readers[i] >= 0 || holds[i];
-            if (!mask[i]) {
-                ++n_cand;
-                ++cand[keys[i].layer];
-            }
-        }
-        if (n_cand == 0) {
+        s = pick_victim(pctx);
+        if (s < 0) {
             return -1;
         }
-        if (!policy->across_layers()) {
-            // donor layer: the most slots above the fair share among layers with a candidate
-            const double quota = (double) n / std::max(1, n_layers);
-            int32_t      donor = -1;
-            double       best  = 0.0;
-            for (int32_t l = 0; l < (int32_t) held.size(); ++l) {
-                if (cand[l] == 0) {
-                    continue;
-                }
-                const double excess = held[l] - quota;
-                if (donor < 0 || excess > best) {
-                    donor = l;
-                    best  = excess;
-                }
-            }
-            for (int32_t i = 0; i < n; ++i) {
-                mask[i] = mask[i] || keys[i].layer != donor;
-            }
-        }
-        s = policy->victim(mask, pctx);
-        GGML_ASSERT(s >= 0 && !mask[s]);
-        const moetier_key old          = keys[s];
-        slot_of[old.layer][old.expert] = -1;
-        --held[old.layer];
+        forget(s);
     }
     keys[s]                        = key;
     slot_of[key.layer][key.expert] = s;
     unchecked[s]                   = 0;
+    touched[s]                     = 1;
     ++held[key.layer];
     policy->on_load(s, key, prec_ == MOETIER_PRECISION_HIGH, pctx);
     return s;
+}
+
+int32_t moetier_slots::n_untouched() const {
+    int32_t n = 0;
+    for (size_t s = 0; s < enabled.size(); ++s) {
+        n += enabled[s] && !touched[s];
+    }
+    return n;
+}
+
+int32_t moetier_slots::grow(int32_t n) {
+    int32_t done = 0;
+    for (int32_t s = 0; s < n_capacity() && done < n; ++s) {
+        if (!enabled[s]) {
+            enabled[s] = 1;
+            touched[s] = 0;
+            free_slots.insert(free_slots.begin(), s);  // used after the slots already in memory
+            ++done;
+        }
+    }
+    n_enabled.fetch_add(done, std::memory_order_relaxed);
+    return done;
+}
+
+int32_t moetier_slots::shrink(int32_t n, const moetier_policy_ctx & pctx) noexcept {
+    n            = std::min(n, n_slots() - n_floor);
+    int32_t done = 0;
+    while (done < n) {
+        int32_t s = -1;
+        if (!free_slots.empty()) {
+            s = free_slots.front();  // the last to be used: untouched ones if any
+            free_slots.erase(free_slots.begin());
+        } else {
+            s = pick_victim(pctx);
+            if (s < 0) {
+                break;
+            }
+            forget(s);
+        }
+        enabled[s] = 0;
+        if (touched[s]) {
+            for (const ggml_tensor * t : tensors) {
+                mem.release((size_t) ((const uint8_t *) t->data - (const uint8_t *) mem.data()) + (size_t) s * t->nb[2],
+                            t->nb[2]);
+            }
+        }
+        touched[s] = 0;
+        ++done;
+    }
+    n_enabled.fetch_sub(done, std::memory_order_relaxed);
+    return done;
 }
 
 bool moetier_slots_find_version(const moetier_slots & hi,

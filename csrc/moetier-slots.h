@@ -18,13 +18,20 @@
 #include "moetier-layer.h"
 #include "policies/policies.h"
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
 class moetier_slots {
   public:
-    // n_slots slots (0: an empty pool) for layers of n_expert experts. throws std::runtime_error
-    moetier_slots(moetier_precision prec, int32_t n_slots, int32_t n_expert, moetier_policy_ptr policy);
+    // n_slots slots (0: an empty pool) for layers of n_expert experts. n_capacity > n_slots: an elastic
+    // pool, whose memory is reserved (not committed) for n_capacity slots, of which n_slots are in use
+    // at first; grow() and shrink() change how many. throws std::runtime_error
+    moetier_slots(moetier_precision  prec,
+                  int32_t            n_slots,
+                  int32_t            n_expert,
+                  moetier_policy_ptr policy,
+                  int32_t            n_capacity = 0);
 
     moetier_slots(const moetier_slots &)             = delete;
     moetier_slots & operator=(const moetier_slots &) = delete;
@@ -33,7 +40,7 @@ class moetier_slots {
     // memory API
     //
 
-    // one pool tensor per projection of shapes. A RAM tier's pool (vram false): [ne0, ne1, n_slots]
+    // one pool tensor per projection of shapes. A RAM tier's pool (vram false): [ne0, ne1, n_capacity]
     // with slots padded to 4096 (reads land straight in them), in host memory paged in as slots fill
     // (buft nullptr), or in a GPU backend's pinned host buffer type (which it copies from at full
     // speed). The VRAM tier's pool (vram true) in buft: [ne0, ne1, n_slots + n_zero] unpadded, as
@@ -49,7 +56,10 @@ class moetier_slots {
 
     ggml_tensor * tensor(size_t k) const { return k < tensors.size() ? tensors[k] : nullptr; }
 
-    uint64_t mem_bytes() const { return buf_size; }  // 0 until alloc
+    uint64_t mem_bytes() const { return buf_size; }  // 0 until alloc; an elastic pool's whole reservation
+
+    // bytes of one slot over every projection (0 until alloc)
+    uint64_t slot_bytes() const { return slot_bytes_; }
 
     //
     // bookkeeping API
@@ -60,7 +70,27 @@ class moetier_slots {
 
     moetier_precision prec() const { return prec_; }
 
-    int32_t n_slots() const { return (int32_t) keys.size(); }
+    // the slots in use now (an elastic pool's grow with it); slot ids run up to n_capacity()
+    int32_t n_slots() const { return n_enabled.load(std::memory_order_relaxed); }
+
+    int32_t n_capacity() const { return (int32_t) keys.size(); }
+
+    bool elastic() const { return n_capacity() > n_floor; }
+
+    // the fewest slots shrink() leaves (the slots given at construction)
+    int32_t n_slots_floor() const { return n_floor; }
+
+    // slots in use whose memory was never written since they came into use (or since shrink() gave
+    // it back): memory the pool may still take without growing
+    int32_t n_untouched() const;
+
+    // Puts up to n unused slots into use (empty: they fill as misses come); returns how many.
+    int32_t grow(int32_t n);
+
+    // Takes up to n slots out of use, never below n_slots_floor(): empty ones first, then the policy's
+    // victims among the evictable slots (as take() would evict them); their memory goes back to the
+    // system. Returns how many.
+    int32_t shrink(int32_t n, const moetier_policy_ctx & ctx) noexcept;
 
     // the slot holding expert e of layer il, -1 if none
     int32_t find(int32_t il, int32_t e) const { return slot_of[il][e]; }
@@ -114,30 +144,40 @@ class moetier_slots {
     void reset_sequence(const moetier_policy_ctx & ctx) { policy->reset_sequence(ctx); }
 
   private:
+    // the policy's victim among the evictable slots in use, -1 if none (take's eviction order)
+    int32_t pick_victim(const moetier_policy_ctx & ctx) noexcept;
+    // forgets slot s's expert (the policy keeps its record until the slot's next load)
+    void    forget(int32_t s) noexcept;
+
     const moetier_precision prec_;
     const int32_t           n_expert;
     moetier_policy_ptr      policy;
+    int32_t                 n_floor = 0;
+    std::atomic<int32_t>    n_enabled{ 0 };
 
     // memory
-    moetier_aligned_buffer     mem;  // the pools' memory without a buffer type, 4096-aligned, paged in as slots fill
-    size_t                     buf_size = 0;
+    moetier_mapped_memory      mem;  // the pools' memory without a buffer type, paged in as slots fill
+    size_t                     buf_size    = 0;
+    uint64_t                   slot_bytes_ = 0;
     ggml_context_ptr           ctx;
     ggml_backend_buffer_ptr    buf;
     std::vector<ggml_tensor *> tensors;  // [proj]
 
     // bookkeeping
-    std::vector<moetier_key>          keys;        // [n_slots] what each slot holds
+    std::vector<moetier_key>          keys;        // [n_capacity] what each slot holds
     std::vector<std::vector<int32_t>> slot_of;     // [model layer][expert] slot holding it, -1 if none
     std::vector<int32_t>              held;        // [model layer] slots holding that layer's experts
     int32_t                           n_layers = 0;
     std::vector<int32_t>              free_slots;  // never used yet (or dropped)
-    std::vector<uint8_t>              pinned;      // [n_slots]
-    std::vector<int32_t>              readers;     // [n_slots]
-    std::vector<uint8_t>              holds;       // [n_slots]
-    std::vector<uint8_t>              unchecked;   // [n_slots]
+    std::vector<uint8_t>              pinned;      // [n_capacity]
+    std::vector<int32_t>              readers;     // [n_capacity]
+    std::vector<uint8_t>              holds;       // [n_capacity]
+    std::vector<uint8_t>              unchecked;   // [n_capacity]
+    std::vector<uint8_t>              enabled;     // [n_capacity] in use
+    std::vector<uint8_t>              touched;     // [n_capacity] its memory was written since it came into use
 
     // scratch of take()
-    std::vector<uint8_t> mask;  // [n_slots] 1 = not a candidate
+    std::vector<uint8_t> mask;  // [n_capacity] 1 = not a candidate
     std::vector<int32_t> cand;  // [model layer] candidates per layer
 };
 

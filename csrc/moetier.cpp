@@ -51,7 +51,19 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     info->from_store       = m->store != nullptr;
     info->direct_io        = m->store ? m->store_file->direct() : m->files[0]->direct();
     info->io_uring         = m->io && m->io->uses_uring();
+    info->grow             = m->elastic != nullptr;
+    if (m->elastic) {
+        info->free_bytes  = m->elastic->last_headroom();
+        info->free_margin = m->elastic->margin();
+    }
     for (const auto & c : m->served_caches()) {
+        const moetier_slots & hi = c->slots(MOETIER_PRECISION_HIGH);
+        info->n_slots_budget += hi.n_slots_floor();
+        info->budget_bytes += hi.slot_bytes() * (uint64_t) hi.n_slots_floor() + c->pool_bytes() -
+                              hi.slot_bytes() * (uint64_t) hi.n_slots();
+        info->n_slots_max += hi.n_capacity();
+        info->n_grown += c->n_grown();
+        info->n_shrunk += c->n_shrunk();
         info->n_slots += c->n_slots(MOETIER_PRECISION_HIGH);
         info->n_slots_low += c->n_slots(MOETIER_PRECISION_LOW);
         info->n_held += c->slots(MOETIER_PRECISION_HIGH).n_experts_held();
@@ -294,6 +306,13 @@ uint64_t moetier_memory_limit(const char * root, char * source, size_t source_si
     return cgroup ? mem.cgroup_limit : mem.available;
 }
 
+uint64_t moetier_memory_free(const char * root) {
+    const std::string    r   = root && root[0] ? root : "/";
+    const moetier_memory mem = moetier_memory_read(r);
+    uint64_t             out = 0;
+    return moetier_memory_headroom(r, mem, out) ? out : 0;
+}
+
 const char * moetier_model_budget_note(const struct llama_model * model) {
     const moetier_model * m = moetier_of(model);
     return m ? m->budget_note.c_str() : "";
@@ -407,6 +426,13 @@ int32_t moetier_model_prometheus(const struct llama_model * model, const char * 
         } items[] = {
             { "expert_cache_size_bytes",               "gauge",   "moetier: bytes of the expert cache's slots",
              (double) info.cache_bytes                                                                                                                                 },
+            { "expert_cache_budget_bytes",             "gauge",
+             "moetier: bytes of the expert cache's budget (an elastic cache grows past it into free memory and "
+              "shrinks back to it)",                                                                                        (double) info.budget_bytes                 },
+            { "expert_cache_grown_slots_total",        "counter", "moetier: slots the elastic budget added (grow)",
+             (double) info.n_grown                                                                                                                                     },
+            { "expert_cache_shrunk_slots_total",       "counter",
+             "moetier: slots the elastic budget gave back under memory pressure (grow)",                                    (double) info.n_shrunk                     },
             { "expert_cache_experts_bytes",            "gauge",
              "moetier: bytes of all served experts (what stock llama.cpp loads)",                                           (double) info.expert_bytes                 },
             { "expert_cache_prefetch_used_total",      "counter", "moetier: needed experts that a prefetch had read",

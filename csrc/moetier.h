@@ -64,6 +64,10 @@ struct moetier_params {
                              // prefetches); 0: prefetch only holds cached experts, reads none
     int32_t n_ctx;           // auto budget: context tokens whose KV cache is left room for (0: the model's
                              // training context, as llama.cpp allocates for n_ctx 0)
+    int32_t grow;            // elastic budget: the cache grows past cache_bytes into memory the limit leaves
+                             // free, up to every expert, and gives it back down to cache_bytes when free
+                             // memory runs short. -1 (the default): on for MOETIER_CACHE_AUTO, off for a
+                             // given size; 1: on; 0: off (cache_bytes is fixed)
 
     // Keep the booleans together to avoid misalignment during copy-by-value.
     bool io_uring;         // read with io_uring (no I/O threads) where the kernel allows it and reads
@@ -148,6 +152,11 @@ MOETIER_API bool moetier_parse_cache_size(const char * text, uint64_t * out);
 // found ("" or NULL: "/"; tests point it at a fake tree). source (may be NULL) receives where the
 // number comes from, e.g. "cgroup v2 /sys/fs/cgroup/a/memory.max". 0 if nothing could be read.
 MOETIER_API uint64_t moetier_memory_limit(const char * root, char * source, size_t source_size);
+
+// The memory an elastic cache may still take (moetier_params.grow), in bytes: the lowest cgroup
+// limit minus that group's usage plus its inactive page cache (reclaimed first), and MemAvailable,
+// whichever is lower. root as for moetier_memory_limit. 0 if nothing could be read.
+MOETIER_API uint64_t moetier_memory_free(const char * root);
 
 //
 // loading a model with an expert cache
@@ -255,6 +264,14 @@ struct moetier_cache_info {
     bool     from_store;        // experts are read from a packed store, not from the GGUF
     bool     direct_io;         // reads bypass the page cache
     bool     io_uring;          // reads run on an io_uring: they start at routing and overlap compute
+    bool     grow;              // the elastic budget is on: n_slots moves between n_slots_budget and n_slots_max
+    int32_t  n_slots_budget;    // high-precision slots of the budget (the fewest an elastic cache keeps)
+    int32_t  n_slots_max;       // high-precision slots an elastic cache may grow to (n_slots_budget if fixed)
+    uint64_t budget_bytes;      // bytes of the budget's slots (cache_bytes of a fixed cache)
+    uint64_t n_grown;           // slots the elastic budget added since load ...
+    uint64_t n_shrunk;          // ... and took back
+    uint64_t free_bytes;        // the memory the limit left free at its last check (0 if fixed)
+    uint64_t free_margin;       // the free memory it keeps: between this and twice this (0 if fixed)
 };
 
 // Prefetch counters (all zero without prefetch). Distances d = 1..MOETIER_MAX_PREFETCH: predictions

@@ -37,6 +37,13 @@ def test_run_matches_stock_at_quarter_budget(tiny_model: ModelFactory) -> None:
     assert "hit rate" in cached.stderr and "tok/s" in cached.stderr and "iB" in cached.stderr
     assert ", 0 low, 0 skipped)" in cached.stderr
     assert "expert cache off" in stock.stderr
+    assert "elastic cache" not in cached.stderr, "a given budget is fixed unless grow is asked for"
+    # --cache-grow 1: the quarter is the least the cache keeps; with GiBs free it grows to every expert
+    grown = moetier("run", "-m", str(path), "-p", LONG_PROMPT, "-n", "24", "--cache", str(budget), "--cache-grow", "1")
+    assert grown.returncode == 0, grown.stderr
+    assert grown.stdout == stock.stdout
+    n = int(info["n_slots"])
+    assert f"elastic cache: {n} of {n} slots" in grown.stderr and " given back)" in grown.stderr
 
 
 def test_run_error_is_one_line(tiny_model: ModelFactory) -> None:

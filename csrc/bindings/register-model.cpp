@@ -246,6 +246,14 @@ py::dict cache_info(const llama_model * model) {
     d["from_store"]       = info.from_store;
     d["direct_io"]        = info.direct_io;
     d["io_uring"]         = info.io_uring;
+    d["grow"]             = info.grow;
+    d["n_slots_budget"]   = info.n_slots_budget;
+    d["n_slots_max"]      = info.n_slots_max;
+    d["budget_bytes"]     = info.budget_bytes;
+    d["n_grown"]          = info.n_grown;
+    d["n_shrunk"]         = info.n_shrunk;
+    d["free_bytes"]       = info.free_bytes;
+    d["free_margin"]      = info.free_margin;
     return d;
 }
 

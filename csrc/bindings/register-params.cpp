@@ -215,6 +215,11 @@ void register_params(py::module_ & m) {
         "(bytes, source): the memory this process may use: the lowest cgroup limit (v2 memory.max, v1 "
         "memory.limit_in_bytes) or MemAvailable; root: where /proc and /sys are (tests use a fake tree)");
     m.def(
+        "memory_free", [](const std::string & root) { return moetier_memory_free(root.c_str()); },
+        py::arg("root") = "/",
+        "bytes an elastic expert cache may still take: the lowest cgroup limit minus that group's usage plus its "
+        "inactive page cache, and MemAvailable, whichever is lower (0 if none can be read); root: as memory_limit");
+    m.def(
         "format_size",
         [](uint64_t n) {
             char buf[64];

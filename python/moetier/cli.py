@@ -213,6 +213,12 @@ def _stats_line(m: Any, r: Any) -> str:
             f" | VRAM tier hit rate {100 * s.vram_hit_rate:.1f}% ({s.n_vram_hits}/{s.n_lookups},"
             f" {s.n_vram_copies} copies from RAM, {format_size(s.n_vram_bytes)} in {s.total.vram_copy_us / 1e3:.1f} ms)"
         )
+    if info.get("grow") and (info["n_grown"] or info["n_shrunk"]):
+        size = format_size(int(info["cache_bytes"]))
+        vram += (
+            f" | elastic cache: {info['n_slots']} of {info['n_slots_max']} slots ({size},"
+            f" budget {format_size(int(info['budget_bytes']))}; {info['n_grown']} grown, {info['n_shrunk']} given back)"
+        )
     return (
         f"{head} | {mode} | cache hit rate {100 * s.hit_rate:.1f}% ({s.n_hits}/{s.n_lookups} lookups,"
         f" {s.n_misses} misses: {s.n_loads_high} read high, {s.n_loads_low} low, {s.n_skipped} skipped)"

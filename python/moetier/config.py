@@ -86,6 +86,7 @@ class CacheConfig:
     lock_weights: bool = field(default=bool(_DEFAULTS.lock_weights), metadata={"help": _help("lock_weights")})
     verify_all: bool = field(default=bool(_DEFAULTS.verify_all), metadata={"help": _help("verify_all")})
     prefetch_gate: bool = field(default=bool(_DEFAULTS.prefetch_gate), metadata={"help": _help("prefetch_gate")})
+    grow: int = field(default=int(_DEFAULTS.grow), metadata={"help": _help("grow")})
     vram_cpu: bool = field(default=bool(_DEFAULTS.vram_cpu), metadata={"help": _help("vram_cpu")})
     vram_host: bool = field(default=bool(_DEFAULTS.vram_host), metadata={"help": _help("vram_host")})
 

@@ -190,7 +190,8 @@ def open_model(spec: ModelSpec, threads: int) -> Model:
     cache = None
     if spec.store is not None:
         _, expert, _ = gguf_bytes(spec)
-        cache = CacheConfig(budget=max(1, cache_bytes(spec, expert)))
+        # the pool's budget binds: a model's cache must not grow into memory the pool gave the others
+        cache = CacheConfig(budget=max(1, cache_bytes(spec, expert)), grow=0)
     ctx = ContextConfig(
         n_ctx=spec.n_ctx, n_threads=threads, n_batch=min(512, spec.n_ctx), n_ubatch=min(512, spec.n_ctx)
     )
