@@ -112,7 +112,8 @@ uint64_t moetier_process_anon_bytes(const std::string & root_) {
 uint64_t moetier_budget_auto(const moetier_memory &       mem,
                              const moetier_budget_needs & needs,
                              uint64_t                     all_experts,
-                             std::string &                note) {
+                             std::string &                note,
+                             uint64_t *                   room) {
     // usable memory: a cgroup limit counts the process's own anonymous memory (page cache is
     // reclaimable); MemAvailable already leaves it out
     uint64_t    usable = 0;
@@ -130,6 +131,9 @@ uint64_t moetier_budget_auto(const moetier_memory &       mem,
     // ~50 MiB for the Python API) and the estimates' error
     const uint64_t margin = std::max<uint64_t>((uint64_t) 64 << 20, usable / 32);
     const uint64_t needed = needs.weights + needs.kv + needs.compute + needs.io + needs.reserve + margin;
+    if (room != nullptr) {
+        *room = usable + margin > needed ? usable + margin - needed : 0;
+    }
     const uint64_t left   = usable > needed ? usable - needed : 0;
     const uint64_t budget = std::min(left, all_experts);
     note = format("expert cache auto: %s = %s - non-expert weights %s - KV cache %s (n_ctx %d) - compute buffers %s",

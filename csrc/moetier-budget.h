@@ -37,11 +37,13 @@ struct moetier_budget_needs {
 
 // The budget: the usable memory (the cgroup limit minus the process's own memory, or MemAvailable,
 // whichever is lower) minus the needs and a margin (1/32, at least 64 MiB), at most all_experts (the
-// cache then never evicts). 0 if nothing is left. note: the numbers, for the log.
+// cache then never evicts). 0 if nothing is left. note: the numbers, for the log; room (may be
+// nullptr): what is left before the margin is taken.
 uint64_t moetier_budget_auto(const moetier_memory &       mem,
                              const moetier_budget_needs & needs,
                              uint64_t                     all_experts,
-                             std::string &                note);
+                             std::string &                note,
+                             uint64_t *                   room = nullptr);
 
 // The memory an elastic expert cache may still take, read while it runs (mem: moetier_memory_read
 // just before, as a limit may change at run time): the lowest cgroup limit minus that group's usage

@@ -455,6 +455,14 @@ void moetier_model::finish_load(const llama_model & model) {
         }
         plans.push_back(pl);
     }
+    if (budget_auto && cache_bytes < min_cache_bytes && auto_room >= min_cache_bytes && grow != 0) {
+        // the margin covers estimates (compute buffers, code pages): one layer's experts may come out of
+        // it when an elastic cache would give back, under pressure, anything it grows to
+        budget_note += format("; raised to the minimum %s (one layer's experts%s) out of the margin",
+                              moetier_format_bytes(min_cache_bytes).c_str(), plans.size() > 1 ? " per pool group" : "");
+        cache_bytes = min_cache_bytes;
+        MOETIER_LOG_INFO("%s: %s\n", paths[0].c_str(), budget_note.c_str());
+    }
     if (cache_bytes < min_cache_bytes) {
         if (budget_auto) {
             throw std::runtime_error(
@@ -1011,7 +1019,7 @@ void moetier_model::choose_budget(const llama_model & model) {
         }
     }
     std::string    fit_note;
-    const uint64_t fits = moetier_budget_auto(mem, needs, all, fit_note);
+    const uint64_t fits = moetier_budget_auto(mem, needs, all, fit_note, &auto_room);
     if (budget_auto) {
         cache_bytes = fits;
         budget_note = fit_note;

@@ -132,8 +132,9 @@ struct moetier_model {
     // state
     //
 
-    std::string            budget_note;  // how cache_bytes was chosen (moetier_model_budget_note)
+    std::string            budget_note;       // how cache_bytes was chosen (moetier_model_budget_note)
     bool                   budget_auto  = false;
+    uint64_t               auto_room    = 0;  // the auto budget's memory before its margin (moetier_budget_auto)
     uint64_t               reserve      = 0;
     int32_t                n_ctx        = 0;
     uint64_t               process_anon = 0;  // RssAnon when the load began (auto budget)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ModelFactory
-from moetier import CacheConfig, ConfigError, Model, _core
+from moetier import CacheConfig, ConfigError, Model, ModelError, _core
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -154,3 +155,31 @@ def test_cache_grows_into_a_cgroup_limit_and_gives_memory_back(tiny_model: Model
     slot = grown["cache_bytes"] // 24
     assert out["rss_grown"] - out["rss_shrunk"] >= (grown["n_held"] - 8) * slot - 4 * MiB
     assert oom == 0
+
+
+def _note_bytes(note: str, what: str) -> int:
+    m = re.search(rf"{what} ([0-9.]+) (B|KiB|MiB|GiB)", note)
+    assert m, (what, note)
+    return int(float(m.group(1)) * {"B": 1, "KiB": 1 << 10, "MiB": MiB, "GiB": GiB}[m.group(2)])
+
+
+def test_auto_budget_short_of_one_layer_takes_it_from_the_margin(tiny_model: ModelFactory) -> None:
+    """An auto budget whose margin alone leaves less than one layer's experts starts at that minimum
+    when it may give back what it grows; a fixed auto budget stays an error, as does one whose memory
+    falls short before the margin."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    note = Model(path, cache=CacheConfig()).budget_note
+    usable = _note_bytes(note, "MemAvailable")
+    needs = sum(_note_bytes(note, w) for w in ("non-expert weights", "KV cache", "compute buffers", "read staging"))
+    margin = _note_bytes(note, "margin")
+    # the needs and the reserve leave half the margin: nothing after the margin, plenty before it
+    reserve = usable - needs - margin // 2
+    m = Model(path, cache=CacheConfig(reserve=reserve))
+    info = m.cache_info()
+    assert info["n_slots"] == info["n_slots_budget"] == 8 and info["cache_bytes"] == info["min_cache_bytes"]
+    assert "raised to the minimum" in m.budget_note and "out of the margin" in m.budget_note
+    assert m.generate(PROMPT, max_tokens=4).tokens == Model(path).generate(PROMPT, max_tokens=4).tokens
+    with pytest.raises(ModelError, match=r"expert cache auto: .* not enough memory"):
+        Model(path, cache=CacheConfig(reserve=reserve, grow=0))
+    with pytest.raises(ModelError, match=r"expert cache auto: .* not enough memory"):
+        Model(path, cache=CacheConfig(reserve=usable))
