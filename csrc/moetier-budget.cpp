@@ -214,39 +214,61 @@ uint64_t moetier_elastic_margin(const moetier_memory & mem, uint64_t reserve) {
     if (mem.cgroup_limit > 0 && (of == 0 || mem.cgroup_limit < of)) {
         of = mem.cgroup_limit;
     }
-    return std::max<uint64_t>((uint64_t) 64 << 20, of / 32) + reserve;
+    // smaller than the auto budget's floor: the free memory counts inactive page cache, which the
+    // kernel reclaims before it runs short, and the cache gives back at its next layer pass
+    return std::max<uint64_t>((uint64_t) 16 << 20, of / 32) + reserve;
 }
 
-moetier_elastic::moetier_elastic(std::string root_, uint64_t reserve_, int64_t interval) :
-    root(std::move(root_)),
-    reserve(reserve_),
-    interval_us(interval) {}
+std::shared_ptr<moetier_elastic> moetier_elastic::shared() {
+    static std::mutex                     mu;
+    static std::weak_ptr<moetier_elastic> one;
+    std::lock_guard<std::mutex>           lock(mu);
+    std::shared_ptr<moetier_elastic>      e = one.lock();
+    if (!e) {
+        e   = std::make_shared<moetier_elastic>();
+        one = e;
+    }
+    return e;
+}
 
-int32_t moetier_elastic::add_pool(uint64_t capacity_bytes) {
-    pools.push_back({ capacity_bytes, 0, 0 });
+moetier_elastic::moetier_elastic(std::string root_, int64_t interval) : root(std::move(root_)), interval_us(interval) {}
+
+int32_t moetier_elastic::add_pool(uint64_t capacity_bytes, uint64_t reserve) {
+    std::lock_guard<std::mutex> lock(mu);
+    pools.push_back({ capacity_bytes, reserve, 0, 0, true });
     return (int32_t) pools.size() - 1;
 }
 
+void moetier_elastic::remove_pool(int32_t i) {
+    std::lock_guard<std::mutex> lock(mu);
+    pools[i] = pool{};
+}
+
 int64_t moetier_elastic::poll(int32_t i, uint64_t uncommitted, int64_t now_us) {
+    std::lock_guard<std::mutex> lock(mu);
     pools[i].uncommitted = uncommitted;
     if (now_us >= next_us) {
-        next_us = now_us + interval_us;
-        ++checks;
+        next_us                              = now_us + interval_us;
         // read afresh: the limit may have changed since the load
-        const moetier_memory mem = moetier_memory_read(root);
-        margin_                  = moetier_elastic_margin(mem, reserve);
-        if (moetier_memory_headroom(root, mem, headroom)) {
-            uint64_t all_uncommitted = 0;
-            uint64_t all_capacity    = 0;
-            for (const pool & p : pools) {
-                all_uncommitted += p.uncommitted;
-                all_capacity += p.capacity;
-            }
-            const int64_t delta = moetier_elastic_delta(headroom, all_uncommitted, margin_);
+        const moetier_memory mem             = moetier_memory_read(root);
+        uint64_t             reserve         = 0;
+        uint64_t             uncommitted_all = 0;
+        uint64_t             capacity        = 0;
+        for (const pool & p : pools) {
+            reserve += p.reserve;
+            uncommitted_all += p.uncommitted;
+            capacity += p.capacity;
+        }
+        // the reserves count as memory already promised, as the slots not yet written do
+        const uint64_t margin = moetier_elastic_margin(mem, 0);
+        uint64_t       room   = 0;
+        margin_.store(margin + reserve, std::memory_order_relaxed);
+        if (moetier_memory_headroom(root, mem, room)) {
+            headroom.store(room, std::memory_order_relaxed);
+            const int64_t delta = moetier_elastic_delta(room, uncommitted_all + reserve, margin);
             for (pool & p : pools) {
                 // each pool in proportion to what it may hold
-                p.pending =
-                    all_capacity > 0 ? (int64_t) ((double) delta * (double) p.capacity / (double) all_capacity) : 0;
+                p.pending = capacity > 0 ? (int64_t) ((double) delta * (double) p.capacity / (double) capacity) : 0;
             }
         }
     }

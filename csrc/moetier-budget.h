@@ -4,7 +4,10 @@
 // left for the expert cache once the model's other needs are counted. Knows nothing of llama.cpp:
 // moetier_model fills the needs from the loaded model.
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -57,44 +60,50 @@ bool moetier_memory_headroom(const std::string & root, const moetier_memory & me
 // in use will still take).
 int64_t moetier_elastic_delta(uint64_t headroom, uint64_t uncommitted, uint64_t margin);
 
-// the free memory an elastic cache leaves: the auto budget's margin, 1/32 of the cgroup limit or of
-// MemTotal (the lower), at least 64 MiB, plus reserve
+// the free memory an elastic cache leaves: 1/32 of the cgroup limit or of MemTotal (the lower), at
+// least 16 MiB, plus reserve
 uint64_t moetier_elastic_margin(const moetier_memory & mem, uint64_t reserve);
 
-// The elastic budget of a model's expert caches: they take memory the limit leaves free beyond their
-// budget (up to every expert) and give it back, down to the budget, when free memory runs short,
-// keeping the free memory in [margin, 2 margin]. Polled from the caches' layer passes; reads the
-// memory files at most once per interval. Pools are the caches' high-precision slot pools.
+// The elastic budget of the expert caches of this process: they take memory the limit leaves free
+// beyond their budgets (up to every expert) and give it back, down to their budgets, when free memory
+// runs short, keeping the free memory in [margin, 2 margin]. One per process (shared()): the caches
+// of several models share the free memory. Polled from the caches' layer passes; reads the memory
+// files at most once per interval. Pools are the caches' high-precision slot pools. Thread-safe.
 class moetier_elastic {
   public:
-    moetier_elastic(std::string root, uint64_t reserve, int64_t interval_us = 100000);
+    static std::shared_ptr<moetier_elastic> shared();
 
-    // a pool that may take capacity_bytes at most; its index
-    int32_t add_pool(uint64_t capacity_bytes);
+    explicit moetier_elastic(std::string root = "", int64_t interval_us = 100000);
+
+    // a pool that may take capacity_bytes at most; reserve: memory to keep free beside the margin
+    // (its model's reserve, and the KV cache and compute buffers it may still touch). Its index
+    int32_t add_pool(uint64_t capacity_bytes, uint64_t reserve);
+
+    void remove_pool(int32_t i);
 
     // The bytes pool i should take (> 0) or give back (< 0) now, 0 between checks. uncommitted: the
     // bytes of its slots in use whose memory was never written (the pool takes them as it fills).
     int64_t poll(int32_t i, uint64_t uncommitted, int64_t now_us);
 
-    uint64_t margin() const { return margin_; }
+    // the free memory kept at the last check: the margin and the pools' reserves
+    uint64_t margin() const { return margin_.load(std::memory_order_relaxed); }
 
-    uint64_t last_headroom() const { return headroom; }
-
-    uint64_t n_checks() const { return checks; }
+    uint64_t last_headroom() const { return headroom.load(std::memory_order_relaxed); }
 
   private:
     struct pool {
         uint64_t capacity    = 0;
+        uint64_t reserve     = 0;
         uint64_t uncommitted = 0;
         int64_t  pending     = 0;
+        bool     live        = false;
     };
 
-    std::string       root;
-    uint64_t          reserve;
-    uint64_t          margin_ = 0;
-    int64_t           interval_us;
-    int64_t           next_us  = 0;
-    uint64_t          headroom = 0;
-    uint64_t          checks   = 0;
-    std::vector<pool> pools;
+    std::mutex            mu;
+    std::string           root;
+    int64_t               interval_us;
+    int64_t               next_us = 0;
+    std::atomic<uint64_t> margin_{ 0 };
+    std::atomic<uint64_t> headroom{ 0 };
+    std::vector<pool>     pools;
 };

@@ -76,6 +76,9 @@ moetier_cache::moetier_cache(int32_t                        n_expert,
 }
 
 moetier_cache::~moetier_cache() {
+    if (elastic) {
+        elastic->remove_pool(elastic_pool);
+    }
     if (vram_event) {
         if (copies_pending) {
             ggml_backend_event_synchronize(vram_event);
@@ -388,14 +391,14 @@ void moetier_cache::reset_sequence() {
     }
 }
 
-void moetier_cache::set_elastic(moetier_elastic * e) {
+void moetier_cache::set_elastic(std::shared_ptr<moetier_elastic> e, uint64_t reserve) {
     moetier_slots & hi = *sets[MOETIER_PRECISION_HIGH];
-    GGML_ASSERT(hi.elastic() && !simulate && !vram);
-    elastic      = e;
-    elastic_pool = e->add_pool(hi.slot_bytes() * (uint64_t) hi.n_capacity());
+    GGML_ASSERT(hi.elastic() && !simulate && !vram && !elastic);
+    elastic      = std::move(e);
+    elastic_pool = elastic->add_pool(hi.slot_bytes() * (uint64_t) hi.n_capacity(), reserve);
 }
 
-void moetier_cache::apply_elastic(const moetier_policy_ctx & ctx) noexcept {
+void moetier_cache::apply_elastic(const moetier_layer & layer, const moetier_policy_ctx & ctx) noexcept {
     moetier_slots & hi    = *sets[MOETIER_PRECISION_HIGH];
     const uint64_t  bytes = hi.slot_bytes();
     const int64_t   d     = elastic->poll(elastic_pool, (uint64_t) hi.n_untouched() * bytes, ggml_time_us());
@@ -407,8 +410,15 @@ void moetier_cache::apply_elastic(const moetier_policy_ctx & ctx) noexcept {
                              moetier_format_bytes((uint64_t) n * bytes).c_str(), hi.n_slots());
         }
     } else if (d < 0) {
-        const int32_t n =
-            hi.shrink((int32_t) std::min<int64_t>((-d + (int64_t) bytes - 1) / (int64_t) bytes, hi.n_capacity()), ctx);
+        // this layer's hits are pinned first: what shrinking evicts must not be what the layer uses now
+        for (int32_t e = 0; e < n_expert_; ++e) {
+            const int32_t s = need[e] != MOETIER_NEED_NONE ? hi.find(layer.il, e) : -1;
+            if (s >= 0) {
+                hi.pin(s);
+            }
+        }
+        const int32_t n = hi.shrink(
+            (int32_t) std::min<int64_t>((-d + (int64_t) bytes - 1) / (int64_t) bytes, hi.n_capacity()), n_expert_, ctx);
         if (n > 0) {
             shrunk.fetch_add(n, std::memory_order_relaxed);
             MOETIER_LOG_INFO("moetier: expert cache gives memory back: -%d slots (%s), %d in use\n", n,
@@ -812,7 +822,7 @@ void moetier_cache::resolve(moetier_layer & layer,
     pctx.batch              = n_tokens > 1;
     missing.clear();
     if (elastic != nullptr && !warmup) {
-        apply_elastic(pctx);
+        apply_elastic(layer, pctx);
     }
 
     moetier_layer_stats & c = layer.stats;

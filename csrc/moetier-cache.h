@@ -148,7 +148,8 @@ class moetier_cache {
 
     // the elastic budget (the high pool was made with room to grow): each layer pass polls it and
     // grows or shrinks the high pool by what it says
-    void set_elastic(moetier_elastic * e);
+    // reserve: memory its model keeps free beside the margin (moetier_elastic::add_pool)
+    void set_elastic(std::shared_ptr<moetier_elastic> e, uint64_t reserve);
 
     // slots the elastic budget added and took back since load
     uint64_t n_grown() const { return grown.load(std::memory_order_relaxed); }
@@ -378,7 +379,7 @@ class moetier_cache {
     void    wait_warm_all() noexcept;
     moetier_policy_ctx policy_ctx(int32_t layer) const;
     // resolve: grows or shrinks the high pool as the elastic budget says
-    void               apply_elastic(const moetier_policy_ctx & ctx) noexcept;
+    void               apply_elastic(const moetier_layer & layer, const moetier_policy_ctx & ctx) noexcept;
 
     const int32_t          n_expert_;
     moetier_precision_rule rule;
@@ -441,8 +442,8 @@ class moetier_cache {
     std::atomic<uint64_t> n_read_errors_{ 0 };
     std::atomic<uint64_t> n_read_retries_{ 0 };
 
-    moetier_elastic *     elastic      = nullptr;
-    int32_t               elastic_pool = -1;
-    std::atomic<uint64_t> grown{ 0 };
-    std::atomic<uint64_t> shrunk{ 0 };
+    std::shared_ptr<moetier_elastic> elastic;
+    int32_t                          elastic_pool = -1;
+    std::atomic<uint64_t>            grown{ 0 };
+    std::atomic<uint64_t>            shrunk{ 0 };
 };

@@ -64,9 +64,11 @@ void moetier_mapped_memory::release(size_t off, size_t n) noexcept {
     if (base == nullptr || off >= len) {
         return;
     }
-    // whole pages only: a slot's stride is page-aligned, so its pages are its own
-    const size_t a = moetier_align_up(off);
-    const size_t b = std::min(len, off + n) & ~(MOETIER_ALIGN - 1);
+    // whole pages only: a slot's stride is 4096-aligned, so on 4 KiB pages its pages are its own (on
+    // larger pages only the pages wholly inside it go back)
+    static const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    const size_t        a    = moetier_align_up(off, page);
+    const size_t        b    = std::min(len, off + n) / page * page;
     if (b > a) {
         madvise((char *) base + a, b - a, MADV_DONTNEED);
     }

@@ -455,7 +455,7 @@ void moetier_model::finish_load(const llama_model & model) {
         }
         plans.push_back(pl);
     }
-    if (budget_auto && cache_bytes < min_cache_bytes && auto_room >= min_cache_bytes && grow != 0) {
+    if (budget_auto && cache_bytes < min_cache_bytes && auto_room >= min_cache_bytes && elastic_on()) {
         // the margin covers estimates (compute buffers, code pages): one layer's experts may come out of
         // it when an elastic cache would give back, under pressure, anything it grows to
         budget_note += format("; raised to the minimum %s (one layer's experts%s) out of the margin",
@@ -653,21 +653,39 @@ void moetier_model::finish_load(const llama_model & model) {
     // the elastic budget: each RAM-only group's high pool may grow to every expert of the group (its
     // memory is reserved, and committed as its slots fill)
     for (auto & pl : plans) {
-        std::vector<moetier_proj> shapes     = pl.layers[0]->projs;
-        const int32_t             n_slots[2] = { (int32_t) pl.n_slots[MOETIER_PRECISION_HIGH],
-                                                 (int32_t) pl.n_slots[MOETIER_PRECISION_LOW] };
-        const int64_t             max_slots  = (int64_t) n_expert * (int64_t) pl.layers.size();
-        const bool elastic_group = (grow > 0 || (grow < 0 && budget_auto)) && vram == 0 && pl.dev == nullptr &&
-                                   pl.n_slots[MOETIER_PRECISION_HIGH] < max_slots;
-        caches.push_back(std::make_unique<moetier_cache>(n_expert, n_slots, precision, policy_name, policy_weights,
-                                                         shapes, false, moetier_policy_env{}, 0,
-                                                         elastic_group ? (int32_t) max_slots : 0));
+        std::vector<moetier_proj> shapes        = pl.layers[0]->projs;
+        const int32_t             n_slots[2]    = { (int32_t) pl.n_slots[MOETIER_PRECISION_HIGH],
+                                                    (int32_t) pl.n_slots[MOETIER_PRECISION_LOW] };
+        const int64_t             max_slots     = (int64_t) n_expert * (int64_t) pl.layers.size();
+        bool                      elastic_group = elastic_on() && pl.n_slots[MOETIER_PRECISION_HIGH] < max_slots;
+        try {
+            caches.push_back(std::make_unique<moetier_cache>(n_expert, n_slots, precision, policy_name, policy_weights,
+                                                             shapes, false, moetier_policy_env{}, 0,
+                                                             elastic_group ? (int32_t) max_slots : 0));
+        } catch (const std::bad_alloc &) {
+            if (!elastic_group) {
+                throw;
+            }
+            // strict overcommit (vm.overcommit_memory=2) or an address-space limit (ulimit -v) refuses
+            // the room to grow into: the budget is fixed
+            warn(
+                format("grow: reserving address space for every expert (%s) was refused (vm.overcommit_memory=2 "
+                       "or ulimit -v); the expert cache keeps its budget",
+                       moetier_format_bytes(pl.slot_bytes[MOETIER_PRECISION_HIGH] * (uint64_t) max_slots).c_str()));
+            elastic_group = false;
+            caches.push_back(
+                std::make_unique<moetier_cache>(n_expert, n_slots, precision, policy_name, policy_weights, shapes));
+        }
         moetier_cache * c = caches.back().get();
         if (elastic_group) {
-            if (!elastic) {
-                elastic = std::make_unique<moetier_elastic>("", reserve);
+            const bool first = !elastic;
+            if (first) {
+                elastic = moetier_elastic::shared();
             }
-            c->set_elastic(elastic.get());
+            // the model's reserve and its KV cache (allocated at load, written as the context fills; the
+            // compute buffers are written by the first decodes), once per model
+            const moetier_budget_needs needs = budget_needs(model);
+            c->set_elastic(elastic, first ? reserve + needs.kv : 0);
         }
         c->set_n_model_layers(std::max<int32_t>(n_model_layers, layers.back()->il + 1));
         if (pl.dev != nullptr) {

@@ -125,6 +125,9 @@ struct moetier_model {
     // output equals stock llama.cpp's. Valid after finish_load
     bool exact() const;
 
+    // the elastic budget applies (grow: on for an auto budget by default; never under a VRAM tier)
+    bool elastic_on() const { return (grow > 0 || (grow < 0 && budget_auto)) && vram == 0; }
+
     // a parameter that cannot take effect as given: logged at WARN level and kept for the C API
     void warn(const std::string & msg);
 
@@ -179,7 +182,7 @@ struct moetier_model {
     std::string                                 remote_device;  // that server's device name, for the note
     std::vector<std::unique_ptr<moetier_layer>> layers;   // served layers, in layer order after finish_load (owned
                                                           // here: the graph's custom ops point at them)
-    std::unique_ptr<moetier_elastic>            elastic;  // the elastic budget of the caches (grow), or nullptr
+    std::shared_ptr<moetier_elastic>            elastic;  // the process's elastic budget (grow), or nullptr
     std::vector<std::unique_ptr<moetier_cache>> caches;   // one per pool group
 
     // I/O threads or ring (stopped before the caches go) and their bounce buffers (per I/O thread)

@@ -31,6 +31,7 @@ moetier_slots::moetier_slots(moetier_precision  prec,
         enabled[s]    = 1;
     }
     n_enabled.store(n_slots, std::memory_order_relaxed);
+    n_untouched_ = n_slots;
     policy->init(cap);
 }
 
@@ -204,60 +205,73 @@ int32_t moetier_slots::take(const moetier_key & key, const moetier_policy_ctx & 
         }
         forget(s);
     }
+    if (!touched[s]) {
+        touched[s] = 1;
+        --n_untouched_;
+    }
     keys[s]                        = key;
     slot_of[key.layer][key.expert] = s;
     unchecked[s]                   = 0;
-    touched[s]                     = 1;
     ++held[key.layer];
     policy->on_load(s, key, prec_ == MOETIER_PRECISION_HIGH, pctx);
     return s;
 }
 
-int32_t moetier_slots::n_untouched() const {
-    int32_t n = 0;
-    for (size_t s = 0; s < enabled.size(); ++s) {
-        n += enabled[s] && !touched[s];
-    }
-    return n;
-}
-
 int32_t moetier_slots::grow(int32_t n) {
-    int32_t done = 0;
-    for (int32_t s = 0; s < n_capacity() && done < n; ++s) {
+    // the new slots go to the front of the free list: used after the slots already in memory
+    std::vector<int32_t> added;
+    for (int32_t s = n_capacity() - 1; s >= 0 && (int32_t) added.size() < n; --s) {
         if (!enabled[s]) {
             enabled[s] = 1;
             touched[s] = 0;
-            free_slots.insert(free_slots.begin(), s);  // used after the slots already in memory
-            ++done;
+            added.push_back(s);
         }
     }
+    free_slots.insert(free_slots.begin(), added.begin(), added.end());
+    const int32_t done = (int32_t) added.size();
+    n_untouched_ += done;
     n_enabled.fetch_add(done, std::memory_order_relaxed);
     return done;
 }
 
-int32_t moetier_slots::shrink(int32_t n, const moetier_policy_ctx & pctx) noexcept {
-    n            = std::min(n, n_slots() - n_floor);
-    int32_t done = 0;
+void moetier_slots::disable(int32_t s) noexcept {
+    enabled[s] = 0;
+    if (touched[s]) {
+        for (const ggml_tensor * t : tensors) {
+            mem.release((size_t) ((const uint8_t *) t->data - (const uint8_t *) mem.data()) + (size_t) s * t->nb[2],
+                        t->nb[2]);
+        }
+    } else {
+        --n_untouched_;
+    }
+    touched[s] = 0;
+}
+
+int32_t moetier_slots::shrink(int32_t n, int32_t n_keep, const moetier_policy_ctx & pctx) noexcept {
+    // never below the floor, and n_keep slots stay free or evictable: the layer being resolved must
+    // find its misses a slot (pinned slots, reads in flight and held ones cannot give one)
+    int32_t n_stuck = 0;
+    for (int32_t s = 0; s < n_capacity(); ++s) {
+        n_stuck += enabled[s] && (pinned[s] || readers[s] >= 0 || holds[s]);
+    }
+    n = std::min(n, n_slots() - std::max(n_floor, n_stuck + n_keep));
+    if (n <= 0) {
+        return 0;
+    }
+    // the free slots first, from the front (the last to be used: untouched ones if any)
+    const int32_t n_free = std::min<int32_t>(n, (int32_t) free_slots.size());
+    for (int32_t i = 0; i < n_free; ++i) {
+        disable(free_slots[i]);
+    }
+    free_slots.erase(free_slots.begin(), free_slots.begin() + n_free);
+    int32_t done = n_free;
     while (done < n) {
-        int32_t s = -1;
-        if (!free_slots.empty()) {
-            s = free_slots.front();  // the last to be used: untouched ones if any
-            free_slots.erase(free_slots.begin());
-        } else {
-            s = pick_victim(pctx);
-            if (s < 0) {
-                break;
-            }
-            forget(s);
+        const int32_t s = pick_victim(pctx);
+        if (s < 0) {
+            break;
         }
-        enabled[s] = 0;
-        if (touched[s]) {
-            for (const ggml_tensor * t : tensors) {
-                mem.release((size_t) ((const uint8_t *) t->data - (const uint8_t *) mem.data()) + (size_t) s * t->nb[2],
-                            t->nb[2]);
-            }
-        }
-        touched[s] = 0;
+        forget(s);
+        disable(s);
         ++done;
     }
     n_enabled.fetch_sub(done, std::memory_order_relaxed);

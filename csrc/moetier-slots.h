@@ -82,15 +82,16 @@ class moetier_slots {
 
     // slots in use whose memory was never written since they came into use (or since shrink() gave
     // it back): memory the pool may still take without growing
-    int32_t n_untouched() const;
+    int32_t n_untouched() const { return n_untouched_; }
 
     // Puts up to n unused slots into use (empty: they fill as misses come); returns how many.
     int32_t grow(int32_t n);
 
-    // Takes up to n slots out of use, never below n_slots_floor(): empty ones first, then the policy's
-    // victims among the evictable slots (as take() would evict them); their memory goes back to the
-    // system. Returns how many.
-    int32_t shrink(int32_t n, const moetier_policy_ctx & ctx) noexcept;
+    // Takes up to n slots out of use, never below n_slots_floor() and never so many that fewer than
+    // n_keep slots stay free or evictable: empty ones first, then the policy's victims among the
+    // evictable slots (as take() would evict them); their memory goes back to the system. Returns how
+    // many.
+    int32_t shrink(int32_t n, int32_t n_keep, const moetier_policy_ctx & ctx) noexcept;
 
     // the slot holding expert e of layer il, -1 if none
     int32_t find(int32_t il, int32_t e) const { return slot_of[il][e]; }
@@ -148,11 +149,14 @@ class moetier_slots {
     int32_t pick_victim(const moetier_policy_ctx & ctx) noexcept;
     // forgets slot s's expert (the policy keeps its record until the slot's next load)
     void    forget(int32_t s) noexcept;
+    // takes empty slot s out of use; the pages it wrote go back to the system
+    void    disable(int32_t s) noexcept;
 
     const moetier_precision prec_;
     const int32_t           n_expert;
     moetier_policy_ptr      policy;
-    int32_t                 n_floor = 0;
+    int32_t                 n_floor      = 0;
+    int32_t                 n_untouched_ = 0;
     std::atomic<int32_t>    n_enabled{ 0 };
 
     // memory

@@ -59,8 +59,9 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
     for (const auto & c : m->served_caches()) {
         const moetier_slots & hi = c->slots(MOETIER_PRECISION_HIGH);
         info->n_slots_budget += hi.n_slots_floor();
-        info->budget_bytes += hi.slot_bytes() * (uint64_t) hi.n_slots_floor() + c->pool_bytes() -
-                              hi.slot_bytes() * (uint64_t) hi.n_slots();
+        const moetier_slots & lo = c->slots(MOETIER_PRECISION_LOW);
+        info->budget_bytes +=
+            hi.slot_bytes() * (uint64_t) hi.n_slots_floor() + lo.slot_bytes() * (uint64_t) lo.n_slots();
         info->n_slots_max += hi.n_capacity();
         info->n_grown += c->n_grown();
         info->n_shrunk += c->n_shrunk();

@@ -121,8 +121,8 @@ def test_cache_grows_into_a_cgroup_limit_and_gives_memory_back(tiny_model: Model
         "grown = m.cache_info()\n"
         "rss_grown = anon()\n"
         "time.sleep(0.15)\n"
-        "# another allocation in the group takes all but 16 MiB of what is free\n"
-        "hog = b'\\x01' * max(0, _core.memory_free() - (16 << 20))\n"
+        "# another allocation in the group takes all but 4 MiB of what is free\n"
+        "hog = b'\\x01' * max(0, _core.memory_free() - (4 << 20))\n"
         "time.sleep(0.15)\n"
         "b = m.generate(sys.argv[3], max_tokens=24).tokens\n"
         "shrunk = m.cache_info()\n"
@@ -147,13 +147,15 @@ def test_cache_grows_into_a_cgroup_limit_and_gives_memory_back(tiny_model: Model
     assert out["a"] == stock and out["b"] == stock, "growing and shrinking never change the output"
     grown, shrunk = out["grown"], out["shrunk"]
     assert grown["n_slots"] == grown["n_slots_max"] == 24 and grown["n_grown"] == 16
-    # under pressure it gives memory back, down to its budget and no further
-    assert shrunk["n_slots"] == shrunk["n_slots_budget"] == 8 and shrunk["n_shrunk"] == 16
+    # under pressure it gives memory back, never below its budget, and never so much that the layer
+    # that gives it finds no slot for a miss (one layer's 8 stay free or evictable beside the slots
+    # the layer uses)
+    assert shrunk["n_slots_budget"] == 8 <= shrunk["n_slots"] <= 16 and shrunk["n_shrunk"] == 24 - shrunk["n_slots"]
     assert shrunk["free_bytes"] < 2 * shrunk["free_margin"]
-    # the pages of the slots that held experts went back (at most the budget's 8 hold them now)
-    assert grown["n_held"] > 8
+    # the pages of the slots that held experts went back
+    assert grown["n_held"] > shrunk["n_slots"]
     slot = grown["cache_bytes"] // 24
-    assert out["rss_grown"] - out["rss_shrunk"] >= (grown["n_held"] - 8) * slot - 4 * MiB
+    assert out["rss_grown"] - out["rss_shrunk"] >= (grown["n_held"] - shrunk["n_slots"]) * slot - 4 * MiB
     assert oom == 0
 
 

@@ -72,8 +72,9 @@ def read_map(path: str | os.PathLike[str], variants: Sequence[VariantSpec]) -> d
 
 class Variants:
     """Fine-tuned variants of one MoE architecture and shape served from one expert cache (see the
-    module's docstring). cache: the one budget and policy (exact; prefetch and warm start are off:
-    asking for them is a ConfigError); consolidation: a map from `moetier consolidate` (lossy)."""
+    module's docstring). cache: the one budget and policy (exact; prefetch, warm start and the elastic
+    budget are off: asking for them is a ConfigError); consolidation: a map from `moetier consolidate`
+    (lossy)."""
 
     def __init__(
         self,
@@ -97,6 +98,9 @@ class Variants:
             raise ConfigError(msg)
         if cache.budget_bytes == AUTO:
             msg = "variants: give the shared cache a budget in bytes (an automatic one would not count the variants)"
+            raise ConfigError(msg)
+        if cache.grow == 1:
+            msg = "variants: the shared cache keeps its budget (grow=1 is not supported with variants sharing a cache)"
             raise ConfigError(msg)
         if cache.t1 < 1.0 or cache.t2 < 1.0:
             msg = "variants: mixed precision (t1/t2 below 1) is not supported with variants sharing a cache"
