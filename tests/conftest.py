@@ -60,3 +60,16 @@ LONG_PROMPT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
     "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow."
 )
+
+
+def fake_proc_tree(root: Path, cgroup: str, files: dict[str, str], meminfo_kb: int = 8 << 20) -> Path:
+    """A fake /proc and /sys under root for the core's memory readers: /proc/self/cgroup, a meminfo
+    with MemTotal (twice meminfo_kb) and MemAvailable (meminfo_kb), and the given files."""
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    (root / "proc/meminfo").write_text(f"MemTotal: {2 * meminfo_kb} kB\nMemAvailable: {meminfo_kb} kB\n")
+    for name, text in files.items():
+        f = root / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return root

@@ -11,22 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ModelFactory
+from conftest import ModelFactory, fake_proc_tree
 from moetier import CacheConfig, Model, ModelError, _core
 from moetier.config import AUTO
 
 GiB = 1 << 30
 
 
-def _tree(root: Path, cgroup: str, files: dict[str, str], meminfo_kb: int = 8 << 20) -> Path:
-    (root / "proc/self").mkdir(parents=True)
-    (root / "proc/self/cgroup").write_text(cgroup)
-    (root / "proc/meminfo").write_text(f"MemTotal: {2 * meminfo_kb} kB\nMemAvailable: {meminfo_kb} kB\n")
-    for name, text in files.items():
-        f = root / name
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(text)
-    return root
+_tree = fake_proc_tree
 
 
 def test_memory_limit_cgroup_v2_takes_the_lowest_on_the_path(tmp_path: Path) -> None:

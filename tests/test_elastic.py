@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ModelFactory
+from conftest import ModelFactory, fake_proc_tree
 from moetier import CacheConfig, ConfigError, Model, ModelError, _core
 
 MiB = 1 << 20
@@ -21,15 +21,7 @@ GiB = 1 << 30
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 
 
-def _tree(root: Path, cgroup: str, files: dict[str, str], meminfo_kb: int = 8 << 20) -> Path:
-    (root / "proc/self").mkdir(parents=True)
-    (root / "proc/self/cgroup").write_text(cgroup)
-    (root / "proc/meminfo").write_text(f"MemTotal: {2 * meminfo_kb} kB\nMemAvailable: {meminfo_kb} kB\nCached: 1 kB\n")
-    for name, text in files.items():
-        f = root / name
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(text)
-    return root
+_tree = fake_proc_tree
 
 
 def test_memory_free_counts_usage_less_inactive_page_cache(tmp_path: Path) -> None:
