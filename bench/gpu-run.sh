@@ -10,8 +10,9 @@
 #                                moetier-gpu-bench and llama-perplexity for the GPU (sm_90 unless
 #                                CUDA_ARCH is set), runs bench/gpu.py; results and logs.tgz in OUT
 #
-# A run takes about 3 minutes to build on 16 cores, 2 to write the model, 3 to measure; DEADLINE
-# (seconds from the start, default 520) stops starting new measurements.
+# A run takes about 3 minutes to build on 16 cores, 2 to write the model, 4 to measure; DEADLINE
+# (seconds from the start, default 520) stops starting new measurements; QUICK=1 runs bench/gpu.py's
+# short follow-up plan (--quick).
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
@@ -65,8 +66,11 @@ run)
         cat "$out/inputs-trace.log"
     fi
     cat "$out/inputs.log"
+    plan=()
+    [ -n "${QUICK:-}" ] && plan=(--quick)
     python3 bench/gpu.py --bin build/gpu/bin --tool build/gpu/moetier-gpu-bench --work /tmp/moetier-gpu \
-        --out "$out" --threads "$(nproc)" --deadline $((t0 + ${DEADLINE:-520})) "${trace_args[@]}" 2>&1 | tee "$out/gpu.log"
+        --out "$out" --threads "$(nproc)" --deadline $((t0 + ${DEADLINE:-520})) "${trace_args[@]}" "${plan[@]}" 2>&1 |
+        tee "$out/gpu.log"
     tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
     echo "done in $(($(date +%s) - t0)) s"
     ;;

@@ -210,6 +210,9 @@ def main() -> int:
         help="routing file (write_routing_file of DeepSeek-V2-Lite's trace.npz): also runs the trace-geometry model "
         "with that routing",
     )
+    ap.add_argument(
+        "--quick", action="store_true", help="the short follow-up plan (cooperative compute, the all-in-VRAM gap)"
+    )
     ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds after which no new run starts")
     args = ap.parse_args()
     if args.inputs_only:
@@ -240,7 +243,7 @@ def main() -> int:
         n = int(shape["n_layer"])
         extra = ["-ncmoe", str(n - k)] if k < n else []
         name = f"stock{tag}-" + (f"ncmoe{n - k}-vram{share(shape, k)}" if k < n else "all-vram")
-        speed.append(bench(args.tool, m, name, extra, logs, t))
+        speed.append(bench(args.tool, m, name, extra, logs, t, env))
         save()
 
     def ours(m: Path, shape: dict[str, Any], k: int, name: str = "", opts: str = "", cache: str = "auto",
@@ -249,11 +252,13 @@ def main() -> int:
         speed.append(bench(args.tool, m, f"moetier{name}-vram{share(shape, k)}", extra, logs, t, env))
         save()
 
-    def oracle(ubs: tuple[int, ...]) -> None:
+    def oracle(
+        ubs: tuple[int, ...], configs: tuple[tuple[int, str], ...] = ((12, ""), (3, ""), (3, ",vram_cpu=1"))
+    ) -> None:
         for ub in ubs:
             ref = perplexity(args.bin, model, text, f"stock-ub{ub}", ["-ub", str(ub)], logs, t)
             res["oracle"].append(ref)
-            for k, opts in ((12, ""), (3, ""), (3, ",vram_cpu=1")):
+            for k, opts in configs:
                 if opts and ub > 8:
                     continue  # cooperative compute works on decode-sized ubatches only
                 extra = [
@@ -273,39 +278,65 @@ def main() -> int:
                 save()
 
     print("speed", flush=True)
+    tenv = {"MOETIER_ROUTING_TRACE": str(args.trace.resolve())} if args.trace is not None else {}
+    if args.quick:
+        # a short follow-up: the all-in-VRAM gap with and without CUDA graphs, cooperative compute
+        # beside copies only and stock at 25% and 8% (uniform) and 23% and 50% (trace), its oracle
+        nographs = {"GGML_CUDA_DISABLE_GRAPHS": "1"}
+        stock(model, SHAPE, 12)
+        ours(model, SHAPE, 12)
+        stock(model, SHAPE, 3)
+        ours(model, SHAPE, 3, "-cpu", ",vram_cpu=1")
+        ours(model, SHAPE, 3, "-noprefetch", ",prefetch=0")
+        if args.trace is not None:
+            tmodel, _ = write_inputs(args.work, "trace")
+            stock(tmodel, TRACE_SHAPE, 6, "-trace-geometry")
+            ours(tmodel, TRACE_SHAPE, 6, "-trace-cpu", ",prefetch=0,vram_cpu=1", env=tenv)
+            ours(tmodel, TRACE_SHAPE, 6, "-trace", ",prefetch=0", env=tenv)
+        stock(model, SHAPE, 12, "-nographs", env=nographs)
+        ours(model, SHAPE, 12, "-nographs", env=nographs)
+        if not args.skip_oracle:
+            oracle((1, 8), ((3, ",vram_cpu=1"),))
+        stock(model, SHAPE, 1)
+        ours(model, SHAPE, 1, "-cpu", ",vram_cpu=1")
+        if args.trace is not None:
+            stock(tmodel, TRACE_SHAPE, 13, "-trace-geometry")
+            ours(tmodel, TRACE_SHAPE, 13, "-trace-cpu", ",prefetch=0,vram_cpu=1", env=tenv)
+        ours(model, SHAPE, 6, "-cpu", ",vram_cpu=1")
+        stock(model, SHAPE, 6)
     # the most telling runs first (a run past the deadline is skipped)
-    stock(model, SHAPE, 12)
-    ours(model, SHAPE, 3)
-    ours(model, SHAPE, 3, "-cpu", ",vram_cpu=1")
-    stock(model, SHAPE, 3)
-    tmodel = None
-    if args.trace is not None:
-        # real routing: prefetch off (the stacked routers predict the model's own random routing)
-        tmodel, _ = write_inputs(args.work, "trace")
-        tenv = {"MOETIER_ROUTING_TRACE": str(args.trace.resolve())}
-        stock(tmodel, TRACE_SHAPE, 6, "-trace-geometry")
-        ours(tmodel, TRACE_SHAPE, 6, "-trace", ",prefetch=0", env=tenv)
-        ours(tmodel, TRACE_SHAPE, 6, "-trace-cpu", ",prefetch=0,vram_cpu=1", env=tenv)
-    if not args.skip_oracle:
-        print("oracle", flush=True)
-        oracle((1, 512, 8))
-    for k in (12, 6, 1, 9):
-        ours(model, SHAPE, k)
-    for k in (6, 1, 9):
-        ours(model, SHAPE, k, "-cpu", ",vram_cpu=1")
-    for k in (6, 9, 1, 0):
-        stock(model, SHAPE, k)
-    if tmodel is not None:
-        stock(tmodel, TRACE_SHAPE, 26, "-trace-geometry")
-        stock(tmodel, TRACE_SHAPE, 13, "-trace-geometry")
-        ours(tmodel, TRACE_SHAPE, 13, "-trace", ",prefetch=0", env=tenv)
-        ours(tmodel, TRACE_SHAPE, 13, "-trace-cpu", ",prefetch=0,vram_cpu=1", env=tenv)
-    ours(model, SHAPE, 3, "-ram50", cache=str(ALL_EXPERTS // 2 + gib // 8))
-    ours(model, SHAPE, 3, "-noprefetch", ",prefetch=0")
-    speed.append(bench(args.tool, model, "moetier-ram-only-cpu-experts", ["--expert-cache", "auto"], logs, t))
-    save()
-    if not args.skip_oracle:
-        oracle((32,))
+    if not args.quick:
+        stock(model, SHAPE, 12)
+        ours(model, SHAPE, 12)
+        stock(model, SHAPE, 3)
+        ours(model, SHAPE, 3, "-noprefetch", ",prefetch=0")
+        ours(model, SHAPE, 3, "-cpu", ",vram_cpu=1")
+        tmodel = None
+        if args.trace is not None:
+            # real routing: prefetch off (the stacked routers predict the model's own random routing)
+            tmodel, _ = write_inputs(args.work, "trace")
+            stock(tmodel, TRACE_SHAPE, 6, "-trace-geometry")
+            ours(tmodel, TRACE_SHAPE, 6, "-trace", ",prefetch=0", env=tenv)
+            ours(tmodel, TRACE_SHAPE, 6, "-trace-cpu", ",prefetch=0,vram_cpu=1", env=tenv)
+        if not args.skip_oracle:
+            print("oracle", flush=True)
+            oracle((1, 512, 8))
+        for k in (3, 6, 1, 9):
+            ours(model, SHAPE, k)
+        for k in (6, 1, 9):
+            ours(model, SHAPE, k, "-cpu", ",vram_cpu=1")
+        for k in (6, 9, 1, 0):
+            stock(model, SHAPE, k)
+        if tmodel is not None:
+            stock(tmodel, TRACE_SHAPE, 26, "-trace-geometry")
+            stock(tmodel, TRACE_SHAPE, 13, "-trace-geometry")
+            ours(tmodel, TRACE_SHAPE, 13, "-trace", ",prefetch=0", env=tenv)
+            ours(tmodel, TRACE_SHAPE, 13, "-trace-cpu", ",prefetch=0,vram_cpu=1", env=tenv)
+        ours(model, SHAPE, 3, "-ram50", cache=str(ALL_EXPERTS // 2 + gib // 8))
+        speed.append(bench(args.tool, model, "moetier-ram-only-cpu-experts", ["--expert-cache", "auto"], logs, t))
+        save()
+        if not args.skip_oracle:
+            oracle((32,))
 
     lines = [
         "| run | VRAM share | pp512 tok/s | tg tok/s | tg vs stock same VRAM | VRAM hits | on the CPU | RAM hits |",
@@ -313,11 +344,16 @@ def main() -> int:
     ]
 
     def stock_for(r: dict[str, Any]) -> dict[str, Any]:
-        """Stock's run with the same model and share of experts in VRAM."""
+        """Stock's run with the same model, share of experts in VRAM and CUDA graphs setting."""
         trace = "trace" in r["name"]
+        graphs = "nographs" in r["name"]
         m = re.search(r"vram(\d+)$", r["name"])
         for x in speed:
-            if x["name"].startswith("stock") and ("trace" in x["name"]) == trace:
+            if (
+                x["name"].startswith("stock")
+                and ("trace" in x["name"]) == trace
+                and ("nographs" in x["name"]) == graphs
+            ):
                 if (m and x["name"].endswith(f"vram{m.group(1)}")) or (
                     "all-vram" in x["name"] and m and m.group(1) == "100"
                 ):

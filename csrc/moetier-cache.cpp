@@ -17,11 +17,8 @@
 // upper bound on compute threads that may run the load op; bounce buffers are per thread index
 static constexpr int MOETIER_MAX_THREADS = 512;
 
-// cooperative compute: ubatches of at most this many tokens (decode) split their VRAM misses between
-// copies and the CPU; larger ones (prompts) copy every miss, as the GPU computes many tokens at once
-static constexpr int64_t MOETIER_VRAM_CPU_MAX_TOKENS = 8;
 // upload's vram_of: the expert computes on the CPU from its RAM slot
-static constexpr int32_t MOETIER_VRAM_ON_CPU         = -2;
+static constexpr int32_t MOETIER_VRAM_ON_CPU = -2;
 
 // a thread that found nothing to do for `idle` rounds: spin a little (as ggml's barrier does), then
 // give the core away (thread 0 may be asleep in a wait for the disk, and a core may be shared)
@@ -191,10 +188,12 @@ void moetier_cache::measure_vram_costs() {
         }
         return;
     }
-    moetier_slots & hi = *sets[MOETIER_PRECISION_HIGH];
-    // slot 0 of each tier, before any expert is in them: zeros (the timing of garbage is not the point)
+    moetier_slots & hi    = *sets[MOETIER_PRECISION_HIGH];
+    // the first slots of the RAM tier, before any expert is in them: zeros (the timing of garbage is not
+    // the point); several, so that the CPU's time is that of experts read from memory, not from its caches
+    const int64_t   n_cpu = std::min<int64_t>(8, hi.n_slots());
     for (size_t k = 0; k < shapes.size(); ++k) {
-        memset(hi.tensor(k)->data, 0, hi.tensor(k)->nb[2]);
+        memset(hi.tensor(k)->data, 0, (size_t) n_cpu * hi.tensor(k)->nb[2]);
     }
     std::vector<int64_t> t_copy, t_cpu;
     for (int rep = 0; rep < 5; ++rep) {
@@ -207,28 +206,43 @@ void moetier_cache::measure_vram_costs() {
         t_copy.push_back(moetier_time_us() - t0);
     }
 
-    // the CPU: one token through each projection of slot 0, on as many threads as a context gets
-    ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead() + 1024 * 1024, nullptr, false };
+    // the CPU: one token through each projection of one slot, and of n_cpu slots, on as many threads as a
+    // context gets; the difference per expert is the cost of one more expert in a layer's CPU product
+    // (without what every product costs once: starting the threads, quantizing the input)
+    const int        n_threads = std::max(1, (int) std::thread::hardware_concurrency());
+    ggml_init_params ip        = { ggml_tensor_overhead() * (16 + 4 * (size_t) n_cpu * shapes.size()) +
+                                       2 * ggml_graph_overhead() + 1024 * 1024,
+                                   nullptr, false };
     ggml_context_ptr ctx(ggml_init(ip));
     if (!ctx) {
         throw std::runtime_error("failed to create the context that measures the CPU's cost per expert");
     }
-    ggml_cgraph * gf = ggml_new_graph(ctx.get());
-    for (size_t k = 0; k < shapes.size(); ++k) {
-        const ggml_tensor * pool = hi.tensor(k);
-        ggml_tensor *       w = ggml_view_2d(ctx.get(), (ggml_tensor *) pool, pool->ne[0], pool->ne[1], pool->nb[1], 0);
-        ggml_tensor *       x = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_F32, pool->ne[0]);
-        for (int64_t i = 0; i < pool->ne[0]; ++i) {
-            ((float *) x->data)[i] = 0.01f * (float) (i % 7);
+    auto time_experts = [&](int64_t n) {
+        ggml_cgraph * gf = ggml_new_graph(ctx.get());
+        for (size_t k = 0; k < shapes.size(); ++k) {
+            const ggml_tensor * pool = hi.tensor(k);
+            ggml_tensor *       x    = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_F32, pool->ne[0]);
+            for (int64_t i = 0; i < pool->ne[0]; ++i) {
+                ((float *) x->data)[i] = 0.01f * (float) (i % 7);
+            }
+            for (int64_t e = 0; e < n; ++e) {
+                ggml_tensor * w = ggml_view_2d(ctx.get(), (ggml_tensor *) pool, pool->ne[0], pool->ne[1], pool->nb[1],
+                                               (size_t) e * pool->nb[2]);
+                ggml_build_forward_expand(gf, ggml_mul_mat(ctx.get(), w, x));
+            }
         }
-        ggml_build_forward_expand(gf, ggml_mul_mat(ctx.get(), w, x));
-    }
-    const int n_threads = std::max(1, (int) std::thread::hardware_concurrency());
-    for (int rep = 0; rep < 5; ++rep) {
-        const int64_t t0 = moetier_time_us();
-        ggml_graph_compute_with_ctx(ctx.get(), gf, n_threads);
-        t_cpu.push_back(moetier_time_us() - t0);
-    }
+        std::vector<int64_t> t;
+        for (int rep = 0; rep < 5; ++rep) {
+            const int64_t t0 = moetier_time_us();
+            ggml_graph_compute_with_ctx(ctx.get(), gf, n_threads);
+            t.push_back(moetier_time_us() - t0);
+        }
+        std::sort(t.begin(), t.end());
+        return t[t.size() / 2];
+    };
+    const int64_t t_one = time_experts(1);
+    const int64_t t_all = n_cpu > 1 ? time_experts(n_cpu) : t_one;
+    t_cpu.push_back(n_cpu > 1 ? (t_all - t_one) / (n_cpu - 1) : t_one);
     std::sort(t_copy.begin(), t_copy.end());
     std::sort(t_cpu.begin(), t_cpu.end());
     copy_us = std::max(1.0f, (float) t_copy[t_copy.size() / 2]);
@@ -239,6 +253,7 @@ void moetier_cache::upload(moetier_layer & layer,
                            const int32_t * ram,
                            int64_t         n_used,
                            int64_t         n_tokens,
+                           bool            cpu_plane,
                            int32_t *       out,
                            bool            warmup) noexcept {
     moetier_slots &       v     = *vram;
@@ -250,7 +265,7 @@ void moetier_cache::upload(moetier_layer & layer,
         // nothing to copy from: valid ids, distinct within a token (CUDA's batched paths need both)
         for (int64_t i = 0; i < n; ++i) {
             out[i] = (int32_t) ((i % n_used) % (spare + n_zero));
-            if (cooperative) {
+            if (cpu_plane) {
                 out[n + i] = -1;
             }
         }
@@ -280,9 +295,9 @@ void moetier_cache::upload(moetier_layer & layer,
     }
     // cooperative compute, in decode: the most used misses are copied, the others computed on the CPU,
     // the split that makes both take about as long (m misses: k copies, m - k on the CPU)
-    int32_t * cpu_plane = cooperative ? out + n : nullptr;
-    size_t    n_copy    = missing.size();
-    if (cooperative && n_tokens <= MOETIER_VRAM_CPU_MAX_TOKENS && !missing.empty() && layer.uses) {
+    int32_t * cpu_out = cpu_plane ? out + n : nullptr;
+    size_t    n_copy  = missing.size();
+    if (cpu_plane && !missing.empty() && layer.uses) {
         const double m     = (double) missing.size();
         const double kstar = m * cpu_us / (copy_us + cpu_us);
         size_t       best  = 0;
@@ -348,8 +363,8 @@ void moetier_cache::upload(moetier_layer & layer,
         const int32_t rs = ram[i];
         const int32_t s  = rs >= 0 ? vram_of[hi.key(rs).expert] : -1;
         out[i]           = s >= 0 ? s : spare + (int32_t) (i % n_used) % n_zero;
-        if (cpu_plane) {
-            cpu_plane[i] = s == MOETIER_VRAM_ON_CPU ? rs : -1;
+        if (cpu_out) {
+            cpu_out[i] = s == MOETIER_VRAM_ON_CPU ? rs : -1;
         }
     }
 }

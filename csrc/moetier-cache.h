@@ -181,6 +181,14 @@ class moetier_cache {
 
     bool vram_cpu() const { return vram != nullptr && cooperative; }
 
+    // cooperative compute splits the misses of ubatches of at most this many tokens (decode); larger
+    // ones (prompts) copy every miss, as the GPU computes many tokens at once, and their graphs have no
+    // CPU plane
+    static constexpr int64_t vram_cpu_max_tokens = 8;
+
+    // whether a ubatch of n_tokens has the CPU plane (the graph's upload op gives two planes)
+    bool vram_cpu_plane(int64_t n_tokens) const { return vram_cpu() && n_tokens <= vram_cpu_max_tokens; }
+
     bool has_vram() const { return vram != nullptr; }
 
     // the VRAM tier's pool tensor of projection k (nullptr without one)
@@ -294,14 +302,15 @@ class moetier_cache {
     // op) on the tier's own stream, waited for here. With cooperative compute, a decode ubatch's misses
     // are split between copies (the most used experts) and the CPU, so that the copies and the CPU take
     // about the same time. ram: the resolve's high slots [n_used, n_tokens]; out: the VRAM slots, a zero
-    // slot (one per position k) where ram is -1 or the CPU computes, then (cooperative compute) a second plane:
-    // the RAM slots of the experts the CPU computes, -1 elsewhere. During warmup (nothing was read) or
-    // after a failed read (the graph is being stopped) nothing is copied: out holds distinct valid
-    // slots (and no CPU plane).
+    // slot (one per position k) where ram is -1 or the CPU computes, then, with cpu_plane (the graph's
+    // vram_cpu_plane), a second plane: the RAM slots of the experts the CPU computes, -1 elsewhere.
+    // During warmup (nothing was read) or after a failed read (the graph is being stopped) nothing is
+    // copied: out holds distinct valid slots (and a CPU plane of -1).
     void upload(moetier_layer & layer,
                 const int32_t * ram,
                 int64_t         n_used,
                 int64_t         n_tokens,
+                bool            cpu_plane,
                 int32_t *       out,
                 bool            warmup) noexcept;
 

@@ -85,7 +85,8 @@ static void moetier_op_upload_impl(ggml_tensor * dst, int ith, void * userdata, 
     if (ith == 0) {
         moetier_layer *     l   = (moetier_layer *) userdata;
         const ggml_tensor * ram = dst->src[0];
-        l->cache->upload(*l, (const int32_t *) ram->data, dst->ne[0], dst->ne[1], (int32_t *) dst->data, warmup);
+        l->cache->upload(*l, (const int32_t *) ram->data, dst->ne[0], dst->ne[1], dst->ne[2] == 2,
+                         (int32_t *) dst->data, warmup);
     }
 }
 
@@ -196,9 +197,9 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     }
 
     // the VRAM tier: the layer's experts are copied into VRAM slots and computed there
-    // (with cooperative compute, a second plane: the RAM slots of the misses the CPU computes)
+    // (with cooperative compute, in decode, a second plane: the RAM slots of the misses the CPU computes)
     const bool    in_vram  = cache.has_vram();
-    const int64_t n_upload = cache.vram_cpu() ? 2 : 1;
+    const int64_t n_upload = cache.vram_cpu_plane(n_tokens) ? 2 : 1;
     if (in_vram) {
         GGML_ASSERT(n_planes == 1 && "the VRAM tier serves exact modes only");
         // the ids of what the GPU does not compute stay distinct within a token: a zero slot per position
@@ -237,6 +238,56 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     return moe;
 }
 
+// cooperative compute: one of the sums the gate and up hooks below returned, cpu + gpu, each the plain
+// mul_mat_id of its plane (no adapter, scale or bias between)
+static bool moetier_coop_sum(const moetier_moe & moe, const ggml_tensor * sum, ggml_tensor ** cpu, ggml_tensor ** gpu) {
+    if (sum == nullptr || sum->op != GGML_OP_ADD) {
+        return false;
+    }
+    ggml_tensor * c = sum->src[0];
+    ggml_tensor * g = sum->src[1];
+    if (c == nullptr || g == nullptr || c->op != GGML_OP_MUL_MAT_ID || g->op != GGML_OP_MUL_MAT_ID ||
+        c->src[2] != moe.low_ids || g->src[2] != moe.ids || c->src[1] != g->src[1]) {
+        return false;
+    }
+    *cpu = c;
+    *gpu = g;
+    return true;
+}
+
+// cooperative compute, at the down projection: when its input is a split GLU (swiglu, geglu, ...) of
+// the gate and up sums, each plane gets its own activation and down product, added once at the end.
+// The CPU then computes its experts' whole FFN in the upload op's split, while the copies run, and the
+// layer's graph leaves the GPU for the CPU once, not twice (the GPU's activation of the gate and up
+// sums would need the CPU's products back first). Per token and expert one plane holds zero rows
+// (zero slot or negative id), whose activation and down product are zero: the sum is the other exactly.
+static ggml_tensor * moetier_coop_down(ggml_context *      ctx,
+                                       const moetier_moe & moe,
+                                       ggml_tensor *       cur,
+                                       ggml_tensor *       as,
+                                       ggml_tensor *       ram_pool,
+                                       ggml_tensor *       b) {
+    if (b->op != GGML_OP_GLU || b->src[1] == nullptr || cur->op != GGML_OP_MUL_MAT_ID || cur->src[1] != b ||
+        cur->src[0] != as) {
+        return nullptr;
+    }
+    ggml_tensor *gate_c, *gate_g, *up_c, *up_g;
+    if (!moetier_coop_sum(moe, b->src[0], &gate_c, &gate_g) || !moetier_coop_sum(moe, b->src[1], &up_c, &up_g)) {
+        return nullptr;
+    }
+    ggml_tensor * act_c = ggml_glu_split(ctx, gate_c, up_c, ggml_get_glu_op(b));
+    ggml_tensor * act_g = ggml_glu_split(ctx, gate_g, up_g, ggml_get_glu_op(b));
+    // the activation's own parameters (swiglu_oai's alpha and limit) as build_moe_ffn set them
+    memcpy(act_c->op_params, b->op_params, sizeof(b->op_params));
+    memcpy(act_g->op_params, b->op_params, sizeof(b->op_params));
+    ggml_tensor * down_c = ggml_mul_mat_id(ctx, ram_pool, act_c, moe.low_ids);
+    ggml_tensor * down_g = ggml_mul_mat_id(ctx, as, act_g, moe.ids);
+    ggml_format_name(act_c, "moetier_cpu_act-%d", moe.layer->il);
+    ggml_format_name(down_c, "moetier_cpu_down-%d", moe.layer->il);
+    // the CPU's branch first in the graph's order, so it runs in the upload op's split
+    return ggml_add(ctx, down_c, down_g);
+}
+
 ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
                                       const moetier_moe & moe,
                                       ggml_tensor *       cur,
@@ -244,6 +295,14 @@ ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
                                       ggml_tensor *       b) noexcept {
     if (moe.layer == nullptr || moe.low_ids == nullptr) {
         return cur;
+    }
+    for (const auto & p : moe.layer->projs) {
+        if (moe.second_ram && p.vram_pool == as && p.pool[MOETIER_PRECISION_HIGH] != nullptr) {
+            ggml_tensor * whole = moetier_coop_down(ctx, moe, cur, as, p.pool[MOETIER_PRECISION_HIGH], b);
+            if (whole != nullptr) {
+                return whole;
+            }
+        }
     }
     for (const auto & p : moe.layer->projs) {
         // the second product: the low-precision pools, or the RAM tier's computed on the CPU (cooperative

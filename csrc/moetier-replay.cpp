@@ -106,7 +106,7 @@ moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
             cache.resolve(*layers[il], ids + off, weights ? weights + off : nullptr, p.n_used, 1, row, row, out.data(),
                           false);
             if (p.n_slots_vram > 0) {
-                cache.upload(*layers[il], out.data(), p.n_used, 1, vout.data(), false);
+                cache.upload(*layers[il], out.data(), p.n_used, 1, false, vout.data(), false);
             }
         }
     }

@@ -150,6 +150,13 @@ def test_cooperative_compute_rule(model_path: Path, monkeypatch: pytest.MonkeyPa
     else:
         assert decode.n_vram_copies > 0 and decode.n_vram_cpu > 0
     assert out == stock.generate(tokens, max_tokens=12).tokens
+    # a decode step's CPU plane computes its experts' whole FFN (activation and down product) in the
+    # upload op's split; a prompt's layers have no CPU plane (but its last, on the last token alone)
+    one = m.graph_nodes(tokens[:1])
+    assert {"moetier_cpu_act-0", "moetier_cpu_down-0"} <= set(one)
+    assert one.index("moetier_upload-0") < one.index("moetier_cpu_down-0")
+    prompt_nodes = m.graph_nodes(tokens[:40])
+    assert "moetier_upload-0" in prompt_nodes and "moetier_cpu_down-0" not in prompt_nodes
 
 
 def test_cooperative_costs_are_measured(model_path: Path) -> None:
