@@ -91,6 +91,10 @@ int main(int argc, char ** argv) {
             (unsigned long long) t.n_bytes_read, c.n_slots_vram, (unsigned long long) t.n_vram_hits,
             (unsigned long long) t.n_vram_copies, (unsigned long long) t.n_vram_bytes, t.vram_copy_us / 1000.0,
             (unsigned long long) t.n_vram_cpu);
+        if (c.vram_cpu_us > 0) {
+            printf("moetier: cooperative compute's costs: %.0f us to copy one expert, %.0f us on the CPU\n",
+                   c.vram_copy_us, c.vram_cpu_us);
+        }
     }
     return 0;
 }
