@@ -258,6 +258,12 @@ def main() -> int:
         for ub in ubs:
             ref = perplexity(args.bin, model, text, f"stock-ub{ub}", ["-ub", str(ub)], logs, t)
             res["oracle"].append(ref)
+            if any(opts for _, opts in configs) and ub <= 8:
+                # the tolerance for cooperative compute: stock's own experts-on-the-CPU against -ngl 99
+                tol = perplexity(args.bin, model, text, f"stock-cpu-moe-ub{ub}", ["-ub", str(ub), "--cpu-moe"], logs, t)
+                if tol["final"] and ref["final"]:
+                    tol["rel_diff"] = abs(float(tol["final"]) / float(ref["final"]) - 1)
+                res["oracle"].append(tol)
             for k, opts in configs:
                 if opts and ub > 8:
                     continue  # cooperative compute works on decode-sized ubatches only
