@@ -177,6 +177,31 @@ void moetier_cache::preload_vram() {
                         "VRAM tier: a layer's preloaded slots are consecutive");
         }
     }
+    // each layer's slots as a tensor of its own, a leaf of the graph as stock's expert tensors are: a view
+    // made in the graph would be a node between the gate and up products, and ggml-cuda fuses the two
+    // products and their activation only where they are adjacent nodes
+    const ggml_init_params ip = { ggml_tensor_overhead() * layers_.size() * shapes.size(), nullptr, true };
+    vram_views.reset(ggml_init(ip));
+    if (!vram_views) {
+        throw std::runtime_error("VRAM tier: out of memory for the layers' views of the VRAM pools");
+    }
+    for (moetier_layer * l : layers_) {
+        const size_t base = (size_t) v.find(l->il, 0);
+        for (size_t k = 0; k < shapes.size() && k < l->projs.size(); ++k) {
+            ggml_tensor * pool = v.tensor(k);
+            ggml_tensor * t    = ggml_view_3d(vram_views.get(), pool, pool->ne[0], pool->ne[1], n_expert_, pool->nb[1],
+                                              pool->nb[2], base * pool->nb[2]);
+            t->op              = GGML_OP_NONE;
+            t->src[0]          = nullptr;
+            t->data            = nullptr;
+            memset(t->op_params, 0, sizeof(t->op_params));
+            ggml_format_name(t, "moetier_vram_layer-%d-%zu", l->il, k);
+            if (ggml_backend_view_init(t) != GGML_STATUS_SUCCESS) {
+                throw std::runtime_error("VRAM tier: the backend refused a layer's view of its VRAM pool");
+            }
+            l->projs[k].vram_view = t;
+        }
+    }
     vram_static_ = true;
 }
 

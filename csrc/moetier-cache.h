@@ -18,6 +18,7 @@
 // in order, so by then the previous layer's mul_mat_ids are done. The same next resolve finishes
 // the pass (or sync() does, between decodes).
 
+#include "ggml-cpp.h"
 #include "moetier-budget.h"
 #include "moetier-iopool.h"
 #include "moetier-layer.h"
@@ -204,9 +205,6 @@ class moetier_cache {
 
     // the layers compute straight from their VRAM slots (preload_vram)
     bool vram_static() const { return vram_static_; }
-
-    // layer il's first VRAM slot with vram_static (its experts follow in expert order)
-    int32_t vram_base(int32_t il) const { return vram->find(il, 0); }
 
     int32_t vram_zero_slots() const { return n_zero; }
 
@@ -429,6 +427,7 @@ class moetier_cache {
     ggml_backend_event_t           vram_consumed  = nullptr;  // behind the last computed graph's GPU work
     bool                           consumed_set   = false;
     bool                           vram_static_   = false;
+    ggml_context_ptr               vram_views;       // the layers' vram_view tensors (preload_vram)
     std::vector<moetier_layer *>   layers_;          // the group's layers, in add_layer order
     bool                           cooperative = false;
     int32_t                        n_zero      = 1;  // the VRAM pools' zero slots, after its n_slots

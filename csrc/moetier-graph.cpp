@@ -133,15 +133,14 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     moetier_cache & cache = *l->cache;
     if (cache.vram_static()) {
         // every expert of the group is in VRAM, each layer's in consecutive slots: the mul_mat_ids take
-        // the layer's slots as a view with the router's ids, as stock takes its expert tensors
-        const int32_t  base       = cache.vram_base(l->il);
+        // the layer's slots (a leaf tensor made at load) with the router's ids, as stock takes its expert
+        // tensors
         ggml_tensor ** targets[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
         for (ggml_tensor ** t : targets) {
             for (const auto & p : l->projs) {
                 if (*t != nullptr && p.meta == *t) {
-                    ggml_tensor * v = p.vram_pool;
-                    *t              = ggml_view_3d(ctx, v, v->ne[0], v->ne[1], cache.n_expert(), v->nb[1], v->nb[2],
-                                                   (size_t) base * v->nb[2]);
+                    GGML_ASSERT(p.vram_view != nullptr && "VRAM tier: a preloaded layer has no view of its slots");
+                    *t = p.vram_view;
                 }
             }
         }
