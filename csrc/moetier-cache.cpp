@@ -94,8 +94,10 @@ void moetier_cache::add_layer(moetier_layer * layer) {
     for (auto & set : sets) {
         set->add_layer(layer->il);
     }
-    if (vram) {
-        vram->add_layer(layer->il);
+    for (moetier_slots * v : { vram.get(), vram_low.get() }) {
+        if (v) {
+            v->add_layer(layer->il);
+        }
     }
     layers_.push_back(layer);
     layer->cache = this;
@@ -105,22 +107,34 @@ void moetier_cache::set_vram(ggml_backend_dev_t             dev,
                              bool                           host,
                              bool                           cpu,
                              int32_t                        n_slots,
+                             int32_t                        n_slots_low,
                              int32_t                        n_used,
                              bool                           pin_ram,
                              const std::string &            policy,
                              const moetier_policy_weights & weights) {
     GGML_ASSERT((dev != nullptr || simulate) && n_slots >= n_expert_);
-    vram   = std::make_unique<moetier_slots>(MOETIER_PRECISION_HIGH, n_slots, n_expert_,
-                                             moetier_policy_create(policy, weights, vram_env));
+    GGML_ASSERT(n_slots_low == 0 || (n_slots_low >= n_expert_ && sets[MOETIER_PRECISION_LOW]->n_slots() > 0));
+    vram = std::make_unique<moetier_slots>(MOETIER_PRECISION_HIGH, n_slots, n_expert_,
+                                           moetier_policy_create(policy, weights, vram_env));
+    if (n_slots_low > 0) {
+        vram_low = std::make_unique<moetier_slots>(MOETIER_PRECISION_LOW, n_slots_low, n_expert_,
+                                                   moetier_policy_create(policy, weights, vram_env));
+    }
     n_zero = std::max<int32_t>(1, n_used);
     vram_of.assign(n_expert_, -1);
+    vram_low_of.assign(n_expert_, -1);
     if (simulate) {
         return;  // replay: the bookkeeping only
     }
-    vram->alloc(shapes, host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev), /*vram =*/true,
-                n_zero);
-    for (size_t k = 0; k < shapes.size(); ++k) {
-        GGML_ASSERT(vram->tensor(k)->nb[2] == shapes[k].expert_bytes(MOETIER_PRECISION_HIGH));
+    for (moetier_slots * v : { vram.get(), vram_low.get() }) {
+        if (v == nullptr) {
+            continue;
+        }
+        v->alloc(shapes, host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev), /*vram =*/true,
+                 n_zero);
+        for (size_t k = 0; k < shapes.size(); ++k) {
+            GGML_ASSERT(v->tensor(k)->nb[2] == shapes[k].expert_bytes(v->prec()));
+        }
     }
     vram_dev = dev;
     vram_backend.reset(
@@ -278,20 +292,27 @@ void moetier_cache::upload(moetier_layer & layer,
                            const int32_t * ram,
                            int64_t         n_used,
                            int64_t         n_tokens,
+                           const int32_t * ram_low,
                            bool            cpu_plane,
                            int32_t *       out,
                            bool            warmup) noexcept {
-    moetier_slots &       v     = *vram;
-    const moetier_slots & hi    = *sets[MOETIER_PRECISION_HIGH];
-    const int32_t         spare = v.n_slots();  // the first zero expert, n_zero of them
-    const int64_t         n     = n_used * n_tokens;
+    moetier_slots &       v        = *vram;
+    const moetier_slots & hi       = *sets[MOETIER_PRECISION_HIGH];
+    const int32_t         spare    = v.n_slots();  // the first zero expert, n_zero of them
+    const int32_t         spare_lo = vram_low ? vram_low->n_slots() : 0;
+    const int64_t         n        = n_used * n_tokens;
     v.unpin_all();
+    if (vram_low) {
+        vram_low->unpin_all();
+    }
     if (warmup || failed() || pass.layer != &layer) {
         // nothing to copy from: valid ids, distinct within a token (CUDA's batched paths need both)
         for (int64_t i = 0; i < n; ++i) {
             out[i] = (int32_t) ((i % n_used) % (spare + n_zero));
             if (cpu_plane) {
                 out[n + i] = -1;
+            } else if (ram_low) {
+                out[n + i] = (int32_t) ((i % n_used) % (spare_lo + n_zero));
             }
         }
         return;
@@ -340,9 +361,33 @@ void moetier_cache::upload(moetier_layer & layer,
             return layer.uses[a].load(std::memory_order_relaxed) > layer.uses[b].load(std::memory_order_relaxed);
         });
     }
-    const int64_t t0    = n_copy == 0 || simulate ? 0 : moetier_time_us();
-    uint64_t      bytes = 0;
-    if (n_copy > 0 && consumed_set) {
+    // mixed precision: the experts computed in low precision, from the VRAM tier's low slots (hits first)
+    missing_low.clear();
+    if (ram_low) {
+        moetier_slots &       vl = *vram_low;
+        const moetier_slots & lo = *sets[MOETIER_PRECISION_LOW];
+        std::fill(vram_low_of.begin(), vram_low_of.end(), -1);
+        for (int32_t e = 0; e < n_expert_; ++e) {
+            const int32_t rs = need[e] == MOETIER_NEED_NONE ? -1 : lo.find(layer.il, e);
+            if (rs < 0 || !lo.is_pinned(rs)) {
+                continue;  // not computed in low precision
+            }
+            const int32_t s = vl.find(layer.il, e);
+            pctx.rank       = rank[e];
+            if (s >= 0) {
+                vl.on_hit(s, pctx);
+                vl.pin(s);
+                vram_low_of[e] = s;
+                ++c.n_vram_hits;
+            } else {
+                missing_low.push_back(e);
+            }
+        }
+    }
+    const bool    any_copy = n_copy > 0 || !missing_low.empty();
+    const int64_t t0       = !any_copy || simulate ? 0 : moetier_time_us();
+    uint64_t      bytes    = 0;
+    if (any_copy && consumed_set) {
         // the copy stream waits for the last graph another context computed here (the host does not)
         ggml_backend_event_wait(vram_backend.get(), vram_consumed);
     }
@@ -351,27 +396,34 @@ void moetier_cache::upload(moetier_layer & layer,
         ++c.n_vram_cpu;
     }
     missing.resize(n_copy);
-    for (const int32_t e : missing) {
+    // copies from the RAM tier's slot of the expert (read and checked by the load op) into a VRAM slot
+    auto copy = [&](moetier_slots & to, const moetier_slots & from, moetier_precision prec, int32_t e) {
         pctx.rank        = rank[e];
-        const int32_t s  = v.take({ layer.il, e }, pctx);
-        const int32_t rs = hi.find(layer.il, e);
+        const int32_t s  = to.take({ layer.il, e }, pctx);
+        const int32_t rs = from.find(layer.il, e);
         // the tier holds at least one layer's experts and pins only this layer's
         GGML_ASSERT(s >= 0 && "VRAM tier: no unpinned slot");
         for (size_t k = 0; k < shapes.size() && simulate; ++k) {
-            bytes += shapes[k].expert_bytes(MOETIER_PRECISION_HIGH);
+            bytes += shapes[k].expert_bytes(prec);
         }
         for (size_t k = 0; k < shapes.size() && !simulate; ++k) {
-            const ggml_tensor * src = hi.tensor(k);
-            ggml_tensor *       dst = v.tensor(k);
+            const ggml_tensor * src = from.tensor(k);
+            ggml_tensor *       dst = to.tensor(k);
             ggml_backend_tensor_set_async(vram_backend.get(), dst, (const char *) src->data + (size_t) rs * src->nb[2],
                                           (size_t) s * dst->nb[2], dst->nb[2]);
             bytes += dst->nb[2];
         }
-        v.pin(s);
-        vram_of[e] = s;
+        to.pin(s);
         ++c.n_vram_copies;
+        return s;
+    };
+    for (const int32_t e : missing) {
+        vram_of[e] = copy(v, hi, MOETIER_PRECISION_HIGH, e);
     }
-    if (!missing.empty()) {
+    for (const int32_t e : missing_low) {
+        vram_low_of[e] = copy(*vram_low, *sets[MOETIER_PRECISION_LOW], MOETIER_PRECISION_LOW, e);
+    }
+    if (any_copy) {
         if (!simulate && vram_event && vram_compute) {
             // the compute stream waits for the copies, this thread does not (vram_copy_us: issuing them)
             ggml_backend_event_record(vram_event, vram_backend.get());
@@ -390,6 +442,10 @@ void moetier_cache::upload(moetier_layer & layer,
         out[i]           = s >= 0 ? s : spare + (int32_t) (i % n_used) % n_zero;
         if (cpu_out) {
             cpu_out[i] = s == MOETIER_VRAM_ON_CPU ? rs : -1;
+        } else if (ram_low) {
+            const int32_t rl = ram_low[i];
+            const int32_t sl = rl >= 0 ? vram_low_of[sets[MOETIER_PRECISION_LOW]->key(rl).expert] : -1;
+            out[n + i]       = sl >= 0 ? sl : spare_lo + (int32_t) (i % n_used) % n_zero;
         }
     }
 }

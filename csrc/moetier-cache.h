@@ -161,7 +161,8 @@ class moetier_cache {
     // dev's memory (host: in host memory, computed on the CPU, which checks the tier where no GPU is),
     // with its own policy; the RAM pools move to dev's pinned host memory, which it copies from at full
     // speed. throws std::runtime_error
-    // cpu: cooperative compute (moetier_params.vram_cpu), whose costs are measured here.
+    // cpu: cooperative compute (moetier_params.vram_cpu), whose costs are measured here. n_slots_low:
+    // low-precision slots (mixed precision: the RAM tier has low slots; 0: none), with their own policy.
     // n_used: the model's experts per token (the zero slots, one per position). pin_ram: the RAM pools
     // move to dev's pinned memory (not when the tier holds every expert: preload_vram, then the RAM
     // tier only stages the load).
@@ -169,6 +170,7 @@ class moetier_cache {
                   bool                           host,
                   bool                           cpu,
                   int32_t                        n_slots,
+                  int32_t                        n_slots_low,
                   int32_t                        n_used,
                   bool                           pin_ram,
                   const std::string &            policy,
@@ -194,6 +196,12 @@ class moetier_cache {
 
     // the VRAM tier's pool tensor of projection k (nullptr without one)
     ggml_tensor * vram_pool(size_t k) const { return vram ? vram->tensor(k) : nullptr; }
+
+    // the VRAM tier's low-precision pool of projection k (nullptr without one)
+    ggml_tensor * vram_pool_low(size_t k) const { return vram_low ? vram_low->tensor(k) : nullptr; }
+
+    // mixed precision under the VRAM tier: low-precision copies live in VRAM as well
+    bool has_vram_low() const { return vram_low != nullptr; }
 
     const moetier_slots * vram_slots() const { return vram.get(); }
 
@@ -261,9 +269,9 @@ class moetier_cache {
                sets[1]->slot_bytes() * (uint64_t) sets[1]->n_slots();
     }
 
-    uint64_t vram_bytes() const { return vram ? vram->mem_bytes() : 0; }
+    uint64_t vram_bytes() const { return (vram ? vram->mem_bytes() : 0) + (vram_low ? vram_low->mem_bytes() : 0); }
 
-    int32_t n_slots_vram() const { return vram ? vram->n_slots() : 0; }
+    int32_t n_slots_vram() const { return (vram ? vram->n_slots() : 0) + (vram_low ? vram_low->n_slots() : 0); }
 
     int32_t n_slots(moetier_precision prec) const { return sets[prec]->n_slots(); }
 
@@ -301,13 +309,16 @@ class moetier_cache {
     // are split between copies (the most used experts) and the CPU, so that the copies and the CPU take
     // about the same time. ram: the resolve's high slots [n_used, n_tokens]; out: the VRAM slots, a zero
     // slot (one per position k) where ram is -1 or the CPU computes, then, with cpu_plane (the graph's
-    // vram_cpu_plane), a second plane: the RAM slots of the experts the CPU computes, -1 elsewhere.
+    // vram_cpu_plane), a second plane: the RAM slots of the experts the CPU computes, -1 elsewhere; or,
+    // with ram_low (mixed precision: the resolve's low slots), a second plane of the VRAM tier's low slots
+    // (a low zero slot where the expert is not computed in low precision).
     // During warmup (nothing was read) or after a failed read (the graph is being stopped) nothing is
     // copied: out holds distinct valid slots (and a CPU plane of -1).
     void upload(moetier_layer & layer,
                 const int32_t * ram,
                 int64_t         n_used,
                 int64_t         n_tokens,
+                const int32_t * ram_low,
                 bool            cpu_plane,
                 int32_t *       out,
                 bool            warmup) noexcept;
@@ -407,19 +418,22 @@ class moetier_cache {
     int32_t  last_layer = -1;
 
     // scratch of resolve, sized to one layer's experts
-    std::vector<moetier_need> need;     // [n_expert]
-    std::vector<moetier_need> needs_k;  // [n_used]
-    std::vector<int32_t>      rank;     // [n_expert] gate rank at the ubatch's last token (moetier_policy_ctx)
-    std::vector<int32_t>      missing;  // the resolve's experts to read, in expert order
+    std::vector<moetier_need> need;         // [n_expert]
+    std::vector<moetier_need> needs_k;      // [n_used]
+    std::vector<int32_t>      rank;         // [n_expert] gate rank at the ubatch's last token (moetier_policy_ctx)
+    std::vector<int32_t>      missing;      // the resolve's experts to read, in expert order
+    std::vector<int32_t>      missing_low;  // the upload's low-precision experts to copy into VRAM
 
     moetier_pass pass;
 
     // the VRAM tier (set_vram): its slots, a backend of its device for the copies (a stream of their
     // own), and per expert the VRAM slot the current upload gave it
     std::unique_ptr<moetier_slots> vram;
+    std::unique_ptr<moetier_slots> vram_low;     // the low-precision copies (mixed precision), if any
     ggml_backend_ptr               vram_backend;
-    std::vector<int32_t>           vram_of;   // [n_expert]
-    moetier_policy_env             vram_env;  // what the tier's policy sees (replay: the trace's future)
+    std::vector<int32_t>           vram_of;      // [n_expert]
+    std::vector<int32_t>           vram_low_of;  // [n_expert]
+    moetier_policy_env             vram_env;     // what the tier's policy sees (replay: the trace's future)
     ggml_backend_dev_t             vram_dev       = nullptr;
     ggml_backend_t                 vram_compute   = nullptr;  // not owned: the scheduler's
     ggml_backend_event_t           vram_event     = nullptr;  // the copies' last event; nullptr: synchronous copies

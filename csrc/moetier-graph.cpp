@@ -83,10 +83,14 @@ static void moetier_op_load(ggml_tensor * dst, int ith, int nth, void * userdata
 
 static void moetier_op_upload_impl(ggml_tensor * dst, int ith, void * userdata, bool warmup) noexcept {
     if (ith == 0) {
-        moetier_layer *     l   = (moetier_layer *) userdata;
-        const ggml_tensor * ram = dst->src[0];
-        l->cache->upload(*l, (const int32_t *) ram->data, dst->ne[0], dst->ne[1], dst->ne[2] == 2,
-                         (int32_t *) dst->data, warmup);
+        moetier_layer *     l       = (moetier_layer *) userdata;
+        const ggml_tensor * ram     = dst->src[0];
+        const int64_t       n       = dst->ne[0] * dst->ne[1];
+        // a second plane in: the resolve's low slots (mixed precision); out: the VRAM tier's low slots, or
+        // (cooperative compute, exact modes only) the RAM slots of what the CPU computes
+        const int32_t *     ram_low = ram->ne[2] == 2 ? (const int32_t *) ram->data + n : nullptr;
+        l->cache->upload(*l, (const int32_t *) ram->data, dst->ne[0], dst->ne[1], ram_low,
+                         dst->ne[2] == 2 && ram_low == nullptr, (int32_t *) dst->data, warmup);
     }
 }
 
@@ -198,9 +202,10 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     // the VRAM tier: the layer's experts are copied into VRAM slots and computed there
     // (with cooperative compute, in decode, a second plane: the RAM slots of the misses the CPU computes)
     const bool    in_vram  = cache.has_vram();
-    const int64_t n_upload = cache.vram_cpu_plane(n_tokens) ? 2 : 1;
+    const int64_t n_upload = cache.vram_cpu_plane(n_tokens) || n_planes == 2 ? 2 : 1;
     if (in_vram) {
-        GGML_ASSERT(n_planes == 1 && "the VRAM tier serves exact modes only");
+        GGML_ASSERT((n_planes == 1 || cache.has_vram_low()) && "VRAM tier: low-precision slots without a VRAM pool");
+        GGML_ASSERT((n_planes == 1 || !cache.vram_cpu()) && "cooperative compute serves exact modes only");
         // the ids of what the GPU does not compute stay distinct within a token: a zero slot per position
         GGML_ASSERT((warmup || n_used <= cache.vram_zero_slots()) && "more experts per token than zero slots");
         ggml_tensor * src = loaded;
@@ -223,9 +228,10 @@ moetier_moe moetier_hook_moe_ids(ggml_context * ctx,
     }
     moe.layer = l;
     if (in_vram && n_upload == 2) {
-        moe.ids        = ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], 0);
-        moe.low_ids    = ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], loaded->nb[2]);
-        moe.second_ram = true;
+        moe.ids         = ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], 0);
+        moe.low_ids     = ggml_view_2d(ctx, loaded, n_used, n_tokens, loaded->nb[1], loaded->nb[2]);
+        moe.second_ram  = n_planes == 1;
+        moe.second_vram = n_planes == 2;
         return moe;
     }
     if (n_planes == 1) {
@@ -306,8 +312,10 @@ ggml_tensor * moetier_hook_mul_mat_id(ggml_context *      ctx,
     for (const auto & p : moe.layer->projs) {
         // the second product: the low-precision pools, or the RAM tier's computed on the CPU (cooperative
         // compute); per token and expert one of the two is a zero row, so the sum is the other exactly
-        ggml_tensor * first  = moe.second_ram ? p.vram_pool : p.pool[MOETIER_PRECISION_HIGH];
-        ggml_tensor * second = moe.second_ram ? p.pool[MOETIER_PRECISION_HIGH] : p.pool[MOETIER_PRECISION_LOW];
+        ggml_tensor * first  = moe.second_ram || moe.second_vram ? p.vram_pool : p.pool[MOETIER_PRECISION_HIGH];
+        ggml_tensor * second = moe.second_ram  ? p.pool[MOETIER_PRECISION_HIGH] :
+                               moe.second_vram ? p.vram_pool_low :
+                                                 p.pool[MOETIER_PRECISION_LOW];
         if (first == as && second != nullptr) {
             ggml_tensor * other = ggml_mul_mat_id(ctx, second, b, moe.low_ids);
             // cooperative compute: the CPU's product first in the graph's order, in the upload op's CPU split,

@@ -58,11 +58,13 @@ void moetier_hook_model_loaded(llama_model & model);
 // the patched function: the two graph hooks share no other state).
 struct moetier_moe {
     ggml_tensor *         ids = nullptr;  // what the mul_mat_ids take: slot ids of the high pools, or the expert ids
-    ggml_tensor *         low_ids    = nullptr;  // slot ids of the second pools; nullptr if the layer has none
-    const moetier_layer * layer      = nullptr;  // nullptr if the layer is not served
+    ggml_tensor *         low_ids     = nullptr;  // slot ids of the second pools; nullptr if the layer has none
+    const moetier_layer * layer       = nullptr;  // nullptr if the layer is not served
     // the second pools: the low-precision ones, or (cooperative compute under a VRAM tier, whose pools
     // the mul_mat_ids take with ids) the RAM tier's high ones, computed on the CPU
-    bool                  second_ram = false;
+    bool                  second_ram  = false;
+    // the second pools are the VRAM tier's low-precision ones (mixed precision under a VRAM tier)
+    bool                  second_vram = false;
 };
 
 // build_moe_ffn, once the top-k ids and their weights exist: if the layer's experts are served,

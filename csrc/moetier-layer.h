@@ -39,10 +39,11 @@ struct moetier_proj {
     ggml_tensor * meta                       = nullptr;  // the model's tensor, created without data
     // the group's pool per precision [ne0, ne1, n_slots]
     ggml_tensor * pool[MOETIER_N_PRECISIONS] = { nullptr, nullptr };
-    ggml_tensor * vram_pool = nullptr;  // the group's VRAM tier pool [ne0, ne1, n_slots + zero slots], if any
+    ggml_tensor * vram_pool     = nullptr;  // the group's VRAM tier pool [ne0, ne1, n_slots + zero slots], if any
     // with every expert in VRAM (preload_vram): this layer's slots of vram_pool [ne0, ne1, n_expert], a
     // view made a leaf of the graph (no op), which the mul_mat_ids take as stock's take its expert tensors
-    ggml_tensor * vram_view = nullptr;
+    ggml_tensor * vram_view     = nullptr;
+    ggml_tensor * vram_pool_low = nullptr;        // the VRAM tier's low-precision pool (mixed precision), if any
 
     const moetier_file *       file   = nullptr;  // GGUF or store data file
     const moetier_store_proj * store  = nullptr;  // per-expert offsets and checksums when reading a store

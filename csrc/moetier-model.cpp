@@ -49,12 +49,12 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     if (const char * bad = moetier_params_check(&params)) {
         throw moetier_exception(MOETIER_ERROR_CONFIG, bad);
     }
-    if (vram > 0 && (params.t1 < 1.0f || params.t2 < 1.0f)) {
+    if (vram_cpu && (params.t1 < 1.0f || params.t2 < 1.0f)) {
         throw moetier_exception(
             MOETIER_ERROR_CONFIG,
-            format("vram=%s: the VRAM tier serves exact modes only (t1 = t2 = 1), but t1=%g t2=%g ask for "
-                   "low-precision or skipped experts; drop vram, or the thresholds",
-                   moetier_format_bytes(vram).c_str(), params.t1, params.t2));
+            format("vram_cpu=1 (cooperative compute) serves exact modes only (t1 = t2 = 1), but t1=%g t2=%g ask "
+                   "for low-precision or skipped experts; drop vram_cpu, or the thresholds",
+                   params.t1, params.t2));
     }
     if (vram == 0 && (vram_host || vram_cpu)) {
         throw moetier_exception(
@@ -434,7 +434,9 @@ void moetier_model::finish_load(const llama_model & model) {
         ggml_backend_dev_t           dev        = nullptr;  // of its VRAM tier
         uint64_t                     vram_bytes = 0;        // of one expert there (unpadded)
         int64_t                      n_vram     = 0;
-        int32_t                      n_used     = 1;        // experts a token selects (the VRAM tier's zero slots)
+        uint64_t vram_bytes_low = 0;  // of one expert's low-precision copy there (mixed precision; 0: none)
+        int64_t  n_vram_low     = 0;
+        int32_t  n_used         = 1;  // experts a token selects (the VRAM tier's zero slots)
     };
 
     std::vector<plan> plans;
@@ -517,14 +519,16 @@ void moetier_model::finish_load(const llama_model & model) {
             }
             for (const auto & p : pl.layers[0]->projs) {
                 pl.vram_bytes += p.bytes;
+                // mixed precision: low-precision copies live in VRAM as well, in a pool of their own
+                pl.vram_bytes_low += pl.n_slots[MOETIER_PRECISION_LOW] > 0 ? p.store->bytes_low : 0;
             }
             // one layer's experts, and the zero slots (one per expert a token selects)
             pl.n_used = 1;
             for (const moetier_layer * l : pl.layers) {
                 pl.n_used = std::max<int32_t>(pl.n_used, (int32_t) model.hparams.n_expert_used((uint32_t) l->il));
             }
-            min_vram_bytes += pl.vram_bytes * (uint64_t) (n_expert + pl.n_used);
-            all_vram += pl.vram_bytes * (uint64_t) n_expert * pl.layers.size();
+            min_vram_bytes += (pl.vram_bytes + pl.vram_bytes_low) * (uint64_t) (n_expert + pl.n_used);
+            all_vram += (pl.vram_bytes + pl.vram_bytes_low) * (uint64_t) n_expert * pl.layers.size();
         }
         if (all_vram == 0) {
             const bool has_gpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr ||
@@ -544,8 +548,8 @@ void moetier_model::finish_load(const llama_model & model) {
         std::map<ggml_backend_dev_t, uint64_t> dev_all;    // the groups' expert bytes per device
         for (const auto & pl : plans) {
             if (pl.dev != nullptr) {
-                dev_min[pl.dev] += pl.vram_bytes * (uint64_t) (n_expert + pl.n_used);
-                dev_all[pl.dev] += pl.vram_bytes * (uint64_t) n_expert * pl.layers.size();
+                dev_min[pl.dev] += (pl.vram_bytes + pl.vram_bytes_low) * (uint64_t) (n_expert + pl.n_used);
+                dev_all[pl.dev] += (pl.vram_bytes + pl.vram_bytes_low) * (uint64_t) n_expert * pl.layers.size();
             }
         }
         if (auto_vram) {
@@ -610,8 +614,15 @@ void moetier_model::finish_load(const llama_model & model) {
             const uint64_t pool      = auto_vram ? dev_avail[pl.dev] - dev_min[pl.dev] : vram - min_vram_bytes;
             const uint64_t of        = auto_vram ? dev_all[pl.dev] : all_vram;
             const int64_t  max_slots = (int64_t) n_expert * (int64_t) pl.layers.size();
-            const double   share = (double) pool * (double) (pl.vram_bytes * n_expert * pl.layers.size()) / (double) of;
-            pl.n_vram            = std::min<int64_t>(max_slots, n_expert + (int64_t) (share / (double) pl.vram_bytes));
+            const double   share     = (double) pool *
+                                 (double) ((pl.vram_bytes + pl.vram_bytes_low) * n_expert * pl.layers.size()) /
+                                 (double) of;
+            // mixed precision: low_frac of it for low-precision copies, as in the RAM tier
+            const double low = pl.vram_bytes_low > 0 ? share * (double) low_frac : 0.0;
+            pl.n_vram = std::min<int64_t>(max_slots, n_expert + (int64_t) ((share - low) / (double) pl.vram_bytes));
+            if (pl.vram_bytes_low > 0 && pl.n_vram < max_slots) {
+                pl.n_vram_low = std::min<int64_t>(max_slots, n_expert + (int64_t) (low / (double) pl.vram_bytes_low));
+            }
         }
         if (auto_vram) {
             MOETIER_LOG_INFO("%s: vram auto: %s\n", __func__, vram_note.c_str());
@@ -690,8 +701,8 @@ void moetier_model::finish_load(const llama_model & model) {
         c->set_n_model_layers(std::max<int32_t>(n_model_layers, layers.back()->il + 1));
         if (pl.dev != nullptr) {
             const bool all_of_them = pl.n_vram == (int64_t) n_expert * (int64_t) pl.layers.size();
-            c->set_vram(pl.dev, vram_host, vram_cpu, (int32_t) pl.n_vram, pl.n_used, !all_of_them, policy_name,
-                        policy_weights);
+            c->set_vram(pl.dev, vram_host, vram_cpu, (int32_t) pl.n_vram, (int32_t) pl.n_vram_low, pl.n_used,
+                        !all_of_them, policy_name, policy_weights);
         }
         for (moetier_layer * l : pl.layers) {
             c->add_layer(l);
@@ -699,11 +710,18 @@ void moetier_model::finish_load(const llama_model & model) {
                 l->projs[k].pool[MOETIER_PRECISION_HIGH] = c->pool(MOETIER_PRECISION_HIGH, k);
                 l->projs[k].pool[MOETIER_PRECISION_LOW]  = c->pool(MOETIER_PRECISION_LOW, k);
                 l->projs[k].vram_pool                    = c->vram_pool(k);
+                l->projs[k].vram_pool_low                = c->vram_pool_low(k);
             }
         }
         if (pl.dev != nullptr && pl.n_vram == (int64_t) n_expert * (int64_t) pl.layers.size()) {
             // every expert fits: loaded now, computed as stock computes its experts
             c->preload_vram();
+            if (precision.t1 < 1.0f || precision.t2 < 1.0f) {
+                warn(
+                    format("t1=%g t2=%g: every expert of %d layers fits in VRAM in high precision, where they "
+                           "compute as the router chose: no expert of theirs is read in low precision or skipped",
+                           precision.t1, precision.t2, (int) pl.layers.size()));
+            }
             MOETIER_LOG_INFO(
                 "%s: VRAM tier holds every expert of its %d layers: read at load; they compute from "
                 "VRAM with no per-layer slot choice\n",

@@ -24,8 +24,8 @@ static const moetier_param_info g_rows[] = {
             "VRAM tier: bytes of experts cached in the memory of the GPU each layer runs on (-ngl), over the RAM cache, "
             "e.g. 4G, or auto (the GPU's free memory at load less the KV cache, compute buffers and a margin); at least "
             "one layer's experts; a VRAM miss is copied from the RAM tier (read first on a RAM miss) "
-            "and every expert computes on the GPU; exact modes only (t1 = t2 = 1); 0 = off: the experts compute on "
-            "the CPU from the RAM cache"),
+            "and every expert computes on the GPU; with mixed precision (t1 < t2) low_frac of it holds low-precision "
+            "copies; 0 = off: the experts compute on the CPU from the RAM cache"),
     MOETIER_ROW(store_dir, MOETIER_PARAM_TYPE_STRING, 0, 0, false,
             "expert store written by `moetier pack`; none = read experts from the GGUF"),
     MOETIER_ROW(policy, MOETIER_PARAM_TYPE_STRING, 0, 0, false,

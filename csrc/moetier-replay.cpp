@@ -79,7 +79,7 @@ moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
             throw std::invalid_argument(
                 format("replay: %d VRAM slots is below one layer's %d experts", p.n_slots_vram, p.n_expert));
         }
-        cache.set_vram(nullptr, false, false, std::min(p.n_slots_vram, p.n_expert * p.n_layers), p.n_used, false,
+        cache.set_vram(nullptr, false, false, std::min(p.n_slots_vram, p.n_expert * p.n_layers), 0, p.n_used, false,
                        p.policy, p.weights);
     }
     std::vector<std::unique_ptr<moetier_layer>> layers;
@@ -106,7 +106,7 @@ moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
             cache.resolve(*layers[il], ids + off, weights ? weights + off : nullptr, p.n_used, 1, row, row, out.data(),
                           false);
             if (p.n_slots_vram > 0) {
-                cache.upload(*layers[il], out.data(), p.n_used, 1, false, vout.data(), false);
+                cache.upload(*layers[il], out.data(), p.n_used, 1, nullptr, false, vout.data(), false);
             }
         }
     }

@@ -78,8 +78,8 @@ def test_vram_errors(model_path: Path) -> None:
     mn = _min_budget(model_path)
     with pytest.raises((ConfigError, ModelError), match="below the minimum"):
         Model(model_path, cache=CacheConfig(budget=mn, vram=mn // 2, vram_host=True))
-    with pytest.raises(ConfigError, match="exact modes only"):
-        Model(model_path, cache=CacheConfig(budget=mn, vram=_vram(mn, 1), t1=0.5, t2=0.9))
+    with pytest.raises(ConfigError, match=r"vram_cpu=1 \(cooperative compute\) serves exact modes only"):
+        Model(model_path, cache=CacheConfig(budget=mn, vram=_vram(mn, 1), vram_cpu=True, t1=0.5, t2=0.9))
     for knob in ("vram_host", "vram_cpu"):
         with pytest.raises((ConfigError, ModelError), match=rf"{knob}=1 \(.*\) works on the VRAM tier, but vram=0"):
             Model(model_path, cache=CacheConfig(budget=mn, **{knob: True}))
@@ -187,3 +187,31 @@ def test_vram_auto(model_path: Path) -> None:
     assert p.vram == AUTO
     with pytest.raises(ConfigError, match=r"vram: 'lots' is not a size \(e\.g\. 512M\) or auto"):
         p.set_opts("vram=lots")
+
+
+def test_mixed_precision_in_vram(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """Mixed precision under the VRAM tier (HOBBIT's low-precision copies in GPU memory): a pool of low
+    slots beside the high one, low misses copied from the RAM tier's low slots. Computed here in host
+    memory (vram_host), it must give exactly what the same mixed precision gives without the tier, and
+    copy fewer bytes per expert than the high versions."""
+    from moetier import PackConfig, pack
+
+    path = tiny_model("qwen3moe", n_expert=16, n_expert_used=4, n_layer=3, expert_type="f16")
+    store = pack(path, tmp_path / "s", PackConfig(low_type="q4_0"), progress=False)
+    info = Model(path, store=store, cache=CacheConfig(budget="64M")).cache_info()
+    high = int(info["expert_bytes"]) // (3 * 16)
+    low = int(info["expert_bytes_low"]) // (3 * 16)
+    # the RAM tier holds every version; the VRAM tier one layer and a half of each precision
+    mixed = dict(budget=int(info["expert_bytes"]) * 2, t1=0.0, t2=1.0, low_frac=0.5, prefetch=0)
+    ref = Model(path, store=store, cache=CacheConfig(**mixed))  # type: ignore[arg-type]
+    vram = (high + low) * (16 + 4) + (high + low) * 16
+    m = Model(path, store=store, cache=CacheConfig(**mixed, vram=vram, vram_host=True))  # type: ignore[arg-type]
+    ci = m.cache_info()
+    assert ci["n_slots_vram"] > 2 * 16 and ci["vram_bytes"] <= vram
+    tokens = ref.tokenize(LONG_PROMPT)
+    assert np.array_equal(m.logits(tokens[:24]), ref.logits(tokens[:24]))
+    assert m.generate(tokens, max_tokens=12).tokens == ref.generate(tokens, max_tokens=12).tokens
+    s = m.stats()
+    assert s.n_loads_low > 0 and s.n_vram_copies > 0 and s.n_vram_hits > 0
+    # each copy is a high or a low version: the bytes copied lie between all-low and all-high
+    assert low * s.n_vram_copies < s.n_vram_bytes < high * s.n_vram_copies
