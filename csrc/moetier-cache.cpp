@@ -320,25 +320,31 @@ void moetier_cache::upload(moetier_layer & layer,
     moetier_layer_stats & c    = layer.stats;
     moetier_policy_ctx    pctx = policy_ctx(layer.il);
     pctx.batch                 = n_tokens > 1;
-    std::fill(vram_of.begin(), vram_of.end(), -1);
-    missing.clear();
-    // hits first, in expert order as the RAM tier resolves: a copy must not evict an expert this layer uses
-    for (int32_t e = 0; e < n_expert_; ++e) {
-        const int32_t rs = need[e] == MOETIER_NEED_NONE ? -1 : hi.find(layer.il, e);
-        if (rs < 0 || !hi.is_pinned(rs)) {
-            continue;  // not computed in high precision
+    // per precision: the experts this layer computes in it (pinned in the RAM tier's pool `from`), hits in
+    // the VRAM pool `to` first, in expert order as the RAM tier resolves (a copy must not evict an expert
+    // this layer uses); the misses into `miss`
+    auto hits                  = [&](moetier_slots & to, const moetier_slots & from, std::vector<int32_t> & of,
+                    std::vector<int32_t> & miss) {
+        std::fill(of.begin(), of.end(), -1);
+        miss.clear();
+        for (int32_t e = 0; e < n_expert_; ++e) {
+            const int32_t rs = need[e] == MOETIER_NEED_NONE ? -1 : from.find(layer.il, e);
+            if (rs < 0 || !from.is_pinned(rs)) {
+                continue;  // not computed in this precision
+            }
+            const int32_t s = to.find(layer.il, e);
+            pctx.rank       = rank[e];
+            if (s >= 0) {
+                to.on_hit(s, pctx);
+                to.pin(s);
+                of[e] = s;
+                ++c.n_vram_hits;
+            } else {
+                miss.push_back(e);
+            }
         }
-        const int32_t s = v.find(layer.il, e);
-        pctx.rank       = rank[e];
-        if (s >= 0) {
-            v.on_hit(s, pctx);
-            v.pin(s);
-            vram_of[e] = s;
-            ++c.n_vram_hits;
-        } else {
-            missing.push_back(e);
-        }
-    }
+    };
+    hits(v, hi, vram_of, missing);
     // cooperative compute, in decode: the most used misses are copied, the others computed on the CPU,
     // the split that makes both take about as long (m misses: k copies, m - k on the CPU)
     int32_t * cpu_out = cpu_plane ? out + n : nullptr;
@@ -361,28 +367,10 @@ void moetier_cache::upload(moetier_layer & layer,
             return layer.uses[a].load(std::memory_order_relaxed) > layer.uses[b].load(std::memory_order_relaxed);
         });
     }
-    // mixed precision: the experts computed in low precision, from the VRAM tier's low slots (hits first)
+    // mixed precision: the experts computed in low precision, from the VRAM tier's low slots
     missing_low.clear();
     if (ram_low) {
-        moetier_slots &       vl = *vram_low;
-        const moetier_slots & lo = *sets[MOETIER_PRECISION_LOW];
-        std::fill(vram_low_of.begin(), vram_low_of.end(), -1);
-        for (int32_t e = 0; e < n_expert_; ++e) {
-            const int32_t rs = need[e] == MOETIER_NEED_NONE ? -1 : lo.find(layer.il, e);
-            if (rs < 0 || !lo.is_pinned(rs)) {
-                continue;  // not computed in low precision
-            }
-            const int32_t s = vl.find(layer.il, e);
-            pctx.rank       = rank[e];
-            if (s >= 0) {
-                vl.on_hit(s, pctx);
-                vl.pin(s);
-                vram_low_of[e] = s;
-                ++c.n_vram_hits;
-            } else {
-                missing_low.push_back(e);
-            }
-        }
+        hits(*vram_low, *sets[MOETIER_PRECISION_LOW], vram_low_of, missing_low);
     }
     const bool    any_copy = n_copy > 0 || !missing_low.empty();
     const int64_t t0       = !any_copy || simulate ? 0 : moetier_time_us();
