@@ -325,6 +325,13 @@ def main() -> None:
         help="leave out stock llama.cpp under each cap (it reads nearly every expert for each token: hours with a "
         "throttled disk); the runs then compare the moetier variants with each other",
     )
+    p.add_argument(
+        "--cap-gib",
+        type=float,
+        default=None,
+        help="one memory cap in GiB instead of --budgets (a device's RAM): the cache's budget is what the "
+        "non-expert weights and the headroom leave of it; runs are named by that budget's %% of the experts",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is abandoned (thrashing)")
     p.add_argument(
         "--throttle-read-mbps",
@@ -438,9 +445,19 @@ def main() -> None:
     for name, flags in upstreams:
         up = ["--upstream-bin", a.upstream, f"--upstream-args={flags}"]
         configs.append((f"{name}-ram", up, 1 << 40, None, "upstream_worker.py"))
-    for pct in [int(x) for x in a.budgets.split(",")]:
+    caps: list[tuple[int, int, int]] = []  # (pct for the names, budget, cap)
+    if a.cap_gib is not None:
+        # the cap is given: the cache gets what the non-experts and the headroom leave
+        cap = int(a.cap_gib * (1 << 30))
+        budget = cap - non_expert - headroom
+        if budget < int(info["min_cache_bytes"]):
+            msg = f"--cap-gib {a.cap_gib}: leaves {budget / MiB:.0f} MiB for experts, below the minimum cache"
+            raise SystemExit(msg)
+        caps.append((round(100 * budget / expert_bytes), budget, cap))
+    for pct in [int(x) for x in a.budgets.split(",")] if a.cap_gib is None else []:
         budget = max(int(info["min_cache_bytes"]), expert_bytes * pct // 100)
-        cap = non_expert + budget + headroom
+        caps.append((pct, budget, non_expert + budget + headroom))
+    for pct, budget, cap in caps:
         if not a.skip_stock_capped:
             configs.append((f"stock-capped-{pct}", ["--no-repack"], cap, None, "worker.py"))
         for name, policy, opts in variants:

@@ -34,7 +34,9 @@ static const moetier_param_info g_rows[] = {
             "(what this forward pass already used goes first), reuse (the longest expected time to next use, from "
             "layer distance and use frequency decayed over 64 passes; reuse:H another half-life), reuse-rank (reuse with "
             "the next use's probability learned online from the gate rank at the last use and the passes since; "
-            "frequency half-life 16, reuse-rank:H another), flashmoe:NET (FlashMoE's learned policy: a network "
+            "frequency half-life 16, reuse-rank:H another), reuse-learned (reuse with the next use's probability "
+            "learned online from the passes since the last use, the use frequency over 16 and 256 passes and the gate "
+            "rank, jointly; reuse-learned:H another fast half-life), flashmoe:NET (FlashMoE's learned policy: a network "
             "written by moetier train-policy)"),
     MOETIER_ROW(t1, MOETIER_PARAM_TYPE_FLOAT, 0, 1, true,
             "precision threshold of a miss (HOBBIT eq. 2): an expert whose score (the normalised gate weight of the "

@@ -265,6 +265,45 @@ def test_reuse_rank_reads_the_rank_from_the_gate_weights() -> None:
     assert right < _replay(ids, "reuse:16", 40).n_misses
 
 
+def topics(seed: int, n_seq: int = 6, seq_len: int = 300, hot: int = 6, p_hot: float = 0.7) -> npt.NDArray[np.int32]:
+    """Routing with a topic per sequence, as real MoEs route text: each sequence gives each of 4 layers
+    a hot set of 6 of its 16 experts that a token draws from with probability p_hot (else from all);
+    4 experts per token."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((n_seq * seq_len, 4, 4), dtype=np.int32)
+    for s in range(n_seq):
+        sets = [rng.choice(16, size=hot, replace=False) for _ in range(4)]
+        for t in range(s * seq_len, (s + 1) * seq_len):
+            for il in range(4):
+                chosen: list[int] = []
+                while len(chosen) < 4:
+                    e = int(rng.choice(sets[il])) if rng.random() < p_hot else int(rng.integers(16))
+                    if e not in chosen:
+                        chosen.append(e)
+                ids[t, il] = chosen
+    return ids
+
+
+@pytest.mark.parametrize(("seed", "n_slots"), [(0, 16), (1, 24), (2, 32)])
+def test_reuse_learned_learns_the_topics_of_routing(seed: int, n_slots: int) -> None:
+    """reuse-learned learns from each expert's gaps between uses how often an expert with its history
+    (passes since, use frequency at two time scales) comes back. With a hot set per sequence it keeps
+    the hot experts: far fewer misses than LRU and than reuse's one decayed frequency, about as few
+    as reuse-rank's rank x age table (the ranks here say nothing), without gate weights. A table that
+    learned nothing would leave only the layer distance, far worse than LRU."""
+    ids = topics(seed)
+    m = {p: _replay(ids, p, n_slots).n_misses for p in ("lru", "reuse", "reuse-rank", "reuse-learned", "belady")}
+    assert m["reuse-learned"] < 0.9 * m["lru"], m
+    assert m["reuse-learned"] < m["reuse"], m
+    assert m["reuse-learned"] < 1.03 * m["reuse-rank"], m
+    assert m["belady"] < m["reuse-learned"], m
+    p = _core.Policy("reuse-learned", 4, W)
+    assert p.across_layers
+    with pytest.raises(ConfigError, match="half-life"):
+        CacheConfig(budget="64M", policy="reuse-learned:0")
+    CacheConfig(budget="64M", policy="reuse-learned:32")
+
+
 def test_a_miss_never_evicts_what_the_same_resolve_uses() -> None:
     """Every hit of a resolve is pinned before its misses take slots. Layer 0's experts 8-15 fill
     half the cache, all last used together; the next token needs expert 0 and 8-14: expert 0 takes
@@ -285,7 +324,7 @@ def moe(tiny_model: ModelFactory) -> Path:
 def test_new_policies_decode_exactly(moe: Path) -> None:
     budget = int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"]) * 2
     stock = Model(moe).generate("def fibonacci(n):", max_tokens=24).tokens
-    for policy in ("classlru", "lfru", "least-stale", "reuse", "reuse:8", "reuse-rank"):
+    for policy in ("classlru", "lfru", "least-stale", "reuse", "reuse:8", "reuse-rank", "reuse-learned"):
         m = Model(moe, cache=CacheConfig.exact(budget, policy=policy))
         out = m.generate("def fibonacci(n):", max_tokens=24)
         assert out.tokens == stock, policy
@@ -510,6 +549,40 @@ def test_replay_reads_real_traces_without_a_model(tmp_path: Path, capsys: pytest
         rp.replay_main([str(path), "-m", "x.gguf", "--expert-bytes", "5M"])
     with pytest.raises(ConfigError, match="need the model"):
         rp.replay(path, None, [25.0], ["lru"], t1=0.5, progress=False)
+
+
+def test_a_trace_split_by_sequence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--sequences A:B replays those sequences of a trace only, each starting as it did: the same
+    counters as a trace holding only them; train-policy trains on one part of a real trace and judges
+    on another, with no model file (the geometry is the trace's)."""
+    from moetier.tools import train_policy as tp
+
+    ids = synthetic(7, n_tokens=400)
+    path = shared_format(tmp_path / "real.npz", ids, [0, 100, 250, 400])
+    part = shared_format(tmp_path / "part.npz", ids[100:], [0, 150, 300])
+    for seqs, ref in (((1, None), part), ((1, 3), part)):
+        got = rp.replay(path, None, [25.0], ["lru", "reuse-learned"], progress=False, sequences=seqs)
+        want = rp.replay(ref, None, [25.0], ["lru", "reuse-learned"], progress=False)
+        assert got["tokens"] == 300 and got["sequences"] == list(seqs)
+        assert [r["n_misses"] for r in got["rows"]] == [r["n_misses"] for r in want["rows"]]
+    one = rp.replay(path, None, [25.0], ["lru"], progress=False, sequences=(1, 2))
+    assert one["tokens"] == 150
+    assert rp.replay_main([str(path), "--sequences", "2:", "--policies", "lru", "-q"]) == 0
+    assert "(sequences 2:, 150 tokens" in capsys.readouterr().out
+    for bad in ("2:2", "0:4", "x"):
+        with pytest.raises(ConfigError, match=r"--sequences|within its 3 sequences"):
+            rp.replay_main([str(path), "--sequences", bad, "-q"])
+    out = tmp_path / "net.bin"
+    args = ["--train", str(path), "--eval", str(path), "--train-sequences", "0:2", "--eval-sequences", "2:"]
+    assert tp.main([*args, "--budgets", "25", "-o", str(out), "--hidden", "8", "--epochs", "1", "--rounds", "1"]) == 0
+    rep = json.loads((tmp_path / "net.json").read_text())
+    assert rep["model"] is None and rep["train_sequences"] == [0, 2] and rep["eval_sequences"] == [2, None]
+    assert {r["policy"] for r in rep["rows"]} == {"lru", "multi", "flashmoe", "belady"}
+    lru = next(r for r in rep["rows"] if r["policy"] == "lru")
+    assert (
+        lru["n_misses"]
+        == rp.replay(path, None, [25.0], ["lru"], progress=False, sequences=(2, None))["rows"][0]["n_misses"]
+    )
 
 
 def test_bad_real_traces_are_named(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ static moetier_policy_ptr moetier_policy_named(const std::string &            na
     if (name == "least-stale") {
         return moetier_policy_least_stale_create();
     }
-    for (const char * base : { "reuse", "reuse-rank" }) {
+    for (const char * base : { "reuse", "reuse-rank", "reuse-learned" }) {
         const std::string b = base;
         if (name.compare(0, b.size(), b) != 0 || (name.size() != b.size() && name[b.size()] != ':')) {
             continue;
@@ -61,7 +61,11 @@ static moetier_policy_ptr moetier_policy_named(const std::string &            na
                 return nullptr;
             }
         }
-        return b == "reuse" ? moetier_policy_reuse_create(half_life) : moetier_policy_reuse_rank_create(half_life);
+        if (b == "reuse") {
+            return moetier_policy_reuse_create(half_life);
+        }
+        return b == "reuse-rank" ? moetier_policy_reuse_rank_create(half_life) :
+                                   moetier_policy_reuse_learned_create(half_life);
     }
     static const std::string flashmoe = "flashmoe:";
     if (name.compare(0, flashmoe.size(), flashmoe) == 0) {
@@ -89,7 +93,7 @@ static moetier_policy_ptr moetier_policy_named(const std::string &            na
             names += names.empty() ? *n : std::string(", ") + *n;
         }
         err = "unknown policy '" + name + "'; available: " + names +
-              ", reuse:HALF_LIFE, reuse-rank:HALF_LIFE, flashmoe:NETWORK_FILE";
+              ", reuse:HALF_LIFE, reuse-rank:HALF_LIFE, reuse-learned:HALF_LIFE, flashmoe:NETWORK_FILE";
         return nullptr;
     }
     return moetier_policy_weighted_create(w);
@@ -117,7 +121,8 @@ moetier_policy_ptr moetier_policy_create(const std::string &            name,
 
 // the online policies (a model can run them); replay also takes the offline ones
 const char * const * moetier_policy_names(void) {
-    static const char * const names[] = { "lru",      "lfu",  "lhu",         "fld",   "multi",      "random",
-                                          "classlru", "lfru", "least-stale", "reuse", "reuse-rank", nullptr };
+    static const char * const names[] = { "lru",        "lfu",           "lhu",  "fld",         "multi",
+                                          "random",     "classlru",      "lfru", "least-stale", "reuse",
+                                          "reuse-rank", "reuse-learned", nullptr };
     return names;
 }

@@ -187,6 +187,10 @@ moetier_policy_ptr moetier_policy_reuse_create(double half_life);
 // expected reuse distance with the next use's probability learned online from the gate rank at the
 // last use and the passes since, and the decayed use frequency (half_life in forward passes)
 moetier_policy_ptr moetier_policy_reuse_rank_create(double half_life);
+// expected reuse distance with the next use's probability learned online, jointly, from the passes
+// since the last use, the use frequency at two time scales (half_life and 16 x half_life passes) and
+// the gate rank at the last use
+moetier_policy_ptr moetier_policy_reuse_learned_create(double half_life);
 // Belady's MIN (cost_aware false) and its byte-weighted variant; future must outlive the policy
 moetier_policy_ptr moetier_policy_belady_create(const moetier_future * future, bool cost_aware);
 // FlashMoE's learned policy (flashmoe.h); nullptr with err set if the network file is bad

@@ -133,6 +133,29 @@ def replay_one(
     }
 
 
+def select_sequences(trace: Trace, first: int, last: int | None, path: str) -> Trace:
+    """Sequences first .. last - 1 of trace (last None: to the end), each starting as it did: a part of a
+    trace held out from what a policy was designed or fitted on."""
+    starts = [*trace.seq_starts, int(trace.ids.shape[0])]
+    n_seq = len(starts) - 1
+    end = n_seq if last is None else last
+    if not 0 <= first < end <= n_seq:
+        upto = "" if last is None else last
+        msg = f"{path}: sequences {first}:{upto} is not a range within its {n_seq} sequences"
+        raise ConfigError(msg)
+    t0, t1 = starts[first], starts[end]
+    ub = [s - t0 for s in trace.ubatch_starts if t0 <= s < t1]
+    return Trace(
+        trace.ids[t0:t1],
+        trace.weights[t0:t1],
+        trace.layers,
+        trace.n_expert,
+        tuple(s - t0 for s in starts[first:end]),
+        tuple(ub) if ub and ub[0] == 0 else (0, *ub),
+        trace.has_weights,
+    )
+
+
 def check_trace(trace: Trace, geo: dict[str, int], path: str | Path) -> None:
     if trace.ids.shape[1] != geo["n_layers"] or trace.n_expert != geo["n_expert"]:
         msg = (
@@ -156,12 +179,14 @@ def replay(
     progress: bool = True,
     vram: float = 0.0,
     expert_bytes: int = 1,
+    sequences: tuple[int, int | None] | None = None,
 ) -> dict[str, Any]:
     """Every policy at every budget; the report with, per budget, the share of the gap between LRU
     and Belady in bytes each policy closes. vram: a VRAM tier over the cache of that % of the experts
     (its hits and the bytes copied into it per token are in the rows; each tier runs the policy).
     model None: the geometry is the trace's (layers, experts), each expert expert_bytes (1: the bytes
-    count misses), for a trace of real routing with no model file to load."""
+    count misses), for a trace of real routing with no model file to load. sequences (first, last): only
+    those sequences of the trace (last excluded, None: to the end), before tokens is applied."""
     if model is None and (store is not None or t1 < 1.0 or t2 < 1.0):
         msg = "replay: a store and mixed precision need the model (-m) for their sizes"
         raise ConfigError(msg)
@@ -177,6 +202,8 @@ def replay(
     paths = [trace_path] if isinstance(trace_path, (str, Path)) else list(trace_path)
     trace = concat_traces([Trace.load(p) for p in paths], [str(p) for p in paths])
     trace_path = ", ".join(str(p) for p in paths)
+    if sequences is not None:
+        trace = select_sequences(trace, sequences[0], sequences[1], trace_path)
     if tokens > 0:
         n = min(tokens, trace.ids.shape[0])
         trace = Trace(
@@ -220,6 +247,7 @@ def replay(
         "expert_bytes": expert_bytes if model is None else None,
         "store": str(store) if store else None,
         "tokens": int(trace.ids.shape[0]),
+        "sequences": list(sequences) if sequences is not None else None,
         "n_used": int(trace.ids.shape[2]),
         "t1": t1,
         "t2": t2,
@@ -240,8 +268,10 @@ def table(rep: dict[str, Any]) -> str:
         f"experts{'' if rep.get('expert_bytes', 1) > 1 else '; MB/token counts misses, 1 byte each'})"
     )
     weights = "" if rep.get("has_weights", True) else " The trace has no gate weights: ranks follow its id order."
+    seqs = rep.get("sequences")
+    part = f"sequences {seqs[0]}:{'' if seqs[1] is None else seqs[1]}, " if seqs else ""
     out = [
-        f"Replay of {rep['trace']} ({rep['tokens']} tokens, top-{rep['n_used']}) on {on}; "
+        f"Replay of {rep['trace']} ({part}{rep['tokens']} tokens, top-{rep['n_used']}) on {on}; "
         f"t1={rep['t1']:g}, t2={rep['t2']:g}. gap closed: share of the bytes between LRU and Belady a policy saves."
         + weights,
         "",
@@ -345,6 +375,20 @@ def _expert_bytes(text: str, model: str | None) -> int:
     return n
 
 
+def parse_sequences(text: str | None, flag: str = "--sequences") -> tuple[int, int | None] | None:
+    """A range A:B of a trace's sequences given on the command line (B empty: to the end)."""
+    if text is None:
+        return None
+    a, sep, b = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(a), int(b) if b.strip() else None
+    except ValueError:
+        msg = f"{flag}: {text!r} is not a range A:B of sequence numbers (B may be left out)"
+        raise ConfigError(msg) from None
+
+
 def replay_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="moetier replay",
@@ -387,7 +431,15 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--weights", default="0.25,0.25,0.25,0.25", help="w_lru,w_lfu,w_lhu,w_fld of policy multi (default: equal)"
     )
-    p.add_argument("--tokens", type=int, default=0, help="replay only the first N tokens (default: all)")
+    p.add_argument(
+        "--sequences",
+        default=None,
+        help="replay only sequences A:B of the trace (from A up to B excluded, counted from 0; A: to the end), "
+        "e.g. prompts held out from what a policy was tuned on (default: all)",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=0, help="replay only the first N tokens (after --sequences; default: all)"
+    )
     p.add_argument(
         "--vram",
         type=float,
@@ -420,6 +472,7 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         not a.quiet,
         a.vram,
         _expert_bytes(a.expert_bytes, a.model),
+        parse_sequences(a.sequences),
     )
     md = table(rep)
     sys.stdout.write(md)

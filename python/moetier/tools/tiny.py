@@ -26,11 +26,13 @@ EXPERT_TYPES = {
     "f32": gguf.GGMLQuantizationType.F32,
     "f16": gguf.GGMLQuantizationType.F16,
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_k": gguf.GGMLQuantizationType.Q4_K,
 }
 _FILE_TYPES = {
     "f32": gguf.LlamaFileType.ALL_F32,
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M,
 }
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -111,6 +113,20 @@ def _randn(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarr
     return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
 
 
+def _random_q4_k(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Random Q4_K blocks (uint8, rows of shape[-1] // 256 blocks of 144 bytes) whose values have mean
+    about 0 and standard deviation about std: random 4-bit quants and 6-bit scales and mins, with each
+    block's d = std / 257 and dmin = 7.5 d (so d * scale * q - dmin * min centres on 0). Quantizing
+    a normal array would take minutes per gigabyte; a model at a real MoE's size is tens of them."""
+    rng = np.random.default_rng((seed ^ zlib.crc32(name.encode())) & 0xFFFFFFFFFFFFFFFF)
+    n_blocks = shape[-1] // 256
+    blocks = rng.integers(0, 256, size=(*shape[:-1], n_blocks, 144), dtype=np.uint8)
+    d = np.float16(std / 257.0)
+    blocks[..., 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    blocks[..., 2:4] = np.frombuffer(np.float16(7.5 * float(d)).tobytes(), dtype=np.uint8)
+    return blocks.reshape(*shape[:-1], n_blocks * 144)
+
+
 def write_tiny_model(
     path: str | os.PathLike[str],
     arch: str = "qwen2moe",
@@ -143,9 +159,11 @@ def write_tiny_model(
       selection bias, blk.N.exp_probs_b.bias, of zeros: DeepSeek-V3's routing);
     - "qwen2" (dense; its FFN size is n_ff_exp and the expert arguments are ignored).
 
-    Every dense FFN is n_ff_exp wide. expert_type ("f32", "f16", "q8_0")
-    applies to the three ffn_*_exps tensors only. Output is byte-identical
-    for identical arguments.
+    Every dense FFN is n_ff_exp wide. expert_type ("f32", "f16", "q8_0",
+    "q4_k") applies to the three ffn_*_exps tensors only; q4_k experts are
+    random blocks (not a quantized normal array), for models at a real MoE's
+    size (tensors are written one at a time: memory stays at one tensor).
+    Output is byte-identical for identical arguments.
     """
     if arch not in ARCHS:
         msg = f"arch must be one of {ARCHS}, got {arch!r}"
@@ -162,6 +180,9 @@ def write_tiny_model(
         raise ValueError(msg)
     if moe and expert_type == "q8_0" and (n_embd % 32 or n_ff_exp % 32):
         msg = "q8_0 experts need n_embd and n_ff_exp to be multiples of 32"
+        raise ValueError(msg)
+    if moe and expert_type == "q4_k" and (n_embd % 256 or n_ff_exp % 256):
+        msg = "q4_k experts need n_embd and n_ff_exp to be multiples of 256"
         raise ValueError(msg)
     if arch in ("deepseek", "glm4moe") and n_layer < 2:
         msg = f"{arch} needs n_layer >= 2 (layer 0 is dense)"
@@ -220,6 +241,9 @@ def write_tiny_model(
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
 
+    # (name, numpy shape, std, type, mean) in file order: the infos go first, the data one tensor at a time
+    specs: list[tuple[str, tuple[int, ...], float, gguf.GGMLQuantizationType, float]] = []
+
     def add(
         name: str,
         shape: tuple[int, ...],
@@ -228,18 +252,24 @@ def write_tiny_model(
         mean: float = 0.0,
     ) -> None:
         # shape is numpy order, i.e. reversed ggml ne
-        data = _randn(seed, name, shape, std)
+        specs.append((name, shape, std, qtype, mean))
+
+    def make(
+        name: str, shape: tuple[int, ...], std: float, qtype: gguf.GGMLQuantizationType, mean: float
+    ) -> np.ndarray:
+        if qtype == gguf.GGMLQuantizationType.Q4_K:
+            return _random_q4_k(seed, name, shape, std)
+        data = _randn(seed, name, shape, std) if std else np.zeros(shape, np.float32)
         if mean:
             data += np.float32(mean)
         if name in ("output.weight", "output.bias"):
             # zero logits for special/extra tokens so that greedy decoding never stops early
             data[types.index(int(gguf.TokenType.CONTROL)) :] = 0.0
         if qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, data)
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(name, data.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            return data
+        if qtype == gguf.GGMLQuantizationType.F16:
+            return data.astype(np.float16)
+        return gguf.quants.quantize(data, qtype)
 
     f32 = gguf.GGMLQuantizationType.F32
     f16 = gguf.GGMLQuantizationType.F16
@@ -288,7 +318,7 @@ def write_tiny_model(
         # router: logits with std ~3 so that routing is decisive and varies per token/layer
         add(b + "ffn_gate_inp.weight", (n_expert, n_embd), 3.0 * s_in, f32)
         if arch == "glm4moe":
-            w.add_tensor(b + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
+            add(b + "exp_probs_b.bias", (n_expert,), 0.0, f32)
         add(b + "ffn_gate_exps.weight", (n_expert, n_ff_exp, n_embd), s_in, exp_t)
         add(b + "ffn_up_exps.weight", (n_expert, n_ff_exp, n_embd), s_in, exp_t)
         add(
@@ -312,8 +342,18 @@ def write_tiny_model(
             add(b + "ffn_up_shexp.weight", (n_ff_exp, n_embd), s_in, f16)
             add(b + "ffn_down_shexp.weight", (n_embd, n_ff_exp), 1.0 / np.sqrt(n_ff_exp), f16)
 
+    for name, shape, _, qtype, _ in specs:
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dtype = np.dtype(np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16)
+            w.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            byte_shape = (*shape[:-1], shape[-1] // block * size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for spec in specs:
+        w.write_tensor_data(make(*spec))
     w.close()
     return path

@@ -37,7 +37,7 @@ from .. import _core
 from ..calibrate import Trace, concat_traces
 from ..errors import ConfigError
 from .mlp import F32, MLP, FitConfig, fit
-from .replay import geometry, probe, replay_one
+from .replay import geometry, geometry_of, parse_sequences, probe, replay_one, select_sequences
 
 MAGIC = b"MOETFMN1"
 N_RECORDED = 3  # inputs the recorder logs (policies/flashmoe.h); a network takes the first 2 or 3
@@ -212,21 +212,37 @@ def decision_cost_us(trace: Trace, geo: dict[str, int], policy: str, repeats: in
     return 1e6 * max(0.0, best(policy) - best("lru")) / max(1, n)
 
 
+def _part(t: Trace, seqs: tuple[int, int | None] | None, path: str | Path) -> Trace:
+    return t if seqs is None else select_sequences(t, seqs[0], seqs[1], str(path))
+
+
 def train_policy(
-    model: str | Path,
+    model: str | Path | None,
     train: Sequence[str | Path],
     evals: Sequence[str | Path],
     out: str | Path,
     budgets: Sequence[float] = (10, 25, 50),
     cfg: TrainPolicyConfig | None = None,
+    train_sequences: tuple[int, int | None] | None = None,
+    eval_sequences: tuple[int, int | None] | None = None,
 ) -> dict[str, Any]:
+    """model None: the geometry is the first training trace's (a trace of real routing with no model
+    file), each expert counted as one byte. train_sequences, eval_sequences: only those sequences of
+    each trace (first, last excluded; None: to the end), e.g. the prompts of one trace split in two."""
     cfg = cfg or TrainPolicyConfig()
     rng = np.random.default_rng(cfg.seed)
-    facts = probe(model, None)
-    geos = [geometry(model, None, facts, b, 1.0, 1.0, 0.25) for b in budgets]
-    tr_traces = [Trace.load(p) for p in train]
-    ev_traces = [concat_traces([Trace.load(p) for p in evals], [str(p) for p in evals])] if evals else []
+    tr_traces = [_part(Trace.load(p), train_sequences, p) for p in train]
+    ev_traces = (
+        [_part(concat_traces([Trace.load(p) for p in evals], [str(p) for p in evals]), eval_sequences, evals[0])]
+        if evals
+        else []
+    )
     evals = [", ".join(str(p) for p in evals)] if evals else []
+    if model is None:
+        geos = [geometry_of(tr_traces[0].ids.shape[1], tr_traces[0].n_expert, b, 1) for b in budgets]
+    else:
+        facts = probe(model, None)
+        geos = [geometry(model, None, facts, b, 1.0, 1.0, 0.25) for b in budgets]
     for p, t in zip([*train, *evals], [*tr_traces, *ev_traces], strict=True):
         if t.ids.shape[1] != geos[0]["n_layers"] or t.n_expert != geos[0]["n_expert"]:
             msg = f"{p}: a trace of another model ({t.ids.shape[1]} MoE layers of {t.n_expert} experts)"
@@ -277,8 +293,10 @@ def train_policy(
     ev = collect(ev_traces, geos, f"flashmoe:{out}", cfg.max_rows, rng, cfg.layer_distance)
     lru = collect(ev_traces, geos, "lru", cfg.max_rows, rng)
     report = {
-        "model": str(model),
+        "model": str(model) if model is not None else None,
         "network": str(out),
+        "train_sequences": list(train_sequences) if train_sequences is not None else None,
+        "eval_sequences": list(eval_sequences) if eval_sequences is not None else None,
         "config": asdict(cfg),
         "budgets": list(budgets),
         "train": [str(p) for p in train],
@@ -327,9 +345,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Train FlashMoE's learned eviction policy on routing traces to imitate Belady's evictions, and "
         "evaluate it on held-out traces; run it with policy flashmoe:OUT.",
     )
-    p.add_argument("-m", "--model", required=True, help="the MoE GGUF the traces were recorded on")
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="the MoE GGUF the traces were recorded on (gives the geometry); without one, the traces' layers and "
+        "experts (a trace of real routing, shared format)",
+    )
     p.add_argument("--train", nargs="+", required=True, help="training traces (moetier trace), not the held-out text")
     p.add_argument("--eval", nargs="*", default=[], help="held-out traces to evaluate on")
+    p.add_argument(
+        "--train-sequences",
+        default=None,
+        help="train on sequences A:B of each training trace only (B excluded; A: to the end; default: all)",
+    )
+    p.add_argument(
+        "--eval-sequences",
+        default=None,
+        help="evaluate on sequences A:B of the held-out traces only, e.g. the prompts of the training trace "
+        "not trained on (default: all)",
+    )
     p.add_argument("--budgets", default="10,25,50", help="budgets in %% of the experts' bytes (default: 10,25,50)")
     p.add_argument(
         "-o",
@@ -354,7 +389,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not budgets or any(not 0 < b <= 100 for b in budgets):
         msg = f"--budgets: {a.budgets!r}: each budget is a share of the experts in (0, 100]"
         raise ConfigError(msg)
-    rep = train_policy(a.model, a.train, a.eval, a.output, budgets, cfg)
+    rep = train_policy(
+        a.model,
+        a.train,
+        a.eval,
+        a.output,
+        budgets,
+        cfg,
+        parse_sequences(a.train_sequences, "--train-sequences"),
+        parse_sequences(a.eval_sequences, "--eval-sequences"),
+    )
     md = table(rep)
     sys.stdout.write(md)
     base = report_base(a.output)
