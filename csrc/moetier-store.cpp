@@ -564,8 +564,14 @@ static void moetier_pack_impl(const std::string &         model_path,
                               const moetier_pack_params & params) {
     // low_type is one ggml type, or a list "q2_K,q4_0": each projection takes the first type whose
     // block size divides its rows (K-quants pack 256 values, and an expert's FFN width need not be a
-    // multiple of 256: moefy's 224-wide experts, Qwen1.5-MoE's 1408)
-    const std::string      low_spec = params.low_type ? params.low_type : "";
+    // multiple of 256: moefy's 224-wide experts, Qwen1.5-MoE's 1408). "auto": q4_0, except for
+    // experts of 5 bits per weight or fewer (a Q4_K model), whose q4_0 copy would be as large as the
+    // experts themselves (a store of twice the model for nothing): q2_K where the rows allow, else q4_0
+    std::string low_spec = params.low_type ? params.low_type : "";
+    const bool  low_auto = low_spec == "auto";
+    if (low_auto) {
+        low_spec = "q2_K,q4_0";
+    }
     std::vector<ggml_type> low_types;
     for (size_t start = 0;;) {
         const size_t      comma = low_spec.find(',', start);
@@ -590,7 +596,6 @@ static void moetier_pack_impl(const std::string &         model_path,
         }
         start = comma + 1;
     }
-    const ggml_type low_type = low_types[0];  // the manifest's store-wide name; each projection has its own
 
     moetier_gguf_meta            meta(model_path);
     const moetier_model_identity id = moetier_model_identity_compute(model_path);
@@ -619,8 +624,13 @@ static void moetier_pack_impl(const std::string &         model_path,
         if (ggml_n_dims(t) != 3) {
             throw std::runtime_error(format("%s: tensor %s is not 3-D", model_path.c_str(), name));
         }
-        ggml_type low = GGML_TYPE_COUNT;
+        ggml_type    low      = GGML_TYPE_COUNT;
+        // auto: q2_K only below the experts' own size; bits per weight of the high type
+        const double high_bpw = 8.0 * (double) ggml_type_size(t->type) / (double) ggml_blck_size(t->type);
         for (const ggml_type lt : low_types) {
+            if (low_auto && lt == GGML_TYPE_Q2_K && high_bpw > 5.0) {
+                continue;
+            }
             if (t->ne[0] % ggml_blck_size(lt) == 0) {
                 low = lt;
                 break;
@@ -643,6 +653,8 @@ static void moetier_pack_impl(const std::string &         model_path,
         throw std::runtime_error(
             format("%s: no expert tensors (blk.N.ffn_*_exps.weight): not a MoE model", model_path.c_str()));
     }
+    // the manifest's store-wide name (each projection records its own)
+    const ggml_type low_type = layers.begin()->second.front().low;
 
     // layout: header block, then per layer, per expert: high projections, then low projections
     std::mt19937_64   rng(std::random_device{}() ^ (uint64_t) moetier_time_us());
@@ -802,7 +814,7 @@ static void moetier_pack_impl(const std::string &         model_path,
 
 struct moetier_pack_params moetier_pack_default_params(void) {
     moetier_pack_params p = {
-        /*.low_type                    =*/"q4_0",
+        /*.low_type                    =*/"auto",
         /*.progress_callback           =*/nullptr,
         /*.progress_callback_user_data =*/nullptr,
     };

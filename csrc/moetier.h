@@ -406,7 +406,8 @@ typedef bool (*moetier_progress_callback)(uint64_t done, uint64_t total, void * 
 
 struct moetier_pack_params {
     // ggml type name of the low-precision copy, e.g. "q4_0", or a list "q2_K,q4_0": each projection
-    // takes the first type whose block size divides its rows
+    // takes the first type whose block size divides its rows; "auto" (the default): q4_0, and q2_K
+    // (rows allowing) for experts of 5 bits per weight or fewer, whose q4_0 copy would be no smaller
     const char *              low_type;
     moetier_progress_callback progress_callback;
     void *                    progress_callback_user_data;

@@ -105,3 +105,23 @@ def test_pack_default_place_and_progress(
     done = last.split("|")[2].split()[0]  # "197k/197k": scaled units, the whole total done
     assert done.split("/")[0] == done.split("/")[1] and done.endswith("k") and "B/s" in last, last
     assert size > 1000
+
+
+def test_auto_low_type_is_smaller_than_the_experts(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """The default low type, auto: q4_0 below q8_0 experts; below Q4_K experts (4.5 bits per weight,
+    as large as q4_0) q2_K where the rows hold 256-value blocks, and q4_0 only where they do not, so
+    the low copies of a Q4_K model are smaller than the model's own experts."""
+    assert PackConfig().low_type == "auto"
+    q8 = tiny_model("qwen3moe", n_expert=8, n_expert_used=2, n_layer=2, n_embd=256, n_ff_exp=256, expert_type="q8_0")
+    m = json.loads((pack(q8, tmp_path / "q8", progress=False) / "manifest.json").read_text())
+    assert {p["type_low"] for layer in m["layers"] for p in layer["projections"]} == {"q4_0"}
+    q4k = tiny_model("qwen3moe", n_expert=8, n_expert_used=2, n_layer=2, n_embd=256, n_ff_exp=256, expert_type="q4_k")
+    store = pack(q4k, tmp_path / "q4k", progress=False)
+    m = json.loads((store / "manifest.json").read_text())
+    assert m["low_type"] == "q2_K"
+    for layer in m["layers"]:
+        for p in layer["projections"]:
+            assert p["type_low"] == "q2_K" and p["bytes_low"] < p["bytes_high"]
+    # and it serves mixed precision
+    mixed = CacheConfig(budget="64M", t1=0.0, t2=1.0, prefetch=0)
+    assert Model(q4k, store=store, cache=mixed).generate("x", max_tokens=4).stats.n_loads_low > 0

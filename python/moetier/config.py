@@ -254,6 +254,7 @@ class PackConfig:
         metadata={
             "help": "ggml type of the low-precision copy of each expert, e.g. q4_0, q4_k, q8_0; or a list, e.g. "
             "q2_K,q4_0: each projection takes the first type whose block size divides its rows (K-quants "
-            "need rows of a multiple of 256 values)"
+            "need rows of a multiple of 256 values); auto: q4_0, and q2_K (rows allowing) for experts of 5 "
+            "bits per weight or fewer, such as Q4_K, whose q4_0 copy would be no smaller"
         },
     )
