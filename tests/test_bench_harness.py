@@ -579,6 +579,42 @@ def test_skip_stock_capped_runs_the_variants_alone(
     assert all(r.split(" | ")[3] == "-" for r in rows)
 
 
+def test_cap_gib_gives_the_cache_what_the_cap_leaves(
+    tiny_model: ModelFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--cap-gib: one cap instead of --budgets; every capped run gets exactly that cap, and the cache's
+    budget is the cap less the non-expert bytes and the headroom, the runs named by its share of the
+    experts. A cap too small for the minimum cache is refused before anything runs."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=8)
+    ran: list[tuple[list[str], int | None]] = []
+
+    def fake_worker(
+        args: list[str], cap: _FakeCap | None, timeout: float, script: str, throttle: object = None
+    ) -> object:
+        ran.append((args, cap.limit_bytes if cap is not None else None))
+        return _worker([1.0], 1, 2, 100) | {"cgroup_peak_bytes": 0}
+
+    monkeypatch.setattr(run, "run_worker", fake_worker)
+    _fake_machine(monkeypatch)
+    out = tmp_path / "res"
+    cap = 0.01  # GiB
+    argv = ["run.py", "--model", str(path), "--cap-gib", str(cap), "--repeats", "1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--headroom-mib", "2"])
+    run.main()
+    report = json.loads(out.with_name("res.json").read_text())
+    capped = [r for r in report["runs"] if r.startswith(("moetier-", "stock-capped-"))]
+    assert len(capped) == 2
+    moe = report["runs"][next(r for r in capped if r.startswith("moetier-"))]
+    budget = int(cap * (1 << 30)) - report["non_expert_bytes"] - 2 * (1 << 20)
+    assert moe["budget_bytes"] == budget and moe["cap_bytes"] == int(cap * (1 << 30))
+    pct = round(100 * budget / report["expert_bytes"])
+    assert f"moetier-{pct}" in report["runs"] and f"stock-capped-{pct}" in report["runs"]
+    assert all(c == int(cap * (1 << 30)) for a, c in ran if "--cache" in a)
+    monkeypatch.setattr(sys, "argv", [*argv[:4], "0.0001", *argv[5:]])
+    with pytest.raises(SystemExit, match="below the minimum cache"):
+        run.main()
+
+
 @pytest.mark.skipif(not cgroup.available(), reason="needs a writable cgroup v1 memory controller")
 def test_memory_cap_limits_and_joins() -> None:
     cap = cgroup.MemoryCap(f"moetier-test-{id(object())}", 256 << 20)
