@@ -37,6 +37,7 @@ struct moetier_policy_reuse_learned : moetier_policy_i {
         double   slow       = 0.0;  // with half-life slow H
         uint64_t count_pass = 0;
         uint64_t last_pass  = 0;    // 0 = never used by a token (a prefetch, a warm start)
+        uint64_t load_pass  = 0;    // pass of the read when no token has used it yet
         uint64_t last_use   = 0;    // tick, for ties
         int32_t  rank       = 0;    // gate rank at the last use
         int32_t  cell       = 0;    // the history's cell at the last use, age excluded: f_fast x f_slow
@@ -124,16 +125,18 @@ struct moetier_policy_reuse_learned : moetier_policy_i {
     }
 
     void use(int32_t s, const moetier_key & k, const moetier_policy_ctx & ctx) {
-        key[s] = k;
+        key[s]     = k;
+        record & r = records[k];
         if (ctx.rank < 0) {
+            r.load_pass = r.last_pass == 0 ? ctx.pass : r.load_pass;
             return;  // read for a prediction: no token used it
         }
-        record & r = records[k];
         if (r.last_pass != 0 && ctx.pass == r.last_pass) {
             r.last_use = ctx.tick;
             return;  // one use per forward pass
         }
-        if (r.last_pass != 0 && !r.batch) {
+        // a gap learns only between decode steps: a prefill ubatch routes nearly every expert, at either end
+        if (r.last_pass != 0 && !r.batch && !ctx.batch) {
             const uint64_t gap = ctx.pass - r.last_pass;
             missed(r.rank, r.cell, 1, gap);
             count(r.rank, age_bucket(gap), r.cell, 1.0, 1.0);
@@ -146,7 +149,8 @@ struct moetier_policy_reuse_learned : moetier_policy_i {
         r.last_use     = ctx.tick;
         r.rank         = ctx.rank;
         r.batch        = ctx.batch;
-        // the slow count runs 16x longer: scaled to the fast one's range before its class is taken
+        // the slow count runs 16x longer: divided by 8 before its class is taken (at a steady rate its
+        // class is two above the fast one's; the classes were chosen so on the design prompts)
         r.cell         = freq_class(r.fast) * n_freq + freq_class(r.slow / (slow / 2.0));
     }
 
@@ -192,7 +196,11 @@ struct moetier_policy_reuse_learned : moetier_policy_i {
                 const uint64_t next = key[s].layer > ctx.layer ? ctx.pass : ctx.pass + 1;
                 q = probability(r.rank, age_bucket(next > r.last_pass ? next - r.last_pass : 1), r.cell);
             } else {
-                q = probability(0, n_age - 1, 0);  // read ahead, not used yet: the oldest, rarest history
+                // read ahead, not used yet: as an expert used once, with no rank, when it was read
+                const uint64_t next = key[s].layer > ctx.layer ? ctx.pass : ctx.pass + 1;
+                const int32_t  once = freq_class(1.0) * n_freq + freq_class(1.0 / (slow / 2.0));
+                q                   = probability(ranked.empty() ? 0 : (int32_t) ranked.size() - 1,
+                                age_bucket(next > r.load_pass ? next - r.load_pass : 1), once);
             }
             q               = std::clamp(q, 1e-6, 1.0);
             const int32_t d = ((key[s].layer - ctx.layer) % ln + ln) % ln;
