@@ -5,6 +5,7 @@
 // victim among unpinned slots. A new policy is one file in csrc/policies/ plus one line in
 // moetier_policy_create.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -133,6 +134,40 @@ struct moetier_policy_decayed_uses : moetier_policy_i {
 
     void reset_sequence(const moetier_policy_ctx & /*ctx*/) override {}
 };
+
+// Belady's rule with the future estimated (reuse, reuse-rank, reuse-learned): among the slots not
+// excluded, the one whose next use is expected farthest away, d + n_layers (1 - q) / q resolves, with
+// d the layers until its layer runs again and q = q_of(slot) the probability that run uses it; ties
+// to the smaller last_use_of(slot); an empty slot first
+template <typename Q, typename T>
+int32_t moetier_reuse_victim(const std::vector<moetier_key> & key,
+                             const std::vector<uint8_t> &     excluded,
+                             const moetier_policy_ctx &       ctx,
+                             Q                                q_of,
+                             T                                last_use_of) {
+    const int32_t ln     = ctx.n_layers > 0 ? ctx.n_layers : 1;
+    int32_t       best   = -1;
+    double        best_v = -1.0;
+    uint64_t      best_t = 0;
+    for (int32_t s = 0; s < (int32_t) key.size(); ++s) {
+        if (excluded[s]) {
+            continue;
+        }
+        if (key[s].layer < 0) {
+            return s;  // an empty slot
+        }
+        const double   q = q_of(s);
+        const uint64_t t = last_use_of(s);
+        const int32_t  d = ((key[s].layer - ctx.layer) % ln + ln) % ln;
+        const double   v = (d == 0 ? ln : d) + ln * (1.0 - std::min(q, 1.0)) / q;
+        if (best < 0 || v > best_v || (v == best_v && t < best_t)) {
+            best   = s;
+            best_v = v;
+            best_t = t;
+        }
+    }
+    return best;
+}
 
 // What a recorded trace will ask for, known only to a replay: the offline policies (Belady) look
 // ahead in it. Ticks count resolves as the cache does (the first is 1).

@@ -24,28 +24,9 @@ struct moetier_policy_reuse : moetier_policy_decayed_uses {
     explicit moetier_policy_reuse(double h) : moetier_policy_decayed_uses(h) {}
 
     int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
-        const int32_t ln     = ctx.n_layers > 0 ? ctx.n_layers : 1;
-        int32_t       best   = -1;
-        double        best_v = -1.0;
-        uint64_t      best_t = 0;
-        for (int32_t s = 0; s < (int32_t) key.size(); ++s) {
-            if (excluded[s]) {
-                continue;
-            }
-            if (key[s].layer < 0) {
-                return s;  // an empty slot
-            }
-            const record & r = records[key[s]];
-            const double   p = frequency(r, ctx.pass);
-            const int32_t  d = ((key[s].layer - ctx.layer) % ln + ln) % ln;
-            const double   v = (d == 0 ? ln : d) + ln * (1.0 - std::min(p, 1.0)) / p;
-            if (best < 0 || v > best_v || (v == best_v && r.last_use < best_t)) {
-                best   = s;
-                best_v = v;
-                best_t = r.last_use;
-            }
-        }
-        return best;
+        return moetier_reuse_victim(
+            key, excluded, ctx, [&](int32_t s) { return frequency(records[key[s]], ctx.pass); },
+            [&](int32_t s) { return records[key[s]].last_use; });
     }
 
     bool across_layers() const override { return true; }

@@ -177,41 +177,25 @@ struct moetier_policy_reuse_learned : moetier_policy_i {
         return q;
     }
 
-    int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
-        const int32_t ln     = ctx.n_layers > 0 ? ctx.n_layers : 1;
-        int32_t       best   = -1;
-        double        best_v = -1.0;
-        uint64_t      best_t = 0;
-        for (int32_t s = 0; s < (int32_t) key.size(); ++s) {
-            if (excluded[s]) {
-                continue;
-            }
-            if (key[s].layer < 0) {
-                return s;  // an empty slot
-            }
-            const record & r = records[key[s]];
-            double         q = 0.0;
-            if (r.last_pass != 0) {
-                // its next chance: this pass if its layer has not run yet, else the next one
-                const uint64_t next = key[s].layer > ctx.layer ? ctx.pass : ctx.pass + 1;
-                q = probability(r.rank, age_bucket(next > r.last_pass ? next - r.last_pass : 1), r.cell);
-            } else {
-                // read ahead, not used yet: as an expert used once, with no rank, when it was read
-                const uint64_t next = key[s].layer > ctx.layer ? ctx.pass : ctx.pass + 1;
-                const int32_t  once = freq_class(1.0) * n_freq + freq_class(1.0 / (slow / 2.0));
-                q                   = probability(ranked.empty() ? 0 : (int32_t) ranked.size() - 1,
-                                age_bucket(next > r.load_pass ? next - r.load_pass : 1), once);
-            }
-            q               = std::clamp(q, 1e-6, 1.0);
-            const int32_t d = ((key[s].layer - ctx.layer) % ln + ln) % ln;
-            const double  v = (d == 0 ? ln : d) + ln * (1.0 - q) / q;
-            if (best < 0 || v > best_v || (v == best_v && r.last_use < best_t)) {
-                best   = s;
-                best_v = v;
-                best_t = r.last_use;
-            }
+    // q of the slot's expert at its next chance: this pass if its layer has not run yet, else the next
+    double next_chance(const moetier_key & k, const moetier_policy_ctx & ctx) {
+        const record & r    = records[k];
+        const uint64_t next = k.layer > ctx.layer ? ctx.pass : ctx.pass + 1;
+        if (r.last_pass != 0) {
+            return std::clamp(probability(r.rank, age_bucket(next > r.last_pass ? next - r.last_pass : 1), r.cell),
+                              1e-6, 1.0);
         }
-        return best;
+        // read ahead, not used yet: as an expert used once, with no rank, when it was read
+        const int32_t once = freq_class(1.0) * n_freq + freq_class(1.0 / (slow / 2.0));
+        return std::clamp(probability(ranked.empty() ? 0 : (int32_t) ranked.size() - 1,
+                                      age_bucket(next > r.load_pass ? next - r.load_pass : 1), once),
+                          1e-6, 1.0);
+    }
+
+    int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
+        return moetier_reuse_victim(
+            key, excluded, ctx, [&](int32_t s) { return next_chance(key[s], ctx); },
+            [&](int32_t s) { return records[key[s]].last_use; });
     }
 
     // the table is the model's habits more than the text's: it carries over

@@ -89,36 +89,18 @@ struct moetier_policy_reuse_rank : moetier_policy_decayed_uses {
     static double odds(double p) { return p / (1.0 - p); }
 
     int32_t victim(const std::vector<uint8_t> & excluded, const moetier_policy_ctx & ctx) override {
-        const int32_t ln        = ctx.n_layers > 0 ? ctx.n_layers : 1;
         const double  base_odds = odds(n_used_all / n_chance_all);
         const int32_t no_rank   = table.empty() ? 0 : (int32_t) table.size() - 1;
-        int32_t       best      = -1;
-        double        best_v    = -1.0;
-        uint64_t      best_t    = 0;
-        for (int32_t s = 0; s < (int32_t) key.size(); ++s) {
-            if (excluded[s]) {
-                continue;
-            }
-            if (key[s].layer < 0) {
-                return s;  // an empty slot
-            }
-            const record &        r    = records[key[s]];
+        auto          q_of      = [&](int32_t s) {
             const last_use_rank & lr   = last[key[s]];
             // its next chance: this pass if its layer has not run yet, else the next one
             const uint64_t        next = key[s].layer > ctx.layer ? ctx.pass : ctx.pass + 1;
-            const cell &  c = lr.pass == 0 ? at(no_rank, max_age) : at(lr.rank, next > lr.pass ? next - lr.pass : 1);
-            const double  p = std::clamp(frequency(r, ctx.pass), 1e-3, 1.0 - 1e-3);
-            const double  o = odds(c.used / c.chance) * odds(p) / base_odds;
-            const double  q = std::clamp(o / (1.0 + o), 1e-4, 1.0);
-            const int32_t d = ((key[s].layer - ctx.layer) % ln + ln) % ln;
-            const double  v = (d == 0 ? ln : d) + ln * (1.0 - q) / q;
-            if (best < 0 || v > best_v || (v == best_v && r.last_use < best_t)) {
-                best   = s;
-                best_v = v;
-                best_t = r.last_use;
-            }
-        }
-        return best;
+            const cell & c = lr.pass == 0 ? at(no_rank, max_age) : at(lr.rank, next > lr.pass ? next - lr.pass : 1);
+            const double p = std::clamp(frequency(records[key[s]], ctx.pass), 1e-3, 1.0 - 1e-3);
+            const double o = odds(c.used / c.chance) * odds(p) / base_odds;
+            return std::clamp(o / (1.0 + o), 1e-4, 1.0);
+        };
+        return moetier_reuse_victim(key, excluded, ctx, q_of, [&](int32_t s) { return records[key[s]].last_use; });
     }
 
     // the counts and the table are the model's habits more than the text's: they carry over
