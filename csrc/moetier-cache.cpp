@@ -165,6 +165,16 @@ void moetier_cache::graph_computed() noexcept {
     }
 }
 
+int32_t moetier_cache::use_repacked(ggml_backend_buffer_type_t repack_buft) {
+    if (simulate || vram) {
+        return 0;
+    }
+    for (auto & set : sets) {
+        set->use_repacked(repack_buft);
+    }
+    return n_repacked();
+}
+
 void moetier_cache::preload_vram() {
     GGML_ASSERT(vram && !simulate && (int64_t) vram->n_slots() == (int64_t) n_expert_ * (int64_t) layers_.size());
     moetier_slots &        v  = *vram;
@@ -735,7 +745,7 @@ bool moetier_cache::check_ahead(moetier_pass & p, int ith) noexcept {
         p.n_ahead_open.fetch_sub(1, std::memory_order_relaxed);
         const moetier_landing & a = p.aheads[k];
         moetier_error           err;
-        const bool              ok = moetier_read_verify(*a.layer, a.prec, a.expert, a.slot, err);
+        const bool              ok = moetier_read_verify(*a.layer, a.prec, a.expert, a.slot, bounce[ith], err);
         p.ahead_states[k].store(ok ? moetier_pass::AHEAD_OK : moetier_pass::AHEAD_LEFT, std::memory_order_release);
         took = true;
     }
@@ -767,7 +777,7 @@ void moetier_cache::run_checks(moetier_pass & p, int ith) noexcept {
             const moetier_pass::check & c = p.checks[k];
             moetier_error               err;
             // a mismatch is read again: bits flipped on the way read right the second time
-            const bool                  ok = moetier_read_verify(*p.layer, c.prec, c.expert, c.slot, err) ||
+            const bool ok = moetier_read_verify(*p.layer, c.prec, c.expert, c.slot, bounce[ith], err) ||
                             read_again(*p.layer, c.prec, c.expert, c.slot, bounce[ith]);
             p.check_states[k].store(ok ? moetier_pass::CHECK_OK : moetier_pass::CHECK_FAILED,
                                     std::memory_order_release);

@@ -248,6 +248,16 @@ class moetier_cache {
 
     bool has_low() const { return sets[MOETIER_PRECISION_LOW]->n_slots() > 0; }
 
+    // the RAM pools on llama.cpp's repacked CPU kernels where they take the experts' type and shape
+    // (moetier_slots::use_repacked); not with a VRAM tier, which copies RAM slots as they are. Call
+    // before a slot is written. Returns how many pools are repacked.
+    int32_t use_repacked(ggml_backend_buffer_type_t repack_buft);
+
+    // projection pools over both precisions that use the repacked kernels
+    int32_t n_repacked() const {
+        return sets[MOETIER_PRECISION_HIGH]->n_repacked() + sets[MOETIER_PRECISION_LOW]->n_repacked();
+    }
+
     // whether the reads run on the io_uring (the prefetch op then runs before the load op: with I/O
     // threads, their wakeups during the load would preempt the compute threads reading)
     bool reads_on_ring() const { return io != nullptr && io->uses_uring(); }

@@ -277,6 +277,9 @@ ggml_tensor * moetier_model::create_tensor(const std::string &                  
         remote_device = moetier_dev_label(dev);
         return nullptr;
     }
+    if (where != nullptr && std::string(ggml_backend_buft_name(where)) == "CPU_REPACK") {
+        repack_buft = where;  // stock would compute these experts on the repacked kernels: so do the pools
+    }
     if (n_expert == 0) {
         n_expert = (int32_t) cur->ne[2];
     } else if (n_expert != cur->ne[2]) {
@@ -704,6 +707,7 @@ void moetier_model::finish_load(const llama_model & model) {
             c->set_vram(pl.dev, vram_host, vram_cpu, (int32_t) pl.n_vram, (int32_t) pl.n_vram_low, pl.n_used,
                         !all_of_them, policy_name, policy_weights);
         }
+        c->use_repacked(repack_buft);
         for (moetier_layer * l : pl.layers) {
             c->add_layer(l);
             for (size_t k = 0; k < l->projs.size(); ++k) {
@@ -757,6 +761,16 @@ void moetier_model::finish_load(const llama_model & model) {
                      exact() ? "exact: every expert in high precision" : "mixed precision", precision.t1, precision.t2,
                      policy_name.c_str(), store ? store->dir().c_str() : paths[0].c_str(),
                      (store ? store_file->direct() : files[0]->direct()) ? " (O_DIRECT)" : "");
+    int32_t n_repacked = 0;
+    for (auto & c : caches) {
+        n_repacked += c->n_repacked();
+    }
+    if (n_repacked > 0) {
+        MOETIER_LOG_INFO(
+            "%s: %d expert pools compute on llama.cpp's repacked CPU kernels (CPU_REPACK), as stock's "
+            "expert tensors do: each read is repacked once checked\n",
+            __func__, (int) n_repacked);
+    }
     if (elastic) {
         int64_t n_max = 0;
         for (auto & c : caches) {
@@ -1381,6 +1395,7 @@ void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
     }
 
     c->set_n_model_layers(std::max<int32_t>(host.n_model_layers, host.layers.back()->il + 1));
+    c->use_repacked(host.vram == 0 ? host.repack_buft : nullptr);
     c->set_io(host.io.get());
     for (auto & l : host.layers) {
         c->add_layer(l.get());

@@ -135,38 +135,42 @@ struct moetier_model {
     // state
     //
 
-    std::string            budget_note;       // how cache_bytes was chosen (moetier_model_budget_note)
-    bool                   budget_auto  = false;
-    uint64_t               auto_room    = 0;  // the auto budget's memory before its margin (moetier_budget_auto)
-    uint64_t               reserve      = 0;
-    int32_t                n_ctx        = 0;
-    uint64_t               process_anon = 0;  // RssAnon when the load began (auto budget)
-    bool                   warm_on      = false;
-    bool                   lock_weights = true;
-    bool                   verify_all   = true;
-    std::atomic<uint64_t>  n_checked{ 0 };    // reads checked against the store's checksums
-    bool                   fitted_prefetch = true;
-    std::string            prefetch_source;   // what predicts: "stacked routers" or the fitted predictor
-    uint64_t               locked_bytes = 0;  // of the non-expert weights (lock_resident_weights)
-    std::string            state_path;        // the warm-start sidecar, "" if warm is off
-    uint64_t               state_identity = 0;
-    moetier_latency_hist   read_hist;         // every expert read's latency
-    std::string            policy_name;
-    moetier_policy_weights policy_weights;
-    moetier_precision_rule precision;
-    float                  low_frac       = 0.0f;
-    uint64_t               cache_bytes    = 0;
-    uint64_t               vram           = 0;      // the VRAM tier's budget (0: none)
-    bool                   vram_host      = false;
-    bool                   vram_cpu       = false;  // cooperative compute under the VRAM tier
-    bool                   direct_io      = true;
-    int32_t                n_model_layers = 0;      // for layer distances (set by the load hook)
-    int32_t                prefetch       = 0;
-    int32_t                io_threads     = 1;
-    float                  prefetch_waste = 0.25f;  // the prefetch byte cap's share (moetier-prefetch.h)
-    bool                   prefetch_gate  = true;   // prefetch measures whether it pays (moetier_prefetch_gate)
-    int32_t                grow           = -1;     // the elastic budget (moetier_elastic): -1 auto budgets only
-    bool                   use_uring      = true;
+    std::string                budget_note;       // how cache_bytes was chosen (moetier_model_budget_note)
+    bool                       budget_auto  = false;
+    uint64_t                   auto_room    = 0;  // the auto budget's memory before its margin (moetier_budget_auto)
+    uint64_t                   reserve      = 0;
+    int32_t                    n_ctx        = 0;
+    uint64_t                   process_anon = 0;  // RssAnon when the load began (auto budget)
+    bool                       warm_on      = false;
+    bool                       lock_weights = true;
+    bool                       verify_all   = true;
+    std::atomic<uint64_t>      n_checked{ 0 };    // reads checked against the store's checksums
+    bool                       fitted_prefetch = true;
+    std::string                prefetch_source;   // what predicts: "stacked routers" or the fitted predictor
+    uint64_t                   locked_bytes = 0;  // of the non-expert weights (lock_resident_weights)
+    std::string                state_path;        // the warm-start sidecar, "" if warm is off
+    uint64_t                   state_identity = 0;
+    moetier_latency_hist       read_hist;         // every expert read's latency
+    std::string                policy_name;
+    moetier_policy_weights     policy_weights;
+    moetier_precision_rule     precision;
+    float                      low_frac       = 0.0f;
+    uint64_t                   cache_bytes    = 0;
+    uint64_t                   vram           = 0;      // the VRAM tier's budget (0: none)
+    bool                       vram_host      = false;
+    bool                       vram_cpu       = false;  // cooperative compute under the VRAM tier
+    bool                       direct_io      = true;
+    int32_t                    n_model_layers = 0;      // for layer distances (set by the load hook)
+    int32_t                    prefetch       = 0;
+    int32_t                    io_threads     = 1;
+    float                      prefetch_waste = 0.25f;  // the prefetch byte cap's share (moetier-prefetch.h)
+    bool                       prefetch_gate  = true;   // prefetch measures whether it pays (moetier_prefetch_gate)
+    int32_t                    grow           = -1;     // the elastic budget (moetier_elastic): -1 auto budgets only
+    bool                       use_uring      = true;
+    // llama.cpp's CPU_REPACK buffer type where stock would place the expert tensors there (repacked
+    // weights are on and the CPU has kernels for their type): the RAM pools then compute on those
+    // kernels, so the output stays stock's; nullptr: the plain layout
+    ggml_backend_buffer_type_t repack_buft    = nullptr;
 
     std::unique_ptr<moetier_routing>           routing;         // MOETIER_ROUTING_TRACE, else nullptr
     std::vector<std::string>                   warnings;        // of the load, in order (moetier_model_warning)

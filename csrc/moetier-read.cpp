@@ -64,11 +64,48 @@ static bool moetier_read_verify_proj(const moetier_layer & l,
     return true;
 }
 
-bool moetier_read_verify(const moetier_layer & l,
-                         moetier_precision     prec,
-                         int32_t               e,
-                         int32_t               s,
-                         moetier_error &       err) noexcept {
+// src (one expert of p's pool, in the file's layout) repacked into slot s (repacked pools only)
+static void moetier_read_repack(const moetier_proj & p, moetier_precision prec, int32_t s, const void * src) {
+    const ggml_tensor * pool = p.pool[prec];
+    // one expert as a tensor of the pool's type, rows, buffer and kernel traits: the buffer's
+    // set_tensor repacks its source into the tensor's data
+    ggml_tensor         t    = *pool;
+    t.ne[2] = t.ne[3] = 1;
+    t.nb[3]           = t.nb[2];
+    t.data            = moetier_slot_data(p, prec, s);
+    t.view_src        = nullptr;
+    t.view_offs       = 0;
+    GGML_ASSERT(ggml_nbytes(&t) == p.expert_bytes(prec));
+    ggml_backend_tensor_set(&t, src, 0, ggml_nbytes(&t));
+}
+
+bool moetier_read_settle(const moetier_proj &     p,
+                         moetier_precision        prec,
+                         int32_t                  s,
+                         moetier_aligned_buffer & bb,
+                         moetier_error &          err) noexcept {
+    const ggml_tensor * pool = p.pool[prec];
+    if (pool == nullptr || pool->extra == nullptr) {
+        return true;
+    }
+    const uint64_t bytes = p.expert_bytes(prec);
+    try {
+        bb.reserve((size_t) bytes);
+    } catch (...) {
+        err.set(MOETIER_ERROR_IO, "out of memory for the repack buffer");
+        return false;
+    }
+    memcpy(bb.data.get(), moetier_slot_data(p, prec, s), bytes);
+    moetier_read_repack(p, prec, s, bb.data.get());
+    return true;
+}
+
+bool moetier_read_verify(const moetier_layer &    l,
+                         moetier_precision        prec,
+                         int32_t                  e,
+                         int32_t                  s,
+                         moetier_aligned_buffer & bb,
+                         moetier_error &          err) noexcept {
     bool checked = false;
     bool ok      = true;
     for (const auto & p : l.projs) {
@@ -78,6 +115,9 @@ bool moetier_read_verify(const moetier_layer & l,
         }
     }
     moetier_read_count_check(l, checked);
+    for (size_t k = 0; k < l.projs.size() && ok; ++k) {
+        ok = moetier_read_settle(l.projs[k], prec, s, bb, err);
+    }
     return ok;
 }
 
@@ -103,7 +143,7 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
             return false;
         }
         moetier_read_maybe_flip(first, r.prec, r.expert, r.slot);
-        return moetier_read_verify(l, r.prec, r.expert, r.slot, err);
+        return moetier_read_verify(l, r.prec, r.expert, r.slot, bb, err);
     }
     const moetier_proj & p     = l.projs[r.proj];
     const uint64_t       bytes = p.expert_bytes(r.prec);
@@ -125,7 +165,7 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
     bool       checked = false;
     const bool ok      = moetier_read_verify_proj(l, p, r.prec, r.expert, r.slot, checked, err);
     moetier_read_count_check(l, checked);
-    return ok;
+    return ok && moetier_read_settle(p, r.prec, r.slot, bb, err);
 }
 
 bool moetier_read_run(const moetier_read & r, moetier_aligned_buffer & bb, moetier_error & err) noexcept {
@@ -247,7 +287,11 @@ static void moetier_read_unstage(const moetier_io_task & task, const moetier_io_
         const moetier_io_part & part = rd.parts[k];
         const uint8_t *         src =
             (const uint8_t *) part.iov[0].iov_base + (p.expert_offset(task.expert, prec) - part.offset);
-        memcpy(moetier_slot_data(p, prec, task.slot), src, p.expert_bytes(prec));
+        if (p.pool[prec]->extra != nullptr) {
+            moetier_read_repack(p, prec, task.slot, src);  // settled on the way: nothing to check it against
+        } else {
+            memcpy(moetier_slot_data(p, prec, task.slot), src, p.expert_bytes(prec));
+        }
     }
 }
 

@@ -46,12 +46,25 @@ inline bool moetier_read_checked(const moetier_layer & l, moetier_precision prec
     return !l.file_order[prec].empty();
 }
 
-// the checksums of every projection of expert e in slot s (nothing to check when reading a GGUF)
-bool moetier_read_verify(const moetier_layer & l,
-                         moetier_precision     prec,
-                         int32_t               e,
-                         int32_t               s,
-                         moetier_error &       err) noexcept;
+// the checksums of every projection of expert e in slot s (nothing to check when reading a GGUF),
+// then, if they match, the slot made ready for the kernels (moetier_read_settle; bb: this thread's
+// buffer for it)
+bool moetier_read_verify(const moetier_layer &    l,
+                         moetier_precision        prec,
+                         int32_t                  e,
+                         int32_t                  s,
+                         moetier_aligned_buffer & bb,
+                         moetier_error &          err) noexcept;
+
+// Makes what a read just moved into slot s of projection p's pool (the file's bytes, checked) what
+// the pool's kernels take: a pool on llama.cpp's repacked CPU kernels (moetier_slots::use_repacked)
+// has it repacked in place through bb; a plain pool is left as read. Every read goes through here
+// exactly once, after its check: the checksums are the file's bytes. false + err if bb cannot grow.
+bool moetier_read_settle(const moetier_proj &     p,
+                         moetier_precision        prec,
+                         int32_t                  s,
+                         moetier_aligned_buffer & bb,
+                         moetier_error &          err) noexcept;
 
 // The I/O pool's callbacks for a task (task.layer is a moetier_layer): an I/O thread reads the whole
 // expert (bb: the thread's bounce buffer); the ring prepares it as one vectored O_DIRECT read of a

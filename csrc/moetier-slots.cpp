@@ -40,6 +40,8 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes,
                           bool                              vram,
                           int32_t                           n_zero) {
     tensors.clear();
+    repack_buf.reset();
+    n_repacked_ = 0;
     buf.reset();
     ctx.reset();
     mem.map(0);
@@ -118,6 +120,35 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes,
         }
     }
     ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+}
+
+int32_t moetier_slots::use_repacked(ggml_backend_buffer_type_t repack_buft) {
+    GGML_ASSERT(mem.data() != nullptr || tensors.empty());
+    if (repack_buft == nullptr || tensors.empty() || n_repacked_ > 0) {
+        return n_repacked_;
+    }
+    // the token buffer: ggml-cpu takes a tensor's kernels from its buffer's type and its traits (extra),
+    // which init_tensor sets from the type and the row count alone; the data pointer stays in the pool
+    repack_buf.reset(ggml_backend_buft_alloc_buffer(repack_buft, MOETIER_ALIGN));
+    if (!repack_buf) {
+        throw std::runtime_error("failed to create the expert cache's repacked-kernel buffer");
+    }
+    ggml_backend_buffer_set_usage(repack_buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    for (ggml_tensor * t : tensors) {
+        t->buffer = repack_buf.get();
+        t->extra  = nullptr;
+        if (ggml_backend_buffer_init_tensor(repack_buf.get(), t) != GGML_STATUS_SUCCESS || t->extra == nullptr) {
+            // no repacked kernel for this type and shape on this CPU: the plain layout and kernels
+            t->buffer = buf.get();
+            t->extra  = nullptr;
+            continue;
+        }
+        ++n_repacked_;
+    }
+    if (n_repacked_ == 0) {
+        repack_buf.reset();
+    }
+    return n_repacked_;
 }
 
 void moetier_slots::add_layer(int32_t il) {

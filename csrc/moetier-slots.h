@@ -56,6 +56,18 @@ class moetier_slots {
 
     ggml_tensor * tensor(size_t k) const { return k < tensors.size() ? tensors[k] : nullptr; }
 
+    // Computes the pool's experts with llama.cpp's repacked CPU kernels (the CPU_REPACK buffer type
+    // repack_buft, whose rows are interleaved by 8: e.g. q4_K 8x8 with AVX2), as stock llama.cpp
+    // computes the expert tensors it repacks, so that the output stays equal to stock's. Each
+    // projection whose type and shape those kernels take gets their traits; a read into one of its
+    // slots is repacked in place once checked (moetier_read_settle). Only for a RAM tier in this
+    // process's memory (buft nullptr in alloc): a GPU copies slots as they are. Call after alloc,
+    // before a slot is written. Returns how many projections are repacked.
+    int32_t use_repacked(ggml_backend_buffer_type_t repack_buft);
+
+    // how many projections use_repacked marked (0: plain layout)
+    int32_t n_repacked() const { return n_repacked_; }
+
     uint64_t mem_bytes() const { return buf_size; }  // 0 until alloc; an elastic pool's whole reservation
 
     // bytes of one slot over every projection (0 until alloc)
@@ -166,6 +178,10 @@ class moetier_slots {
     ggml_context_ptr           ctx;
     ggml_backend_buffer_ptr    buf;
     std::vector<ggml_tensor *> tensors;  // [proj]
+    // use_repacked: a token buffer of the CPU_REPACK type that the repacked pools name as theirs (their
+    // memory stays the pool's above), so that ggml-cpu runs their mul_mat_ids with the repacked kernels
+    ggml_backend_buffer_ptr    repack_buf;
+    int32_t                    n_repacked_ = 0;
 
     // bookkeeping
     std::vector<moetier_key>          keys;        // [n_capacity] what each slot holds

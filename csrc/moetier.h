@@ -272,6 +272,8 @@ struct moetier_cache_info {
     uint64_t n_shrunk;          // ... and took back
     uint64_t free_bytes;        // the memory the limit left free at its last check (0 if fixed)
     uint64_t free_margin;       // the free memory it keeps: between this and twice this (0 if fixed)
+    int32_t  n_repacked;        // expert pools (projection x precision x group) on llama.cpp's repacked CPU
+                                // kernels (CPU_REPACK), as stock computes the expert tensors it repacks
 };
 
 // Prefetch counters (all zero without prefetch). Distances d = 1..MOETIER_MAX_PREFETCH: predictions

@@ -8,10 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, Model, PackConfig, pack
+from moetier import CacheConfig, Model, PackConfig, _core, pack
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +89,38 @@ def test_cli_says_the_mode_and_the_warnings(model_and_store: tuple[Path, Path]) 
     warned = subprocess.run([*base, "--cache", budget, "--cache-t1", "0.3"], capture_output=True, text=True)
     assert warned.returncode == 0, warned.stderr
     assert "moetier: warning: t1=0.3 < t2=1 asks for low-precision reads" in warned.stderr
+
+
+def _repacks_q4_k() -> bool:
+    """Whether llama.cpp has repacked CPU kernels for q4_K on this CPU (AVX2, or NEON with dotprod)."""
+    z = np.zeros((1, 8, 256), np.float32)
+    try:
+        _core.mul_mat_id(z, np.zeros((1, 1, 256), np.float32), np.zeros((1, 1), np.int32), 1, "q4_K", True)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("source", ["store", "gguf"])
+@pytest.mark.parametrize("repack", [True, False])
+def test_repacked_experts_equal_stock(
+    tiny_model: ModelFactory, tmp_path_factory: pytest.TempPathFactory, source: str, repack: bool
+) -> None:
+    """Stock llama.cpp computes q4_K experts on its repacked CPU kernels (unless repack=False); the cache's
+    pools do the same, each read repacked once checked, so logits and tokens stay bit-equal to stock's
+    in both modes, whether the reads come from a store or from the GGUF."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3, n_embd=256, n_ff_exp=256, expert_type="q4_k")
+    store = pack(path, tmp_path_factory.mktemp("rp") / "s", progress=False) if source == "store" else None
+    lo = int(Model(path, cache=CacheConfig(budget="64M")).cache_info()["min_cache_bytes"])
+    m = Model(path, store=store, cache=CacheConfig(budget=lo + lo // 4), repack=repack)
+    stock = Model(path, repack=repack)
+    tokens = m.tokenize(LONG_PROMPT)
+    assert np.array_equal(m.logits(tokens), stock.logits(tokens))
+    assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
+    s = m.stats()
+    assert s.n_misses > 3 * 8  # more reads than experts: slots were evicted and read again
+    n_repacked = m.cache_info()["n_repacked"]
+    if not repack:
+        assert n_repacked == 0
+    elif _repacks_q4_k():
+        assert n_repacked == 3  # gate, up, down: one group, high precision
