@@ -112,15 +112,18 @@ def test_repacked_experts_equal_stock(
     path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3, n_embd=256, n_ff_exp=256, expert_type="q4_k")
     store = pack(path, tmp_path_factory.mktemp("rp") / "s", progress=False) if source == "store" else None
     lo = int(Model(path, cache=CacheConfig(budget="64M")).cache_info()["min_cache_bytes"])
-    m = Model(path, store=store, cache=CacheConfig(budget=lo + lo // 4), repack=repack)
     stock = Model(path, repack=repack)
-    tokens = m.tokenize(LONG_PROMPT)
-    assert np.array_equal(m.logits(tokens), stock.logits(tokens))
-    assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
-    s = m.stats()
-    assert s.n_misses > 3 * 8  # more reads than experts: slots were evicted and read again
-    n_repacked = m.cache_info()["n_repacked"]
-    if not repack:
-        assert n_repacked == 0
-    elif _repacks_q4_k():
-        assert n_repacked == 3  # gate, up, down: one group, high precision
+    tokens = stock.tokenize(LONG_PROMPT)
+    want_logits, want = stock.logits(tokens), stock.generate(tokens, max_tokens=24).tokens
+    # verify_all=False: a copy's later reads skip the check, never the repack; the second load warm-starts
+    for verify_all in (True, False) if store else (True,):
+        m = Model(path, store=store, cache=CacheConfig(budget=lo + lo // 4, verify_all=verify_all), repack=repack)
+        assert np.array_equal(m.logits(tokens), want_logits)
+        assert m.generate(tokens, max_tokens=24).tokens == want
+        assert m.stats().n_misses > 3 * 8  # more reads than experts: slots were evicted and read again
+        n_repacked = m.cache_info()["n_repacked"]
+        if not repack:
+            assert n_repacked == 0
+        elif _repacks_q4_k():
+            assert n_repacked == 3  # gate, up, down: one group, high precision
+        del m
