@@ -230,3 +230,57 @@ def test_moefy_shares_one_partition_across_variants(tmp_path: Path) -> None:
             progress=False,
             partition=part,
         )
+
+
+def test_variant_config_errors_say_what_to_change(tmp_path: Path) -> None:
+    """Each setting a shared cache cannot take is refused before any model loads, with its own message."""
+    specs = [VariantSpec(f"v{i}", tmp_path / f"v{i}.gguf", tmp_path / f"s{i}") for i in range(2)]
+    cases = [
+        (specs[:1], CFG, "variants: serve at least two (one variant is a plain model: moetier serve)"),
+        (specs, CacheConfig.exact(budget="1M", prefetch=2, warm=False), "variants: prefetch is off for variants"),
+        (specs, CacheConfig.exact(budget="auto", prefetch=0), "variants: give the shared cache a budget in bytes"),
+        (specs, CacheConfig.exact(budget="1M", prefetch=0, grow=1), "variants: the shared cache keeps its budget"),
+        (specs, CacheConfig(budget="1M", prefetch=0, t1=0.5), "variants: mixed precision (t1/t2 below 1)"),
+        (specs, CacheConfig(budget="1M", prefetch=0, t1=0.5, t2=0.9), "variants: mixed precision (t1/t2 below 1)"),
+    ]
+    for vs, cfg, want in cases:
+        with pytest.raises(ConfigError) as e:
+            Variants(vs, cfg, n_ctx=256)
+        assert str(e.value).startswith(want), str(e.value)
+
+
+def test_consolidation_map_errors_name_the_file(seeded: list[VariantSpec], tmp_path: Path) -> None:
+    from moetier.variants import read_map
+
+    gone = tmp_path / "gone.json"
+    with pytest.raises(ConfigError, match=rf"^{gone}: the consolidation map does not exist$"):
+        read_map(gone, seeded)
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not json")
+    with pytest.raises(ConfigError, match=rf"^{junk}: not a consolidation map \("):
+        read_map(junk, seeded)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"format": "moetier-consolidation-1"}))  # no variants listed
+    with pytest.raises(ConfigError, match=rf"^{bare}: the map is of 0 variants, 3 are served$"):
+        read_map(bare, seeded)
+    mp = tmp_path / "map.json"
+    mp.write_text(json.dumps(consolidate([v.model for v in seeded], 4)))
+    assert read_map(mp, seeded)["format"] == "moetier-consolidation-1"
+    with pytest.raises(ConfigError, match=r"write the map again with `moetier consolidate`$"):
+        read_map(mp, [seeded[1], seeded[0], seeded[2]])
+    # a map of the right files but another shape names the file too
+    m = json.loads(mp.read_text())
+    m["map"] = m["map"][:-1]
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match=rf"^{short}: the map is of another shape than the variants' 3 MoE layers"):
+        Variants(seeded, CFG, consolidation=short, n_ctx=256)
+
+
+def test_variants_take_the_default_prefetch_and_the_context(seeded: list[VariantSpec]) -> None:
+    """The default prefetch is accepted and turned off (its predictions would be one model's); n_ctx
+    reaches every variant's model."""
+    vs = Variants(seeded, CacheConfig.exact(budget="1M"), n_ctx=192)
+    assert vs.cache.prefetch == 0 and not vs.cache.warm
+    assert all(m.context.n_ctx == 192 for m in vs._models)
+    vs.close()
