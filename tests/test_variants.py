@@ -55,8 +55,11 @@ def test_variants_share_one_cache_and_each_answers_as_alone(seeded: list[Variant
     assert int(vs.cache_info()["n_held"]) > 3 * 8
     st = vs.generate("v1", PROMPTS[0], max_tokens=10).stats
     assert st.n_lookups > 0 and st.n_hits < st.n_lookups
-    with pytest.raises(ConfigError, match="unknown variant 'v9'"):
+    with pytest.raises(ConfigError, match=r"^unknown variant 'v9'; these are served: v0, v1, v2$"):
         vs.generate("v9", "x")
+    firsts: list[int] = []
+    vs.generate("v2", PROMPTS[0], max_tokens=3, on_first_token=lambda: firsts.append(1))
+    assert firsts == [1]
 
     # concurrent requests of all variants: answered one at a time, each its own
     import threading
@@ -73,7 +76,7 @@ def test_variants_share_one_cache_and_each_answers_as_alone(seeded: list[Variant
         t.join()
     assert got == {(i, qi): want[i][qi] for i in range(3) for qi in range(len(PROMPTS))}
     vs.close()
-    with pytest.raises(ConfigError, match="closed"):
+    with pytest.raises(ConfigError, match=r"^variants: closed$"):
         vs.generate("v0", "x")
 
 
@@ -279,8 +282,8 @@ def test_consolidation_map_errors_name_the_file(seeded: list[VariantSpec], tmp_p
 
 def test_variants_take_the_default_prefetch_and_the_context(seeded: list[VariantSpec]) -> None:
     """The default prefetch is accepted and turned off (its predictions would be one model's); n_ctx
-    reaches every variant's model."""
-    vs = Variants(seeded, CacheConfig.exact(budget="1M"), n_ctx=192)
+    and n_threads reach every variant's model."""
+    vs = Variants(seeded, CacheConfig.exact(budget="1M"), n_ctx=192, n_threads=1)
     assert vs.cache.prefetch == 0 and not vs.cache.warm
-    assert all(m.context.n_ctx == 192 for m in vs._models)
+    assert all(m.context.n_ctx == 192 and m.context.n_threads == 1 for m in vs._models)
     vs.close()
