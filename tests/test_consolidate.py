@@ -110,3 +110,37 @@ def test_written_variants_take_the_owners_experts_and_the_average_the_mean(
     assert np.array_equal(np.asarray(a["output.weight"].data), np.asarray(srcs[0]["output.weight"].data))
     with pytest.raises(ConfigError, match="variant 5: the map has 3 variants"):
         write_consolidated(m, 5, tmp_path / "x.gguf")
+
+
+def test_distances_are_the_papers_sums_over_ordered_pairs(variants: list[Path]) -> None:
+    """Each position's distance is the sum over ordered pairs of variants of the L2 distance between
+    their copies of that expert (gate, up and down together), recomputed here from the files."""
+    readers = [GGUFReader(str(p)) for p in variants]
+    m = consolidate(variants, 5)
+    assert m["layers"] == list(range(N_LAYER)) and m["n_expert"] == N_EXPERT
+
+    def rows(r: GGUFReader, il: int) -> np.ndarray:
+        parts = []
+        for proj in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            t = next(t for t in r.tensors if t.name == f"blk.{il}.{proj}.weight")
+            parts.append(np.asarray(t.data, dtype=np.float32).reshape(N_EXPERT, -1))
+        return np.concatenate(parts, axis=1)
+
+    for il in range(N_LAYER):
+        rs = [rows(r, il) for r in readers]
+        want = sum(np.linalg.norm(rs[i] - rs[j], axis=1) for i in range(3) for j in range(3) if i != j)
+        np.testing.assert_allclose(m["distance"][il], want, rtol=1e-5)
+        same = np.linalg.norm(rs[0] - rs[1], axis=1).mean()
+        assert m["same_position_mean"][il] == pytest.approx(same, rel=1e-5)
+
+
+def test_capacity_bounds(variants: list[Path]) -> None:
+    n_pos = N_LAYER * N_EXPERT
+    assert consolidate(variants, n_pos)["capacity"] == n_pos  # every position shared
+    assert consolidate(variants, 1.0)["capacity"] == n_pos
+    with pytest.raises(ConfigError, match=rf"^capacity: {n_pos + 1} gives {n_pos + 1} positions; there are {n_pos} "):
+        consolidate(variants, n_pos + 1)
+    with pytest.raises(ConfigError, match=r"^capacity: -1 gives -1 positions"):
+        consolidate(variants, -1)
+    with pytest.raises(ConfigError, match=r"^consolidate: give at least two variants$"):
+        consolidate(variants[:1], 1)
