@@ -2,29 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from moetier import _core
 
+F32 = np.ndarray
 
-@pytest.mark.parametrize("n_threads", [1, 2])
-def test_negative_id_zero_row(n_threads: int) -> None:
-    rng = np.random.default_rng(0)
-    E, N, K, T, U = 5, 7, 32, 6, 3
+
+def _case(
+    seed: int, shape: tuple[int, int, int, int, int], negative: list[tuple[int, int | slice, int]]
+) -> tuple[F32, F32, F32]:
+    """E random matrices [N, K], inputs [T, U, K] and ids [T, U] for shape (E, N, K, T, U), with
+    ids[t, u] = v for each (t, u, v) in negative."""
+    E, N, K, T, U = shape
+    rng = np.random.default_rng(seed)
     a = rng.standard_normal((E, N, K), dtype=np.float32)
     b = rng.standard_normal((T, U, K), dtype=np.float32)
     ids = rng.integers(0, E, size=(T, U)).astype(np.int32)
-    ids[0, 1] = -1
-    ids[3, :] = -1
-    ids[5, 2] = -7
-    got = _core.mul_mat_id(a, b, ids, n_threads)
+    for t, u, v in negative:
+        ids[t, u] = v
+    return a, b, ids
+
+
+def _check_rows(got: F32, ids: F32, want: Callable[[int, int], F32], tol: float) -> None:
+    """Rows of negative ids are zero; the others equal want(t, u) within tol."""
+    T, U = ids.shape
     for t in range(T):
         for u in range(U):
             if ids[t, u] < 0:
                 assert not got[t, u].any(), f"row ({t},{u}) must be zero"
             else:
-                np.testing.assert_allclose(got[t, u], a[ids[t, u]] @ b[t, u], rtol=1e-5, atol=1e-5)
+                assert got[t, u].any()
+                np.testing.assert_allclose(got[t, u], want(t, u), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_negative_id_zero_row(n_threads: int) -> None:
+    a, b, ids = _case(0, (5, 7, 32, 6, 3), [(0, 1, -1), (3, slice(None), -1), (5, 2, -7)])
+    got = _core.mul_mat_id(a, b, ids, n_threads)
+    _check_rows(got, ids, lambda t, u: a[ids[t, u]] @ b[t, u], 1e-5)
 
 
 def test_valid_ids_match_reference() -> None:
@@ -42,13 +61,7 @@ def test_repacked_kernels_negative_id_zero_row(qtype: str) -> None:
     """The expert cache's repacked pools run llama.cpp's repacked (CPU_REPACK) kernels: a negative id
     is a zero row there too, and valid ids give what the plain kernels give for the same quantized
     weights (up to the kernels' own summation order)."""
-    rng = np.random.default_rng(2)
-    E, N, K, T, U = 4, 16, 256, 5, 3
-    a = rng.standard_normal((E, N, K), dtype=np.float32)
-    b = rng.standard_normal((T, U, K), dtype=np.float32)
-    ids = rng.integers(0, E, size=(T, U)).astype(np.int32)
-    ids[1, 2] = -1
-    ids[4, :] = -1
+    a, b, ids = _case(2, (4, 16, 256, 5, 3), [(1, 2, -1), (4, slice(None), -1)])
     try:
         got = _core.mul_mat_id(a, b, ids, 2, qtype, True)
     except RuntimeError as e:
@@ -56,10 +69,4 @@ def test_repacked_kernels_negative_id_zero_row(qtype: str) -> None:
             pytest.skip(str(e))
         raise
     plain = _core.mul_mat_id(a, b, ids, 2, qtype, False)
-    for t in range(T):
-        for u in range(U):
-            if ids[t, u] < 0:
-                assert not got[t, u].any(), f"row ({t},{u}) must be zero"
-            else:
-                assert got[t, u].any()
-                np.testing.assert_allclose(got[t, u], plain[t, u], rtol=1e-4, atol=1e-4)
+    _check_rows(got, ids, lambda t, u: plain[t, u], 1e-4)

@@ -192,7 +192,12 @@ def predictor_model_key(model_path: str) -> str: ...
 
 # register-ops.cpp
 def mul_mat_id(
-    as_: npt.ArrayLike, b: npt.ArrayLike, ids: npt.ArrayLike, n_threads: int = 1
+    as_: npt.ArrayLike,
+    b: npt.ArrayLike,
+    ids: npt.ArrayLike,
+    n_threads: int = 1,
+    type: str = "f32",
+    repack: bool = False,
 ) -> npt.NDArray[np.float32]: ...
 def quantize(rows: npt.ArrayLike, type: str, imatrix: npt.ArrayLike | None = None) -> npt.NDArray[np.uint8]: ...
 
