@@ -26,6 +26,7 @@ INT_OPTS = (
     "verify_all",
     "prefetch_gate",
     "grow",
+    "huge_pages",
 )
 
 

@@ -175,6 +175,28 @@ int32_t moetier_cache::use_repacked(ggml_backend_buffer_type_t repack_buft) {
     return n_repacked();
 }
 
+int32_t moetier_cache::use_huge_pages() {
+    n_huge_ = 0;
+    if (simulate) {
+        return 0;
+    }
+    for (auto & set : sets) {
+        if (set->n_slots() > 0 && set->use_huge_pages()) {
+            n_huge_ += (int32_t) shapes.size();
+        }
+    }
+    return n_huge_;
+}
+
+void moetier_cache::start_populate() {
+    if (simulate) {
+        return;
+    }
+    for (auto & set : sets) {
+        set->start_populate();
+    }
+}
+
 void moetier_cache::preload_vram() {
     GGML_ASSERT(vram && !simulate && (int64_t) vram->n_slots() == (int64_t) n_expert_ * (int64_t) layers_.size());
     moetier_slots &        v  = *vram;

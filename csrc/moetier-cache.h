@@ -253,6 +253,22 @@ class moetier_cache {
     // before a slot is written. Returns how many pools are repacked.
     int32_t use_repacked(ggml_backend_buffer_type_t repack_buft);
 
+    // the RAM pools in this process's memory in transparent huge pages (moetier_slots::use_huge_pages);
+    // returns how many pools took them
+    int32_t use_huge_pages();
+
+    // pools (projection x precision) in huge pages
+    int32_t n_huge() const { return n_huge_; }
+
+    // with huge pages, faults the RAM pools' empty slots in ahead of the misses, in the background
+    // (moetier_slots::start_populate); call once the model is loaded for use (not for a memory-fit pass)
+    void start_populate();
+
+    // bytes the populate threads committed so far
+    uint64_t populated_bytes() const {
+        return sets[MOETIER_PRECISION_HIGH]->populated_bytes() + sets[MOETIER_PRECISION_LOW]->populated_bytes();
+    }
+
     // projection pools over both precisions that use the repacked kernels
     int32_t n_repacked() const {
         return sets[MOETIER_PRECISION_HIGH]->n_repacked() + sets[MOETIER_PRECISION_LOW]->n_repacked();
@@ -414,6 +430,7 @@ class moetier_cache {
     bool                   simulate = false;
 
     std::vector<moetier_proj>      shapes;  // type and shape template per projection
+    int32_t                        n_huge_ = 0;
     std::unique_ptr<moetier_slots> sets[MOETIER_N_PRECISIONS];
     int32_t                        n_model_layers = 1;
 

@@ -68,6 +68,9 @@ void moetier_hook_model_loaded(llama_model & model) {
         m->init_io();
         m->init_prefetch(model);
         m->init_warm();
+        if (!model.hparams.no_alloc) {
+            m->start_populate();
+        }
     } catch (const std::exception & e) {
         moetier_set_last_error(moetier_error_kind_of(e), m->paths[0] + ": " + e.what());
         throw std::runtime_error(moetier_last_error());

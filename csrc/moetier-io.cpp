@@ -60,6 +60,14 @@ void moetier_mapped_memory::map(size_t n) {
     len  = n;
 }
 
+bool moetier_mapped_memory::advise_huge() noexcept {
+#ifdef MADV_HUGEPAGE
+    return base != nullptr && madvise(base, len, MADV_HUGEPAGE) == 0;
+#else
+    return false;
+#endif
+}
+
 void moetier_mapped_memory::release(size_t off, size_t n) noexcept {
     if (base == nullptr || off >= len) {
         return;
@@ -72,6 +80,25 @@ void moetier_mapped_memory::release(size_t off, size_t n) noexcept {
     if (b > a) {
         madvise((char *) base + a, b - a, MADV_DONTNEED);
     }
+}
+
+bool moetier_mapped_memory::populate(size_t off, size_t n) noexcept {
+#ifdef __linux__
+#    ifndef MADV_POPULATE_WRITE
+#        define MADV_POPULATE_WRITE 23
+#    endif
+    static const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    if (base == nullptr || off >= len) {
+        return false;
+    }
+    const size_t a = off / page * page;
+    const size_t b = std::min(len, moetier_align_up(off + n, page));
+    return madvise((char *) base + a, b - a, MADV_POPULATE_WRITE) == 0;
+#else
+    (void) off;
+    (void) n;
+    return false;
+#endif
 }
 
 moetier_file::moetier_file(const std::string & path, bool direct_io) : path_(path) {

@@ -87,6 +87,15 @@ class moetier_mapped_memory {
     // gives the pages of [off, off + n) back to the system (they read as zeros after)
     void release(size_t off, size_t n) noexcept;
 
+    // asks for transparent huge pages (MADV_HUGEPAGE): faulted in 2 MiB at a time, and fewer TLB
+    // misses when the CPU reads them. false if the kernel refused (no THP support)
+    bool advise_huge() noexcept;
+
+    // commits the pages of [off, off + n) (zeroed by the kernel, as a first write would) without
+    // writing them: safe while another thread writes there. false if the kernel cannot (before Linux
+    // 5.14) or refused (out of memory)
+    bool populate(size_t off, size_t n) noexcept;
+
     void * data() const { return base; }
 
     size_t size() const { return len; }

@@ -74,6 +74,7 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
     io_threads     = params.io_threads;
     prefetch_waste = params.prefetch_waste;
     prefetch_gate  = params.prefetch_gate;
+    huge_pages     = params.huge_pages;
     grow           = params.grow;
     use_uring      = params.io_uring;
     policy_weights = { params.w_lru, params.w_lfu, params.w_lhu, params.w_fld };
@@ -708,6 +709,9 @@ void moetier_model::finish_load(const llama_model & model) {
                         !all_of_them, policy_name, policy_weights);
         }
         c->use_repacked(repack_buft);
+        if (huge_pages) {
+            c->use_huge_pages();
+        }
         for (moetier_layer * l : pl.layers) {
             c->add_layer(l);
             for (size_t k = 0; k < l->projs.size(); ++k) {
@@ -770,6 +774,9 @@ void moetier_model::finish_load(const llama_model & model) {
             "%s: %d expert pools compute on llama.cpp's repacked CPU kernels (CPU_REPACK), as stock's "
             "expert tensors do: each read is repacked once checked\n",
             __func__, (int) n_repacked);
+    }
+    if (huge_pages) {
+        log_huge_pages();
     }
     if (elastic) {
         int64_t n_max = 0;
@@ -1276,6 +1283,37 @@ void moetier_model::init_warm() {
     });
 }
 
+void moetier_model::log_huge_pages() {
+    int32_t n_huge = 0;
+    for (auto & c : caches) {
+        n_huge += c->n_huge();
+    }
+    if (n_huge == 0) {
+        warn(
+            "huge_pages=1 has no effect: no slot pool is in this process's memory (a VRAM tier's RAM pools are "
+            "pinned host memory), or the kernel refused MADV_HUGEPAGE");
+        return;
+    }
+    // THP "never" takes the advice and ignores it
+    std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+    std::string   mode;
+    std::getline(f, mode);
+    if (mode.find("[never]") != std::string::npos) {
+        warn(
+            "huge_pages=1 has no effect: transparent huge pages are off (/sys/kernel/mm/transparent_hugepage/"
+            "enabled is never; set it to madvise)");
+        return;
+    }
+    MOETIER_LOG_INFO("%s: %d expert pools in transparent huge pages, faulted in ahead of the misses\n", __func__,
+                     (int) n_huge);
+}
+
+void moetier_model::start_populate() {
+    for (auto & c : caches) {
+        c->start_populate();
+    }
+}
+
 void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
     if (ms.size() < 2) {
         throw std::runtime_error("sharing an expert cache needs at least two variants");
@@ -1396,6 +1434,9 @@ void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
 
     c->set_n_model_layers(std::max<int32_t>(host.n_model_layers, host.layers.back()->il + 1));
     c->use_repacked(host.vram == 0 ? host.repack_buft : nullptr);
+    if (host.huge_pages) {
+        c->use_huge_pages();
+    }
     c->set_io(host.io.get());
     for (auto & l : host.layers) {
         c->add_layer(l.get());
@@ -1409,6 +1450,7 @@ void moetier_model::share_cache(const std::vector<moetier_model *> & ms) {
     }
     host.caches.clear();
     host.caches.push_back(std::move(c));
+    host.caches.back()->start_populate();
     host.n_variants = V;
     for (int32_t v = 1; v < V; ++v) {
         moetier_model & m = *ms[v];

@@ -100,6 +100,13 @@ struct moetier_model {
     // warning), starts the background reads of its hottest experts and the periodic writer
     void init_warm();
 
+    // after init_warm: every cache commits its empty RAM slots in the background, in the order misses
+    // take them (moetier_slots::start_populate)
+    void start_populate();
+
+    // says whether huge_pages took (a warning where it cannot)
+    void log_huge_pages();
+
     // what the process needs beside the expert cache, from the loaded model (moetier-budget.h)
     moetier_budget_needs budget_needs(const llama_model & model) const;
 
@@ -165,6 +172,7 @@ struct moetier_model {
     int32_t                    io_threads     = 1;
     float                      prefetch_waste = 0.25f;  // the prefetch byte cap's share (moetier-prefetch.h)
     bool                       prefetch_gate  = true;   // prefetch measures whether it pays (moetier_prefetch_gate)
+    bool                       huge_pages     = false;  // RAM pools in transparent huge pages
     int32_t                    grow           = -1;     // the elastic budget (moetier_elastic): -1 auto budgets only
     bool                       use_uring      = true;
     // llama.cpp's CPU_REPACK buffer type where stock would place the expert tensors there (repacked

@@ -103,6 +103,11 @@ static const moetier_param_info g_rows[] = {
             "per 64 measured, then both "
             "are measured again (a fast disk may hide reads behind compute already, and then wasted prefetch reads "
             "only cost time); 0: prefetch always reads"),
+    MOETIER_ROW(huge_pages, MOETIER_PARAM_TYPE_BOOL, 0, 1, true,
+            "the RAM tier's slot pools in transparent huge pages (MADV_HUGEPAGE; needs THP enabled as always or "
+            "madvise): the experts compute with fewer TLB misses once cached, and a background thread at the lowest "
+            "priority faults fresh slots in ahead of the misses. Off by default: where fresh huge pages fault in "
+            "slowly (in a VM whose host backs each on first touch) the cache's first fill is slower"),
     MOETIER_ROW(grow, MOETIER_PARAM_TYPE_INT, -1, 1, true,
             "elastic budget: the cache grows past its budget into memory the memory limit leaves free (the cgroup "
             "limit less what the group holds beside reclaimable page cache, and MemAvailable), up to every expert, "
@@ -146,6 +151,7 @@ struct moetier_params moetier_default_params(void) {
         /*.vram_cpu    =*/false,
         /*.vram_host   =*/false,
         /*.prefetch_gate=*/true,
+        /*.huge_pages  =*/false,
     };
     return p;
 }

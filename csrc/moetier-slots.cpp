@@ -3,8 +3,14 @@
 #include "ggml-alloc.h"
 #include "moetier-impl.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
+#include <utility>
 
 moetier_slots::moetier_slots(moetier_precision  prec,
                              int32_t            n_slots,
@@ -35,10 +41,70 @@ moetier_slots::moetier_slots(moetier_precision  prec,
     policy->init(cap);
 }
 
+moetier_slots::~moetier_slots() {
+    stop_populate();
+}
+
+bool moetier_slots::use_huge_pages() {
+    huge_ = mem.advise_huge();
+    return huge_;
+}
+
+void moetier_slots::start_populate() {
+    stop_populate();
+    if (!huge_ || free_slots.empty()) {
+        return;
+    }
+    // the ranges now, in hand-out order (free_slots' back first); the thread reads nothing else of
+    // the bookkeeping, which the cache changes under it
+    std::vector<std::pair<size_t, size_t>> ranges;
+    for (auto it = free_slots.rbegin(); it != free_slots.rend(); ++it) {
+        for (const ggml_tensor * t : tensors) {
+            ranges.emplace_back(
+                (size_t) ((const uint8_t *) t->data - (const uint8_t *) mem.data()) + (size_t) *it * t->nb[2],
+                t->nb[2]);
+        }
+    }
+    // a window of slots ahead of the ones taken: never much more committed than the misses will use
+    const int64_t window = std::max<int64_t>(4, (int64_t) ((256u << 20) / std::max<uint64_t>(slot_bytes_, 1)));
+    const size_t  n_proj = tensors.size();
+    n_fresh_taken.store(0, std::memory_order_relaxed);
+    populate_stop.store(false, std::memory_order_relaxed);
+    populate_thread = std::thread([this, window, n_proj, ranges = std::move(ranges)] {
+#ifdef __linux__
+        // idle time first: the decode's threads come before it (a per-thread nice on Linux)
+        setpriority(PRIO_PROCESS, (id_t) syscall(SYS_gettid), 19);
+#endif
+        for (size_t i = 0; i < ranges.size();) {
+            if (populate_stop.load(std::memory_order_relaxed)) {
+                return;
+            }
+            if ((int64_t) (i / n_proj) >= n_fresh_taken.load(std::memory_order_relaxed) + window) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                continue;
+            }
+            if (!mem.populate(ranges[i].first, ranges[i].second)) {
+                return;  // a kernel before 5.14, or no memory: the reads fault their pages in
+            }
+            populated.fetch_add(ranges[i].second, std::memory_order_relaxed);
+            ++i;
+        }
+    });
+}
+
+void moetier_slots::stop_populate() noexcept {
+    if (populate_thread.joinable()) {
+        populate_stop.store(true, std::memory_order_relaxed);
+        populate_thread.join();
+    }
+}
+
 void moetier_slots::alloc(const std::vector<moetier_proj> & shapes,
                           ggml_backend_buffer_type_t        buft,
                           bool                              vram,
                           int32_t                           n_zero) {
+    stop_populate();
+    huge_ = false;
     tensors.clear();
     repack_buf.reset();
     n_repacked_ = 0;
@@ -239,6 +305,7 @@ int32_t moetier_slots::take(const moetier_key & key, const moetier_policy_ctx & 
     if (!touched[s]) {
         touched[s] = 1;
         --n_untouched_;
+        n_fresh_taken.fetch_add(1, std::memory_order_relaxed);
     }
     keys[s]                        = key;
     slot_of[key.layer][key.expert] = s;
@@ -266,6 +333,7 @@ int32_t moetier_slots::grow(int32_t n) {
 }
 
 void moetier_slots::disable(int32_t s) noexcept {
+    stop_populate();
     enabled[s] = 0;
     if (touched[s]) {
         for (const ggml_tensor * t : tensors) {

@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 class moetier_slots {
@@ -32,6 +33,8 @@ class moetier_slots {
                   int32_t            n_expert,
                   moetier_policy_ptr policy,
                   int32_t            n_capacity = 0);
+
+    ~moetier_slots();
 
     moetier_slots(const moetier_slots &)             = delete;
     moetier_slots & operator=(const moetier_slots &) = delete;
@@ -64,6 +67,27 @@ class moetier_slots {
     // process's memory (buft nullptr in alloc): a GPU copies slots as they are. Call after alloc,
     // before a slot is written. Returns how many projections are repacked.
     int32_t use_repacked(ggml_backend_buffer_type_t repack_buft);
+
+    // The pool's memory in transparent huge pages (a RAM pool in this process's memory; false
+    // otherwise, or if the kernel refused): the repacked and plain kernels read the slots with fewer
+    // TLB misses. Call after alloc. Fresh huge pages can be slow to fault in (in a VM, each may need the
+    // host to back it): start_populate faults them in ahead of the misses.
+    bool use_huge_pages();
+
+    bool huge_pages() const { return huge_; }
+
+    // With huge pages: commits the memory of the empty slots in use, a window of 256 MiB ahead of the
+    // ones take() has handed out, in that order, on a background thread at the lowest priority, so
+    // that a miss's read finds its pages in place. shrink() and alloc() stop it first (a slot taken
+    // out of use must not be committed again behind them). No-op without huge pages: 4 KiB pages
+    // fault in as fast as this would (measured).
+    void start_populate();
+
+    // stops the populate thread (waits for its current slot); no-op if none
+    void stop_populate() noexcept;
+
+    // bytes the populate thread committed so far
+    uint64_t populated_bytes() const { return populated.load(std::memory_order_relaxed); }
 
     // how many projections use_repacked marked (0: plain layout)
     int32_t n_repacked() const { return n_repacked_; }
@@ -182,6 +206,13 @@ class moetier_slots {
     // memory stays the pool's above), so that ggml-cpu runs their mul_mat_ids with the repacked kernels
     ggml_backend_buffer_ptr    repack_buf;
     int32_t                    n_repacked_ = 0;
+
+    // start_populate's thread, and its stop flag and progress
+    std::thread           populate_thread;
+    std::atomic<bool>     populate_stop{ false };
+    std::atomic<uint64_t> populated{ 0 };
+    std::atomic<int64_t>  n_fresh_taken{ 0 };  // slots take() handed out untouched since start_populate
+    bool                  huge_ = false;       // use_huge_pages took
 
     // bookkeeping
     std::vector<moetier_key>          keys;        // [n_capacity] what each slot holds

@@ -71,6 +71,7 @@ int32_t moetier_model_cache_info(const struct llama_model * model, struct moetie
         info->cache_bytes += c->pool_bytes();
         info->n_slots_vram += c->n_slots_vram();
         info->n_repacked += c->n_repacked();
+        info->n_huge += c->n_huge();
         info->vram_bytes += c->vram_bytes();
         info->vram_copy_us = std::max(info->vram_copy_us, c->vram_copy_us());
         info->vram_cpu_us  = std::max(info->vram_cpu_us, c->vram_cpu_us());

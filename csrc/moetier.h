@@ -89,6 +89,9 @@ struct moetier_params {
     bool prefetch_gate;    // prefetch measures whether it pays: decode steps alternate between windows with
                            // and without prefetch reads, the faster arm runs on and is measured again
                            // later (the default); false: prefetch always reads
+    bool huge_pages;       // the RAM tier's slot pools in transparent huge pages (MADV_HUGEPAGE), faulted
+                           // in ahead of the misses by a background thread: fewer TLB misses when the
+                           // experts compute; off by default (fresh huge pages fault in slowly in VMs)
 };
 
 // cache_bytes of an automatic budget: the memory limit (cgroup v2 memory.max, cgroup v1
@@ -274,6 +277,7 @@ struct moetier_cache_info {
     uint64_t free_margin;       // the free memory it keeps: between this and twice this (0 if fixed)
     int32_t  n_repacked;        // expert pools (projection x precision x group) on llama.cpp's repacked CPU
                                 // kernels (CPU_REPACK), as stock computes the expert tensors it repacks
+    int32_t  n_huge;            // slot pools (projection x precision x group) in transparent huge pages
 };
 
 // Prefetch counters (all zero without prefetch). Distances d = 1..MOETIER_MAX_PREFETCH: predictions

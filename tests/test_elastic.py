@@ -85,7 +85,9 @@ def test_grow_is_on_for_auto_budgets_and_off_for_given_ones(tiny_model: ModelFac
         CacheConfig(grow=2)
 
 
-def test_cache_grows_into_a_cgroup_limit_and_gives_memory_back(tiny_model: ModelFactory) -> None:
+@pytest.mark.parametrize("huge", [False, True])
+def test_cache_grows_into_a_cgroup_limit_and_gives_memory_back(tiny_model: ModelFactory, huge: bool) -> None:
+    """With huge_pages too: its thread faulting slots in ahead stops before a shrink gives them back."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
     import cgroup
 
@@ -106,7 +108,7 @@ def test_cache_grows_into_a_cgroup_limit_and_gives_memory_back(tiny_model: Model
         "probe = Model(sys.argv[1], cache=CacheConfig.exact(budget='256M'))\n"
         "lo = int(probe.cache_info()['min_cache_bytes'])\n"
         "del probe\n"
-        "m = Model(sys.argv[1], cache=CacheConfig.exact(budget=lo, grow=1))\n"
+        "m = Model(sys.argv[1], cache=CacheConfig.exact(budget=lo, grow=1, huge_pages=sys.argv[4] == '1'))\n"
         "used = int((cg / 'memory.usage_in_bytes').read_text())\n"
         "(cg / 'memory.limit_in_bytes').write_text(str(used + int(m.cache_info()['expert_bytes']) + (320 << 20)))\n"
         "a = m.generate(sys.argv[3], max_tokens=24).tokens\n"
@@ -125,7 +127,7 @@ def test_cache_grows_into_a_cgroup_limit_and_gives_memory_back(tiny_model: Model
     cap = cgroup.MemoryCap(f"moetier-test-elastic-{os.getpid()}", 1 << 40)
     try:
         r = subprocess.run(
-            [sys.executable, "-c", code, str(path), str(cap.path), PROMPT],
+            [sys.executable, "-c", code, str(path), str(cap.path), PROMPT, "1" if huge else "0"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -149,6 +151,7 @@ def test_cache_grows_into_a_cgroup_limit_and_gives_memory_back(tiny_model: Model
     slot = grown["cache_bytes"] // 24
     assert out["rss_grown"] - out["rss_shrunk"] >= (grown["n_held"] - shrunk["n_slots"]) * slot - 4 * MiB
     assert oom == 0
+    assert grown["n_huge"] == (3 if huge else 0)
 
 
 def _note_bytes(note: str, what: str) -> int:

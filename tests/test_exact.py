@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +128,43 @@ def test_repacked_experts_equal_stock(
         elif _repacks_q4_k():
             assert n_repacked == 3  # gate, up, down: one group, high precision
         del m
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (always, madvise or never; never where there is none)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _anon_huge_bytes() -> int:
+    """This process's anonymous memory in transparent huge pages (/proc/self/smaps_rollup)."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_huge_pages_equal_stock(tiny_model: ModelFactory) -> None:
+    """huge_pages=1 puts the slot pools in transparent huge pages, faulted in ahead of the misses by a
+    background thread; the output stays stock's, and cache_info says which pools took them."""
+    path = tiny_model("qwen2moe", n_expert=16, n_expert_used=4, n_layer=2, n_embd=256, n_ff_exp=512)
+    stock = Model(path)
+    tokens = stock.tokenize(LONG_PROMPT)
+    want = stock.generate(tokens, max_tokens=16).tokens
+    before = _anon_huge_bytes()
+    m = Model(path, cache=CacheConfig(budget="64M", huge_pages=True, warm=False))
+    assert m.warnings == ()
+    if _thp_mode() == "never":
+        pytest.skip("transparent huge pages are off on this machine")
+    assert m.cache_info()["n_huge"] == 3  # gate, up, down: one group, high precision
+    # every expert fits (3 x 16 MiB of pools): the thread commits them all, in huge pages
+    deadline = time.monotonic() + 10
+    while _anon_huge_bytes() - before < 16 << 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _anon_huge_bytes() - before >= 16 << 20
+    assert m.generate(tokens, max_tokens=16).tokens == want
+    off = Model(path, cache=CacheConfig(budget="64M", warm=False))
+    assert off.cache_info()["n_huge"] == 0

@@ -236,6 +236,7 @@ py::dict cache_info(const llama_model * model) {
     d["min_cache_bytes"]  = info.min_cache_bytes;
     d["n_slots_vram"]     = info.n_slots_vram;
     d["n_repacked"]       = info.n_repacked;
+    d["n_huge"]           = info.n_huge;
     d["vram_bytes"]       = info.vram_bytes;
     d["vram_copy_us"]     = info.vram_copy_us;
     d["vram_cpu_us"]      = info.vram_cpu_us;

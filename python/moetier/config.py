@@ -87,6 +87,7 @@ class CacheConfig:
     verify_all: bool = field(default=bool(_DEFAULTS.verify_all), metadata={"help": _help("verify_all")})
     prefetch_gate: bool = field(default=bool(_DEFAULTS.prefetch_gate), metadata={"help": _help("prefetch_gate")})
     grow: int = field(default=int(_DEFAULTS.grow), metadata={"help": _help("grow")})
+    huge_pages: bool = field(default=bool(_DEFAULTS.huge_pages), metadata={"help": _help("huge_pages")})
     vram_cpu: bool = field(default=bool(_DEFAULTS.vram_cpu), metadata={"help": _help("vram_cpu")})
     vram_host: bool = field(default=bool(_DEFAULTS.vram_host), metadata={"help": _help("vram_host")})
 

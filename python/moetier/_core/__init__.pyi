@@ -52,6 +52,7 @@ class Params:
     vram_cpu: bool
     vram_host: bool
     prefetch_gate: bool
+    huge_pages: bool
     grow: int
     def __init__(self) -> None: ...
     def check(self) -> str | None: ...
