@@ -183,7 +183,12 @@ def main() -> None:
         raise SystemExit(msg)
     prepare(a.work, a.mutate.split(","), a.tests.split(","))
     env = mutmut_env(a.work)
-    subprocess.run(["mutmut", "run", "--max-children", str(a.children)], cwd=a.work, env=env, check=False)
+    run = subprocess.run(["mutmut", "run", "--max-children", str(a.children)], cwd=a.work, env=env, check=False)
+    if run.returncode != 0:
+        # mutmut exits 0 whatever survives; anything else is a failed run (the selected tests must pass
+        # on HEAD first: the worktree holds no uncommitted change), whose counts would all be zero
+        msg = f"mutmut run failed (exit {run.returncode}); no results written"
+        raise SystemExit(msg)
     results = subprocess.run(
         ["mutmut", "results", "--all", "true"], cwd=a.work, capture_output=True, text=True, check=True
     ).stdout

@@ -30,6 +30,27 @@ def models_of(s: Scheduler, q: int) -> list[str]:
     return [j.model for j in s.executors[q].queue]
 
 
+def test_the_named_configurations_are_the_ablation_ladder_and_the_baselines() -> None:
+    """CoServe's ablation adds evict, then arrange and split, then assignment and preload; the baselines
+    are round-robin over the executors with FCFS queues and LRU or FIFO replacement."""
+    table = {
+        "coserve": ("makespan", True, "two_stage", True, True),
+        "none": ("round_robin", False, "fifo", False, False),
+        "+evict": ("round_robin", False, "two_stage", False, False),
+        "+arrange": ("round_robin", True, "two_stage", True, False),
+        "fcfs-lru": ("round_robin", False, "lru", False, False),
+        "fifo": ("round_robin", False, "fifo", False, False),
+        "round-robin": ("round_robin", False, "lru", False, False),
+    }
+    for name, want in table.items():
+        m = Mechanisms.baseline(name)
+        assert (m.assign, m.arrange, m.evict, m.split, m.preload) == want, name
+    assert Mechanisms() == Mechanisms.baseline("coserve")
+    with pytest.raises(ConfigError) as e:
+        Mechanisms.baseline("lifo")
+    assert str(e.value) == "unknown scheduler 'lifo'; one of " + ", ".join(table)
+
+
 def test_arranging_places_a_job_behind_its_models_group() -> None:
     for arrange, want in ((True, ["a", "a", "b"]), (False, ["a", "b", "a"])):
         s = Scheduler(costs(a=c(), b=c()), 1000 * MB, 1, Mechanisms(arrange=arrange))
@@ -162,6 +183,22 @@ def test_decay_window_search_stops_where_throughput_leaves_the_line() -> None:
     assert hi2 == 60
 
 
+def test_decay_window_search_by_hand() -> None:
+    """100 models of equal usage: the CDF reaches i% at model i. Windows of 15% shrinking by 0.85:
+    upper bounds 15, 27.75, 38.59, 47.80, ... The throughput follows n up to 40 and stays there: the
+    line through (15, 15), (28, 28), (39, 39) predicts 48 at n = 48, where 40 is 17% short."""
+    flat = [1.0] * 100
+    assert decay_window_search(flat, lambda n: float(min(n, 40))) == (39, 48)
+    # 17% short is within 17.5%; at 56 the line through the four points predicts 49.2: 19% short
+    assert decay_window_search(flat, lambda n: float(min(n, 40)), eps=0.175) == (48, 56)
+    assert decay_window_search(flat, lambda n: float(n)) == (100, 100)  # on the line to the top
+    assert decay_window_search(flat[:10], lambda n: float(n), w0=100) == (1, 10)  # one window: all of them
+    # w0 sets the first window: 20% then 36%, 48.8%: the drop at 40 shows at n = 49
+    assert decay_window_search(flat, lambda n: float(min(n, 40)), w0=20) == (36, 49)
+    assert decay_window_search([], float) == (0, 0) and decay_window_search([0.0, 0.0], float) == (0, 0)
+    assert decay_window_search([0.0, 2.0], lambda n: float(n), w0=100) == (1, 1)  # unused models do not count
+
+
 def zipf_requests(n: int, types: int, rate: float, seed: int, second: dict[str, str]) -> list[SimRequest]:
     rng = random.Random(seed)
     w = [1.0 / (i + 1) for i in range(types)]
@@ -199,8 +236,16 @@ def test_simulator_times_one_group_exactly() -> None:
     assert r.loads == 2 and r.completed == 3
     # b: 1 + 0.25 + 0.5 = 1.75; then the two a's queued meanwhile in one batch: 2 + 0.25 + 2 * 0.5
     assert r.seconds == pytest.approx(1.75 + 3.25)
+    assert r.latencies == pytest.approx([1.75, 5.0 - 0.1, 5.0 - 0.2])
+    assert (r.preloads, r.bytes_loaded) == (0, 2 * MB) and 0 <= r.sched_seconds < 1
     one_by_one = simulate(reqs, cs, 10 * MB, 1, Mechanisms(preload=False, split=False))
     assert one_by_one.seconds == pytest.approx(1.75 + 2.75 + 0.75)
+    # a two-stage path: the second stage is submitted when the first answers; preloaded models
+    cs2 = costs(a=Cost(k=0.5, b=0.25, load=2.0, nbytes=MB, max_batch=8, p=0.6), b=c(load=1.0, nbytes=MB, k=0.5, b=0.25, p=0.4))
+    r2 = simulate([SimRequest(1.0, ("a", "b"))], cs2, 10 * MB, 1, Mechanisms(), deps={"b": {"a"}})
+    assert (r2.preloads, r2.loads, r2.completed, r2.bytes_loaded) == (2, 0, 1, 0)
+    # the preload's loads (2 + 1 s) hold the executor from 0; then a, then b once a answered
+    assert r2.latencies == pytest.approx([3.0 + 0.75 + 0.75 - 1.0]) and r2.seconds == pytest.approx(3.5)
 
 
 def write(tmp: Path, text: str, name: str = "pool.yaml") -> Path:
@@ -296,3 +341,87 @@ def test_usage_probabilities_follow_the_pipelines_routes(tmp_path: Path) -> None
     assert b > 0
     k, b = fit_batch_line([1, 2], [0.5, 1.5])  # a negative intercept is clamped: the mean time per job
     assert b == 0 and k == pytest.approx(2.0 / 3)
+
+
+def test_queue_time_and_one_more_job_are_the_latency_model() -> None:
+    """T(q) sums each model group's load (unless resident or loaded earlier in the queue), k per job
+    and b per batch; delta adds k, b when the job opens a batch, and the load of a model neither
+    queued nor resident; a running batch counts until its predicted end."""
+    cs = costs(a=c(load=1.0, k=0.1, b=0.05, max_batch=2), b=c(load=2.0, k=0.2, b=0.5, max_batch=4))
+    s = Scheduler(cs, 1000 * MB, 1, Mechanisms(arrange=False, preload=False))
+    s.executors[0].resident["a"] = cs["a"].nbytes
+    for i, m in enumerate("aaabb"):
+        s.submit(Job(i, m, 0.0), 0.0)
+    # a: 3 jobs in 2 batches, resident; b: 2 jobs in 1 batch, loaded: (0.3 + 0.1) + (2 + 0.4 + 0.5)
+    assert s.queue_seconds(0, 0.0) == pytest.approx(3.3)
+    s.submit(Job(9, "a", 0.0), 0.0)  # queued behind the b's (no arranging): a's load is not paid again
+    assert s.queue_seconds(0, 0.0) == pytest.approx(3.3 + 0.1 + 0.05)
+    assert s.delta(0, "a") == pytest.approx(0.1 + 0.05)  # 4 a's queued in batches of 2: a 5th opens one
+    bt = s.next_batch(0, 10.0)  # runs a, a: ends at 10 + 0.25
+    assert bt is not None and [j.id for j in bt.jobs] == [0, 1] and not bt.load and bt.evict == []
+    assert bt.predicted == pytest.approx(0.25)
+    assert s.queue_seconds(0, 10.0) == pytest.approx(0.25 + (0.1 + 0.05) + (2 + 0.4 + 0.5) + (0.1 + 0.05))
+    assert s.queue_seconds(0, 11.0) == pytest.approx(0.15 + 2.9 + 0.15)  # past its end: nothing left of it
+    s.finish(bt)
+    assert s.executors[0].running is None
+    assert s.delta(0, "b") == pytest.approx(0.2)  # 2 b's queued, 4 per batch: it joins theirs
+
+
+def test_delta_pays_a_load_only_for_a_model_neither_queued_nor_resident() -> None:
+    cs = costs(a=c(load=1.0, k=0.1, b=0.05, max_batch=2), b=c(load=2.0, k=0.2, b=0.5, max_batch=2))
+    s = Scheduler(cs, 1000 * MB, 1, Mechanisms(preload=False))
+    assert s.delta(0, "b") == pytest.approx(0.2 + 0.5 + 2.0)
+    s.executors[0].resident["b"] = cs["b"].nbytes
+    assert s.delta(0, "b") == pytest.approx(0.2 + 0.5)
+    s.submit(Job(0, "a", 0.0), 0.0)
+    assert s.delta(0, "a") == pytest.approx(0.1)  # joins the queued a's batch
+    s.submit(Job(1, "a", 0.0), 0.0)
+    assert s.delta(0, "a") == pytest.approx(0.1 + 0.05)  # the batch of 2 is full: a new one
+    nosplit = Scheduler(cs, 1000 * MB, 1, Mechanisms(split=False, preload=False))
+    nosplit.submit(Job(0, "a", 0.0), 0.0)
+    assert nosplit.delta(0, "a") == pytest.approx(0.1 + 0.05)  # one job per batch
+
+
+def test_queue_depths_and_residency_are_reported_per_model() -> None:
+    s = Scheduler(costs(a=c(), b=c(), d=c()), 1000 * MB, 2, Mechanisms(assign="round_robin", preload=False))
+    for i, m in enumerate("ababa"):
+        s.submit(Job(i, m, 0.0), 0.0)  # in turn: the a's on executor 0, the b's on 1
+    assert s.queue_depths() == {"a": 3, "b": 2}
+    assert s.resident() == {}
+    s.next_batch(0, 0.0)
+    s.next_batch(1, 0.0)
+    assert s.resident() == {"a": 0, "b": 1}
+    s.unloaded(1, "b")
+    s.unloaded(1, "zz")  # not resident: nothing to do
+    assert s.resident() == {"a": 0}
+
+
+def test_a_model_that_cannot_be_made_resident_fails_its_batch() -> None:
+    """Unreachable while every model fits one share (the constructor checks); if an executor's share
+    ever holds less, the batch carries the error instead of overfilling it."""
+    with pytest.raises(ConfigError, match=r"^model a: needs 209715200 bytes resident, more than one executor's"):
+        Scheduler(costs(a=c(nbytes=200 * MB)), 300 * MB, 2)
+    with pytest.raises(ConfigError, match="^executors: 0 must be at least 1$"):
+        Scheduler(costs(a=c()), 300 * MB, 0)
+    s = Scheduler(costs(a=c()), 300 * MB, 1, Mechanisms(preload=False))
+    s.executors[0].budget = 50 * MB
+    s.submit(Job(0, "a", 0.0), 0.0)
+    bt = s.next_batch(0, 0.0)
+    assert bt is not None and bt.error == "model a does not fit the budget"
+    assert (bt.executor, bt.model, [j.id for j in bt.jobs], bt.load, bt.evict) == (0, "a", [0], False, [])
+    assert s.executors[0].resident == {} and s.stats.loads == 0
+    with pytest.raises(ConfigError, match="^unknown model 'zz'$"):
+        s.submit(Job(1, "zz", 0.0), 0.0)
+
+
+def test_fit_line_and_latency_percentiles() -> None:
+    from moetier.pool.sched import fit_line
+    from moetier.pool.sim import SimResult
+
+    assert fit_line([1, 2, 3], [2.0, 4.0, 6.0]) == pytest.approx((2.0, 0.0))
+    assert fit_line([1, 3], [1.0, 2.0]) == pytest.approx((0.5, 0.5))
+    assert fit_line([2, 2], [1.0, 3.0]) == (0.0, 2.0)  # one x: the mean
+    r = SimResult(completed=4, seconds=8.0, loads=0, preloads=0, bytes_loaded=0, latencies=[4.0, 1.0, 3.0, 2.0])
+    assert (r.latency(0.0), r.latency(0.5), r.latency(0.74), r.latency(0.99), r.latency(1.0)) == (1, 3, 3, 4, 4)
+    assert r.throughput == 0.5
+    assert SimResult(0, 0.0, 0, 0, 0).latency(0.5) == 0.0 and SimResult(0, 0.0, 0, 0, 0).throughput == 0.0

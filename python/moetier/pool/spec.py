@@ -175,8 +175,9 @@ def load_spec(path: str | os.PathLike[str]) -> PoolSpec:
     if "budget" not in top:
         raise doc.error(root, "pool: 'budget' is required (bytes, e.g. 1.5G)")
     vb = top["budget"][1]
+    raw_budget = doc.scalar(vb, "budget")  # its own error names the line: not wrapped below
     try:
-        budget = parse_size(doc.scalar(vb, "budget"), "budget")
+        budget = parse_size(raw_budget, "budget")
     except ConfigError as e:
         raise doc.error(vb, str(e)) from None
     if budget <= 0:
