@@ -241,7 +241,9 @@ def test_simulator_times_one_group_exactly() -> None:
     one_by_one = simulate(reqs, cs, 10 * MB, 1, Mechanisms(preload=False, split=False))
     assert one_by_one.seconds == pytest.approx(1.75 + 2.75 + 0.75)
     # a two-stage path: the second stage is submitted when the first answers; preloaded models
-    cs2 = costs(a=Cost(k=0.5, b=0.25, load=2.0, nbytes=MB, max_batch=8, p=0.6), b=c(load=1.0, nbytes=MB, k=0.5, b=0.25, p=0.4))
+    cs2 = costs(
+        a=Cost(k=0.5, b=0.25, load=2.0, nbytes=MB, max_batch=8, p=0.6), b=c(load=1.0, nbytes=MB, k=0.5, b=0.25, p=0.4)
+    )
     r2 = simulate([SimRequest(1.0, ("a", "b"))], cs2, 10 * MB, 1, Mechanisms(), deps={"b": {"a"}})
     assert (r2.preloads, r2.loads, r2.completed, r2.bytes_loaded) == (2, 0, 1, 0)
     # the preload's loads (2 + 1 s) hold the executor from 0; then a, then b once a answered
@@ -401,7 +403,7 @@ def test_a_model_that_cannot_be_made_resident_fails_its_batch() -> None:
     ever holds less, the batch carries the error instead of overfilling it."""
     with pytest.raises(ConfigError, match=r"^model a: needs 209715200 bytes resident, more than one executor's"):
         Scheduler(costs(a=c(nbytes=200 * MB)), 300 * MB, 2)
-    with pytest.raises(ConfigError, match="^executors: 0 must be at least 1$"):
+    with pytest.raises(ConfigError, match=r"^executors: 0 must be at least 1$"):
         Scheduler(costs(a=c()), 300 * MB, 0)
     s = Scheduler(costs(a=c()), 300 * MB, 1, Mechanisms(preload=False))
     s.executors[0].budget = 50 * MB
@@ -410,7 +412,7 @@ def test_a_model_that_cannot_be_made_resident_fails_its_batch() -> None:
     assert bt is not None and bt.error == "model a does not fit the budget"
     assert (bt.executor, bt.model, [j.id for j in bt.jobs], bt.load, bt.evict) == (0, "a", [0], False, [])
     assert s.executors[0].resident == {} and s.stats.loads == 0
-    with pytest.raises(ConfigError, match="^unknown model 'zz'$"):
+    with pytest.raises(ConfigError, match=r"^unknown model 'zz'$"):
         s.submit(Job(1, "zz", 0.0), 0.0)
 
 
@@ -425,3 +427,52 @@ def test_fit_line_and_latency_percentiles() -> None:
     assert (r.latency(0.0), r.latency(0.5), r.latency(0.74), r.latency(0.99), r.latency(1.0)) == (1, 3, 3, 4, 4)
     assert r.throughput == 0.5
     assert SimResult(0, 0.0, 0, 0, 0).latency(0.5) == 0.0 and SimResult(0, 0.0, 0, 0, 0).throughput == 0.0
+
+
+def test_round_robin_deals_jobs_in_turn_and_makespan_does_not() -> None:
+    cs = costs(a=c(load=5.0), b=c(load=5.0))
+    rr = Scheduler(cs, 1000 * MB, 3, Mechanisms(assign="round_robin", preload=False))
+    assert [rr.submit(Job(i, m, 0.0), 0.0) for i, m in enumerate("aabab")] == [0, 1, 2, 0, 1]
+    ms = Scheduler(cs, 1000 * MB, 3, Mechanisms(preload=False))
+    # the second a goes to an idle executor (5.15 s there ends sooner than 5.25 s behind the first),
+    # b to the third; the next a and b join their model's queue, a on the lower executor of a tie
+    assert [ms.submit(Job(i, m, 0.0), 0.0) for i, m in enumerate("aabab")] == [0, 1, 2, 0, 2]
+
+
+def test_stage_one_frees_the_largest_orphan_first_and_lru_the_never_used_first() -> None:
+    cs = costs(cls=c(nbytes=100 * MB), big=c(nbytes=200 * MB), small=c(nbytes=100 * MB), new=c(nbytes=200 * MB))
+    deps = {"big": {"cls"}, "small": {"cls"}}
+    s = Scheduler(cs, 450 * MB, 1, Mechanisms(), deps)
+    s.executors[0].resident.update({"small": 100 * MB, "big": 200 * MB})
+    assert run_loads(s, ["new"]) == [["big"]]  # 150 MB free: the larger orphan goes, and that is enough
+    lru = Scheduler(cs, 450 * MB, 1, Mechanisms(evict="lru", preload=False))
+    ex = lru.executors[0]
+    ex.resident.update({"cls": 100 * MB, "big": 200 * MB})  # preloaded: never used yet
+    assert run_loads(lru, ["small", "cls", "new"]) == [[], [], ["big"]]
+    fifo = Scheduler(cs, 450 * MB, 1, Mechanisms(evict="fifo", preload=False))
+    fifo.executors[0].resident.update({"big": 200 * MB, "cls": 100 * MB})
+    assert run_loads(fifo, ["small", "big", "new"]) == [[], [], ["big"]]  # loaded first, out first
+
+
+def test_stats_count_loads_evictions_batches_and_jobs() -> None:
+    cs = costs(a=c(load=2.0, nbytes=300 * MB, k=0.5, b=0.25), b=c(load=1.0, nbytes=300 * MB))
+    s = Scheduler(cs, 500 * MB, 1, Mechanisms(preload=False, arrange=False))
+    for i, m in enumerate("aaba"):
+        s.submit(Job(i, m, 0.0), 0.0)
+    first = s.next_batch(0, 0.0)
+    assert first is not None and first.load and first.predicted == pytest.approx(2.0 + 0.25 + 2 * 0.5)
+    s.finish(first)
+    while (bt := s.next_batch(0, 0.0)) is not None:
+        s.finish(bt)
+    st = s.stats
+    assert (st.loads, st.evictions, st.batches, st.jobs, st.bytes_loaded) == (3, 2, 3, 4, 900 * MB)
+    again = s.next_batch(0, 0.0)
+    assert again is None
+
+
+def test_the_budget_is_split_evenly_and_a_model_may_fill_a_share() -> None:
+    s = Scheduler(costs(a=c(nbytes=150 * MB)), 301 * MB, 2)
+    assert [e.budget for e in s.executors] == [301 * MB // 2] * 2
+    Scheduler(costs(a=c(nbytes=150 * MB)), 300 * MB, 2)  # exactly a share: fits
+    one = Scheduler(costs(a=c()), 300 * MB)
+    assert len(one.executors) == 1
