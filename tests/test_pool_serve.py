@@ -313,3 +313,143 @@ def test_a_failing_callback_does_not_stop_the_executor(tmp_path: Path, tiny_mode
         assert done.wait(60) and got == ["answered"]
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "status", "msg"),
+    [
+        ({"model": "zz", "prompt": "x"}, False, 404, "unknown model 'zz'; this pool serves: a, p"),
+        ({"prompt": "x"}, False, 404, "unknown model None; this pool serves: a, p"),
+        ({"model": "a", "prompt": "x", "max_tokens": 0}, False, 400, "max_tokens: 0 must be a positive integer"),
+        ({"model": "a", "prompt": "x", "max_tokens": True}, False, 400, "max_tokens: True must be a positive integer"),
+        ({"model": "a", "prompt": "x", "max_tokens": 2.0}, False, 400, "max_tokens: 2.0 must be a positive integer"),
+        (
+            {"model": "a", "prompt": "x", "max_completion_tokens": -1},
+            False,
+            400,
+            "max_tokens: -1 must be a positive integer",
+        ),
+        ({"model": "a", "prompt": "x", "temperature": -0.5}, False, 400, "temperature: -0.5 must be a number >= 0"),
+        ({"model": "a", "prompt": "x", "temperature": "1"}, False, 400, "temperature: '1' must be a number >= 0"),
+        ({"model": "a", "prompt": "x", "temperature": False}, False, 400, "temperature: False must be a number >= 0"),
+        ({"model": "a", "prompt": "x", "seed": 1.5}, False, 400, "seed: 1.5 must be an integer"),
+        ({"model": "a", "prompt": "x", "seed": True}, False, 400, "seed: True must be an integer"),
+        ({"model": "a"}, False, 400, "prompt: a string is required"),
+        ({"model": "a", "prompt": ["x", "y"]}, False, 400, "prompt: a string is required"),
+        ({"model": "a"}, True, 400, "messages: a non-empty list of {role, content} is required"),
+        ({"model": "a", "messages": []}, True, 400, "messages: a non-empty list of {role, content} is required"),
+        (
+            {"model": "a", "messages": [{"role": "user"}]},
+            True,
+            400,
+            "messages: each message needs a string role and a string content",
+        ),
+        (
+            {"model": "a", "messages": ["hi"]},
+            True,
+            400,
+            "messages: each message needs a string role and a string content",
+        ),
+        (
+            {"model": "a", "messages": [{"role": 1, "content": "x"}]},
+            True,
+            400,
+            "messages: each message needs a string role and a string content",
+        ),
+    ],
+)
+def test_bad_requests_get_their_status_and_message(body: dict[str, object], chat: bool, status: int, msg: str) -> None:
+    from moetier.pool.server import RequestError, parse_request
+
+    with pytest.raises(RequestError) as e:
+        parse_request(body, chat, ["a", "p"], "this pool serves")
+    assert (e.value.status, str(e.value)) == (status, msg)
+
+
+def test_requests_are_read_field_by_field() -> None:
+    from moetier.pool.server import Request, parse_request
+
+    known, served = ["a"], "serves"
+    assert parse_request({"model": "a", "prompt": "hi"}, False, known, served) == Request("a", "hi", None, None, 0.0, 0)
+    assert parse_request(
+        {"model": "a", "prompt": ["hi"], "max_tokens": 3, "temperature": 1, "seed": 7}, False, known, served
+    ) == Request("a", "hi", None, 3, 1.0, 7)
+    assert (
+        parse_request({"model": "a", "prompt": "x", "max_completion_tokens": 5}, False, known, served).max_tokens == 5
+    )
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+    ]
+    r = parse_request({"model": "a", "messages": msgs}, True, known, served)
+    assert r == Request("a", "q1", [("system", "be brief"), ("user", "q1"), ("assistant", "a1")], None, 0.0, 0)
+    only_system = parse_request({"model": "a", "messages": msgs[:1]}, True, known, served)
+    assert only_system.text == "be brief"  # no user message: the last message's text
+
+
+def test_models_list_and_metrics_say_everything(served: tuple[OpenAI, Pool, Path]) -> None:
+    client, pool, _ = served
+    client.completions.create(model="d1", prompt="x", max_tokens=2)
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)  # a bad request: not counted
+    with pytest.raises(InternalServerError):
+        client.completions.create(model="broken", prompt="x", max_tokens=2)  # failed in the pool
+    listed = [m.model_dump() for m in client.models.list()]
+    by_id = {m["id"]: m for m in listed}
+    assert [m["id"] for m in listed] == ["d1", "d2", "d3", "moe", "broken", "fixed", "routed"]
+    assert all(m["object"] == "model" and m["owned_by"] == "moetier" for m in listed)
+    assert by_id["d1"]["moetier"] == {"kind": "model", "resident": True}
+    assert by_id["d2"]["moetier"] == {"kind": "model", "resident": "d2" in pool.resident()}
+    assert by_id["routed"]["moetier"] == {
+        "kind": "pipeline",
+        "stages": [{"stage": "r", "model": "d2"}, {"stage": "never", "model": "d1"}, {"stage": "x", "model": "d3"}],
+    }
+    base = str(client.base_url).removesuffix("/v1/")
+    with urllib.request.urlopen(f"{base}/metrics") as resp:
+        text = resp.read().decode()
+    assert text.endswith("\n")
+    values = {}
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            values[k] = float(v)
+    assert values["moetier_pool_budget_bytes"] == pool.spec.budget
+    assert values["moetier_pool_resident_bytes"] == pool.resident_bytes() > 0
+    assert values["moetier_pool_rss_bytes"] > values["moetier_pool_resident_bytes"] / 100
+    assert values["moetier_pool_switches_total"] == pool.sched.stats.loads
+    assert values["moetier_pool_loaded_bytes_total"] == pool.sched.stats.bytes_loaded
+    assert values["moetier_pool_requests_total"] == 2 and values['moetier_pool_requests_total{outcome="failed"}'] == 1
+    assert values["moetier_pool_scheduler_seconds_total"] >= 0
+    assert values['moetier_pool_executor_busy_seconds_total{executor="0"}'] > 0
+    for m, c in pool.counters.items():
+        assert values[f'moetier_pool_model_resident{{model="{m}"}}'] == (1 if m in pool.resident() else 0)
+        assert values[f'moetier_pool_model_queue_depth{{model="{m}"}}'] == 0
+        assert values[f'moetier_pool_model_loads_total{{model="{m}"}}'] == c.loads
+        assert values[f'moetier_pool_model_load_seconds_total{{model="{m}"}}'] == round(c.load_seconds, 6)
+        assert values[f'moetier_pool_model_unloads_total{{model="{m}"}}'] == c.unloads
+        assert values[f'moetier_pool_model_load_failures_total{{model="{m}"}}'] == c.load_failures
+        assert values[f'moetier_pool_model_jobs_total{{model="{m}"}}'] == c.jobs
+        assert values[f'moetier_pool_model_job_failures_total{{model="{m}"}}'] == c.failures
+    assert pool.counters["d1"].jobs == 1 and pool.counters["d1"].loads >= 1
+    types = [line for line in text.splitlines() if line.startswith("# TYPE")]
+    assert types == [
+        "# TYPE moetier_pool_budget_bytes gauge",
+        "# TYPE moetier_pool_resident_bytes gauge",
+        "# TYPE moetier_pool_rss_bytes gauge",
+        "# TYPE moetier_pool_switches_total counter",
+        "# TYPE moetier_pool_loaded_bytes_total counter",
+        "# TYPE moetier_pool_requests_total counter",
+        "# TYPE moetier_pool_scheduler_seconds_total counter",
+        "# TYPE moetier_pool_executor_busy_seconds_total counter",
+        "# TYPE moetier_pool_model_resident gauge",
+        "# TYPE moetier_pool_model_queue_depth gauge",
+        "# TYPE moetier_pool_model_loads_total counter",
+        "# TYPE moetier_pool_model_load_seconds_total counter",
+        "# TYPE moetier_pool_model_unloads_total counter",
+        "# TYPE moetier_pool_model_load_failures_total counter",
+        "# TYPE moetier_pool_model_jobs_total counter",
+        "# TYPE moetier_pool_model_job_failures_total counter",
+    ]
+    helps = [line.split(" ", 3)[2] for line in text.splitlines() if line.startswith("# HELP")]
+    assert helps == [t.split()[2] for t in types[:7]]  # every pool-wide series says what it counts

@@ -244,7 +244,7 @@ class PoolService:
             "# HELP moetier_pool_loaded_bytes_total Bytes of the models loaded after the preload (profiled sizes).",
             "# TYPE moetier_pool_loaded_bytes_total counter",
             f"moetier_pool_loaded_bytes_total {pool.sched.stats.bytes_loaded}",
-            "# HELP moetier_pool_requests_total API requests received, and failed.",
+            "# HELP moetier_pool_requests_total API requests the pool ran, and those that failed in it.",
             "# TYPE moetier_pool_requests_total counter",
             f"moetier_pool_requests_total {self.requests}",
             f'moetier_pool_requests_total{{outcome="failed"}} {self.failed}',
