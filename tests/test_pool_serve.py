@@ -453,3 +453,103 @@ def test_models_list_and_metrics_say_everything(served: tuple[OpenAI, Pool, Path
     ]
     helps = [line.split(" ", 3)[2] for line in text.splitlines() if line.startswith("# HELP")]
     assert helps == [t.split()[2] for t in types[:7]]  # every pool-wide series says what it counts
+
+
+def _post(base: str, path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(f"{base}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_responses_carry_openais_fields_and_each_stages_account(served: tuple[OpenAI, Pool, Path]) -> None:
+    client, _, _ = served
+    base = str(client.base_url).removesuffix("/v1/")
+    status, r = _post(base, "/v1/completions", {"model": "d1", "prompt": "the cat"})
+    assert status == 200 and r["object"] == "text_completion" and r["model"] == "d1"
+    assert str(r["id"]).startswith("moetier-") and len(str(r["id"])) == len("moetier-") + 16
+    assert abs(int(r["created"]) - time.time()) < 60  # type: ignore[call-overload]
+    (choice,) = r["choices"]  # type: ignore[misc]
+    assert choice["index"] == 0 and choice["logprobs"] is None and choice["finish_reason"] in ("stop", "length")
+    usage = r["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]  # type: ignore[index]
+    assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= 16  # type: ignore[index]
+    if choice["finish_reason"] == "length":
+        assert usage["completion_tokens"] == 16  # type: ignore[index]  # OpenAI's default for a completion
+    (stage,) = r["moetier"]["stages"]  # type: ignore[index]
+    assert set(stage) == {"stage", "model", "executor", "queued_s", "load_s", "run_s", "completion_tokens"}
+    assert (stage["stage"], stage["model"], stage["executor"]) == ("d1", "d1", 0)
+    assert stage["completion_tokens"] == usage["completion_tokens"]  # type: ignore[index]
+    assert r["moetier"]["seconds"] >= stage["run_s"] > 0  # type: ignore[index]
+    # a pipeline in a chat: each stage's account, the last stage's answer; later stages get the user turn
+    status, r = _post(
+        base,
+        "/v1/chat/completions",
+        {"model": "fixed", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    )
+    assert status == 200 and r["object"] == "chat.completion" and r["model"] == "fixed"
+    (choice,) = r["choices"]  # type: ignore[misc]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert [(s["stage"], s["model"]) for s in r["moetier"]["stages"]] == [("a", "d1"), ("b", "moe")]  # type: ignore[index]
+    assert r["moetier"]["stages"][0]["completion_tokens"] <= 4  # type: ignore[index]  # the stage's own cap
+    # a failure in the pool: 500 with the model's error, the request's own name in it
+    status, r = _post(base, "/v1/completions", {"model": "broken", "prompt": "x", "max_tokens": 2})
+    assert status == 500 and "broken.gguf" in r["error"]["message"]  # type: ignore[index]
+
+
+def _raw(base: str, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> tuple:
+    import http.client
+
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request(method, path, body, headers or {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type"), resp.read()
+    finally:
+        conn.close()
+
+
+def test_the_http_surface_answers_every_path_and_error_as_openai_does(served: tuple[OpenAI, Pool, Path]) -> None:
+    client, _, _ = served
+    base = str(client.base_url).removesuffix("/v1/")
+    for path in ("/v1/models", "/models?x=1"):
+        status, ctype, body = _raw(base, "GET", path)
+        listed = json.loads(body)
+        assert (status, ctype, listed["object"], len(listed["data"])) == (200, "application/json", "list", 7)
+    assert _raw(base, "GET", "/health?verbose=1") == (200, "application/json", b'{"status": "ok"}')
+    status, ctype, _ = _raw(base, "GET", "/metrics")
+    assert (status, ctype) == (200, "text/plain; version=0.0.4")
+
+    def error(status: int, message: str) -> tuple[int, str, dict[str, object]]:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return status, "application/json", {"error": {"message": message, "type": kind, "code": status}}
+
+    def call(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> tuple:
+        status, ctype, raw = _raw(base, method, path, body, headers)
+        return status, ctype, json.loads(raw)
+
+    assert call("GET", "/v2/x?y") == error(404, "no such endpoint: /v2/x")
+    assert call("POST", "/v1/embeddings", b"{}") == error(404, "no such endpoint: /v1/embeddings")
+    assert call("POST", "/v1/completions", b"[1]") == error(400, "the request body must be a JSON object")
+    assert call("POST", "/v1/completions", b'{"model": "d1", "prompt": "x", "stream": true}') == error(
+        400, "stream: streaming is not supported by this server; send stream=false"
+    )
+    assert call("POST", "/v1/completions", b"{}") == error(
+        404,
+        "unknown model None; this pool serves: " + ", ".join(["d1", "d2", "d3", "moe", "broken", "fixed", "routed"]),
+    )
+    status, _, bad = call("POST", "/v1/completions", b"{x")
+    assert status == 400 and bad["error"]["message"].startswith("the request body is not JSON: ")
+    headers = {"Content-Type": "application/json", "Content-Length": "lots"}
+    assert call("POST", "/v1/completions", b"", headers) == error(400, "Content-Length: not a number")
+    failed = call("POST", "/completions", b'{"model": "broken", "prompt": "x", "max_tokens": 2}')
+    assert failed[0] == 500 and failed[2]["error"]["type"] == "server_error" and failed[2]["error"]["code"] == 500
+    # the endpoints' short names: a completion and a chat
+    ok = call("POST", "/completions", b'{"model": "d1", "prompt": "x", "max_tokens": 2}')
+    assert ok[:2] == (200, "application/json") and ok[2]["object"] == "text_completion"
+    chat = b'{"model": "d1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}'
+    ok = call("POST", "/chat/completions", chat)
+    assert ok[0] == 200 and ok[2]["object"] == "chat.completion"
