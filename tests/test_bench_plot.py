@@ -102,3 +102,114 @@ def test_bench_plot_errors(tmp_path: Path) -> None:
         [sys.executable, "-m", "moetier.cli", "bench-plot", str(other)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 1 and r.stderr.startswith(f"moetier: error: {other}: not a bench/run.py result")
+
+
+def _drawn(monkeypatch: pytest.MonkeyPatch, report: dict[str, Any], out: Path) -> Any:
+    """bench_plot's figure, kept open to be read (bench_plot closes it once saved)."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from moetier.plot import bench_plot
+
+    kept: list[Any] = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    assert bench_plot(report, out, "res.json") == out
+    assert len(kept) == 1
+    return kept[0]
+
+
+def _lines(ax: Any) -> dict[str, tuple[list[float], list[float], str, str]]:
+    """label -> (x, y, line style, marker) of every line an axis draws."""
+    return {
+        ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata()), ln.get_linestyle(), ln.get_marker())
+        for ln in ax.get_lines()
+    }
+
+
+def test_bench_plot_draws_each_run_where_it_belongs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "new" / "dir" / "plot.png"  # its folder is made
+    fig = _drawn(monkeypatch, _report(), out)
+    assert out.read_bytes().startswith(PNG_SIGNATURE)
+    # 11 x 4.2 inches at 100 dpi
+    assert out.read_bytes()[16:24] == (1100).to_bytes(4, "big") + (420).to_bytes(4, "big")
+    speed, hits = fig.axes
+    assert fig._suptitle.get_text() == "tiny-moe.gguf (2 cores)"
+    # x: each budget's cache in MiB (the recorded budget_bytes); the failed multi-10 is left out
+    assert _lines(speed) == {
+        "lru-high": ([40.0, 100.0, 200.0], [8.0, 12.0, 18.0], "-", "o"),
+        "multi": ([100.0, 200.0], [14.0, 21.0], "-", "o"),
+        "stock, same memory cap": ([40.0, 100.0, 200.0], [1.5, 2.5, 20.0], "--", "x"),
+        "stock, every expert in RAM": ([0.0, 1.0], [30.0, 30.0], "--", "None"),
+    }
+    assert [ln.get_color() for ln in speed.get_lines()][2:] == ["tab:red", "gray"]
+    got = _lines(hits)
+    assert list(got) == ["lru-high", "multi"]
+    assert got["lru-high"][0] == [40.0, 100.0, 200.0]
+    assert got["lru-high"][1] == pytest.approx([100 * 10 / 60, 100 * 25 / 60, 100 * 50 / 60])
+    assert got["multi"][:2] == ([100.0, 200.0], pytest.approx([100 * 25 / 60, 100 * 50 / 60]))
+    for ax in (speed, hits):
+        assert list(ax.get_xticks()) == [40.0, 100.0, 200.0]
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["40 MiB\n10%", "100 MiB\n25%", "200 MiB\n50%"]
+        assert ax.get_xlabel() == "expert cache size (% of expert bytes)"
+        assert ax.get_legend() is not None and ax.get_legend().get_texts()[0].get_fontsize() == 8
+        assert ax.xaxis.get_gridlines()[0].get_visible() and ax.xaxis.get_gridlines()[0].get_alpha() == 0.3
+    assert (speed.get_ylabel(), speed.get_title(), speed.get_ylim()[0]) == ("decode tok/s", "decode speed", 0.0)
+    assert speed.get_ylim()[1] >= 30.0
+    assert (hits.get_ylabel(), hits.get_title(), hits.get_ylim()) == ("hit rate %", "expert cache hit rate", (0, 100))
+
+
+def test_bench_plot_one_budget_and_missing_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rep = _report()
+    # one budget, no recorded budget_bytes, no variant list (the harness's default "moetier"), no stock
+    # in RAM, no machine: the cache is max(min_cache_bytes, expert_bytes * pct / 100)
+    runs = {
+        "stock-capped-10": rep["runs"]["stock-capped-10"],
+        "moetier-10": {k: v for k, v in rep["runs"]["lru-high-10"].items() if k != "budget_bytes"},
+        "moetier-x": {"error": "not a budget"},  # a tail that is not a number is no budget
+        "other-25": rep["runs"]["lru-high-25"],  # not a variant: no budget either
+    }
+    del rep["variants"], rep["machine"]
+    fig = _drawn(monkeypatch, {**rep, "runs": runs, "min_cache_bytes": 64 * MiB}, tmp_path / "one.png")
+    speed, hits = fig.axes
+    assert fig._suptitle.get_text() == "tiny-moe.gguf"
+    # one budget: stock under the same cap is a dotted horizontal line
+    assert _lines(speed) == {
+        "moetier": ([64.0], [8.0], "-", "o"),
+        "stock, same memory cap": ([0.0, 1.0], [1.5, 1.5], ":", "None"),
+    }
+    assert [t.get_text() for t in speed.get_xticklabels()] == ["64 MiB\n10%"]
+    assert _lines(hits)["moetier"][:2] == ([64.0], [pytest.approx(100 * 10 / 60)])
+    fig = _drawn(monkeypatch, {**rep, "runs": runs, "min_cache_bytes": 0}, tmp_path / "two.png")
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["40 MiB\n10%"]
+    # no hit rate and no speed for any run: the axes have no lines and no legend
+    bare = {"stock-capped-25": {"error": "killed"}, "moetier-25": {"decode_tok_s": {}, "hit_rate": None}}
+    fig = _drawn(monkeypatch, {**rep, "runs": bare}, tmp_path / "bare.png")
+    assert all(not ax.get_lines() and ax.get_legend() is None for ax in fig.axes)
+
+
+def test_bench_plot_rejects_what_is_not_a_result(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from moetier.errors import MoetierError
+    from moetier.plot import bench_plot
+
+    rep = _report()
+    bad = [
+        ([], "res.json: not a bench/run.py result (it has 'runs' and 'expert_bytes')"),
+        ({**rep, "runs": []}, "res.json: not a bench/run.py result (it has 'runs' and 'expert_bytes')"),
+        ({k: v for k, v in rep.items() if k != "expert_bytes"}, "res.json: not a bench/run.py result"),
+        (
+            {**rep, "runs": {"stock-ram": rep["runs"]["stock-ram"], "lru-high-x": {}}},
+            "res.json: no budget runs (stock-capped-PCT or VARIANT-PCT) in 'runs'",
+        ),
+    ]
+    for report, msg in bad:
+        with pytest.raises(MoetierError) as e:
+            bench_plot(report, tmp_path / "x.png", Path("res.json"))  # type: ignore[arg-type]
+        assert str(e.value).startswith(msg)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_pyplot_draws_to_files_only() -> None:
+    matplotlib = pytest.importorskip("matplotlib")
+    from moetier.plot import pyplot
+
+    assert pyplot() is matplotlib.pyplot
+    assert matplotlib.get_backend().lower() == "agg"

@@ -147,3 +147,93 @@ def test_budget_auto_and_sizes_normalised() -> None:
     off = r"^cache\.budget: 0 turns the cache off; pass cache=None instead \(on the command line: --no-cache\)$"
     with pytest.raises(ConfigError, match=off):
         CacheConfig(budget=0)
+
+
+def test_cache_stats_reads_totals_and_refuses_dunders() -> None:
+    s = CacheStats()
+    assert s.n_hits == 0 and s.n_lookups == 0  # the totals' counters, read through
+    # special names are not looked up in the totals (copy and pickle probe them): the name is the error
+    with pytest.raises(AttributeError) as e:
+        s.__reduce_ex_missing__  # noqa: B018
+    assert e.value.args == ("__reduce_ex_missing__",)
+    with pytest.raises(AttributeError, match="no_such_counter"):
+        s.no_such_counter  # noqa: B018
+
+
+def test_cache_config_file_messages_and_overrides(tmp_path: Path) -> None:
+    import dataclasses
+
+    f = tmp_path / "cache.json"
+    with pytest.raises(ConfigError) as e:
+        CacheConfig.from_file(f)
+    assert str(e.value) == f"{f}: cannot read the cache config: No such file or directory"
+    f.write_text('{"budget": "1M", "zeta": 1}')
+    with pytest.raises(ConfigError) as e:
+        CacheConfig.from_file(f)
+    known = ", ".join(sorted(x.name for x in dataclasses.fields(CacheConfig)))
+    assert str(e.value) == f"{f}: unknown cache config field(s) zeta; known: {known}"
+    f.write_text('{"budget": "1M", "policy": "lru", "prefetch": 2}')
+    assert CacheConfig.from_file(f) == CacheConfig(budget="1M", policy="lru", prefetch=2)
+    # overrides win over the file; what they leave keeps the file's value
+    got = CacheConfig.from_file(f, prefetch=0, budget="2M")
+    assert got == CacheConfig(budget="2M", policy="lru", prefetch=0)
+
+
+def test_tool_path_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetier import ModelError, server
+
+    with pytest.raises(ModelError) as e:
+        server.tool_path("llama-nope")
+    assert str(e.value) == f"unknown tool 'llama-nope'; shipped: {', '.join(server.TOOLS)}"
+    assert server.tool_path("llama-bench") == server.BIN_DIR / "llama-bench"
+    monkeypatch.setattr(server, "BIN_DIR", tmp_path)
+    with pytest.raises(ModelError) as e:
+        server.tool_path("llama-bench")
+    assert str(e.value) == f"{tmp_path / 'llama-bench'}: not installed (the package was built with MOETIER_TOOLS=OFF?)"
+
+
+def test_exec_tool_runs_the_binary_under_its_own_name() -> None:
+    import subprocess
+    import sys
+
+    from moetier.server import BIN_DIR
+
+    code = "from moetier.server import exec_tool; exec_tool('llama-bench', ['--help'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # argv[0] is the binary's path: its usage line names it
+    assert f"usage: {BIN_DIR / 'llama-bench'} [options]" in r.stdout + r.stderr
+
+
+def test_pack_shows_progress_when_stderr_is_a_terminal(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    code = f"from moetier import pack; pack({str(path)!r}, {str(tmp_path / 's')!r})"
+    main, child = pty.openpty()
+    # a terminal of 100 columns (a new pty has none, and tqdm then draws an empty line)
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        r = subprocess.run([sys.executable, "-c", code], stderr=child, stdout=subprocess.DEVNULL, timeout=120)
+        os.close(child)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(main)
+    assert r.returncode == 0
+    assert f"pack {path.name}".encode() in out  # the bar, since stderr is a terminal
+    # and none without a terminal
+    r2 = subprocess.run([sys.executable, "-c", code.replace("/s'", "/s2'")], capture_output=True, timeout=120)
+    assert r2.returncode == 0 and f"pack {path.name}".encode() not in r2.stderr
