@@ -176,7 +176,7 @@ def test_bench_plot_one_budget_and_missing_fields(tmp_path: Path, monkeypatch: p
         "stock, same memory cap": ([0.0, 1.0], [1.5, 1.5], ":", "None"),
     }
     assert [t.get_text() for t in speed.get_xticklabels()] == ["64 MiB\n10%"]
-    assert _lines(hits)["moetier"][:2] == ([64.0], [pytest.approx(100 * 10 / 60)])
+    assert _lines(hits)["moetier"][:2] == ([64.0], pytest.approx([100 * 10 / 60]))
     fig = _drawn(monkeypatch, {**rep, "runs": runs, "min_cache_bytes": 0}, tmp_path / "two.png")
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["40 MiB\n10%"]
     # no hit rate and no speed for any run: the axes have no lines and no legend

@@ -237,3 +237,68 @@ def test_pack_shows_progress_when_stderr_is_a_terminal(tiny_model: ModelFactory,
     # and none without a terminal
     r2 = subprocess.run([sys.executable, "-c", code.replace("/s'", "/s2'")], capture_output=True, timeout=120)
     assert r2.returncode == 0 and f"pack {path.name}".encode() not in r2.stderr
+
+
+def test_model_context_overrides_and_argument_checks(tiny_model: ModelFactory) -> None:
+    import dataclasses
+    import inspect
+
+    from moetier import ContextConfig, StoreError
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    base = ContextConfig()
+    m = Model(path, n_threads=1)
+    assert m.context == dataclasses.replace(base, n_threads=1) and m.cache is None
+    assert Model(path, n_ctx=256).context == dataclasses.replace(base, n_ctx=256)
+    # the keywords win over the context given, and only where given
+    given = ContextConfig(n_ctx=512, n_threads=2)
+    assert Model(path, context=given, n_threads=1).context == dataclasses.replace(given, n_threads=1)
+    assert Model(path, context=given).context is given
+    cache = CacheConfig.exact(budget="64M")
+    assert Model(path, cache=cache).cache is cache
+    with pytest.raises(StoreError) as e:
+        Model(path, store=path.with_suffix(".experts"))
+    assert str(e.value) == f"{path.with_suffix('.experts')}: an expert store needs an expert cache; pass cache=CacheConfig(...)"
+    for bad in (-1, "1", True, 1.5):
+        with pytest.raises(ConfigError) as e:
+            Model(path, n_gpu_layers=bad)  # type: ignore[arg-type]
+        assert str(e.value) == f"n_gpu_layers: {bad!r} must be a non-negative integer (layers offloaded to a GPU)"
+    # the documented defaults (docs/python-api.md): CPU repacking on, nothing offloaded
+    params = inspect.signature(Model.__init__).parameters
+    assert (params["repack"].default, params["n_gpu_layers"].default) == (True, 0)
+
+
+def test_detokenize_replaces_bytes_that_are_not_utf8(tiny_model: ModelFactory) -> None:
+    m = Model(tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_vocab=300))
+    # byte-level vocab: one token is the lone byte 0xff, not UTF-8 on its own
+    lone = [t for t in range(m.n_vocab) if m.detokenize([t]) == "\ufffd"]
+    assert lone, "the vocab has single-byte tokens above 0x7f"
+    assert m.detokenize([*m.tokenize("ok"), lone[0]]) == "ok\ufffd"
+
+
+def test_generate_default_seed_is_zero(tiny_model: ModelFactory) -> None:
+    m = Model(tiny_model("qwen2moe", n_expert=8, n_expert_used=2))
+    r = m.generate("hello", max_tokens=8, temperature=0.9).tokens
+    assert r == m.generate("hello", max_tokens=8, temperature=0.9, seed=0).tokens
+    assert r != m.generate("hello", max_tokens=8, temperature=0.9, seed=1).tokens
+
+
+def test_log_level_errors_and_auto_sizes_in_opts() -> None:
+    from moetier._log import LEVELS, set_level
+
+    with pytest.raises(ConfigError) as e:
+        set_level("loud")
+    assert str(e.value) == f"log level: 'loud' is not a level; use one of {', '.join(LEVELS)}"
+    # a size the core chooses at load is passed as "auto"; the options after it follow
+    opts = CacheConfig(budget="1M", vram="auto").opts().split(",")
+    assert opts[opts.index("vram=auto") + 1] == "direct_io=1"
+    assert "vram=0" in CacheConfig(budget="1M").opts().split(",")
+
+
+def test_cache_flags_of_the_shipped_binaries() -> None:
+    from moetier.server import cache_flags
+
+    c = CacheConfig(budget="1M", policy="lru")
+    want = ["--expert-cache", "1048576", "--expert-policy", "lru", "--expert-opt", c.opts()]
+    assert cache_flags(c) == want
+    assert cache_flags(c, "/s/m.experts") == [*want, "--expert-store", "/s/m.experts"]
