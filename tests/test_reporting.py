@@ -258,7 +258,8 @@ def test_model_context_overrides_and_argument_checks(tiny_model: ModelFactory) -
     assert Model(path, cache=cache).cache is cache
     with pytest.raises(StoreError) as e:
         Model(path, store=path.with_suffix(".experts"))
-    assert str(e.value) == f"{path.with_suffix('.experts')}: an expert store needs an expert cache; pass cache=CacheConfig(...)"
+    says = "an expert store needs an expert cache; pass cache=CacheConfig(...)"
+    assert str(e.value) == f"{path.with_suffix('.experts')}: {says}"
     for bad in (-1, "1", True, 1.5):
         with pytest.raises(ConfigError) as e:
             Model(path, n_gpu_layers=bad)  # type: ignore[arg-type]
