@@ -17,6 +17,9 @@ scratch git worktree (WORK), never in the checkout:
   CLI would count as reached by no test.
 
 The run is resumable (mutmut keeps its state in WORK/mutants: run the same command again to go on).
+After tests are added for the survivors (and committed), `--recheck` brings HEAD's tests into the same
+WORK and runs only the mutants that survived, against every selected test (mutmut maps the new tests
+first); the package's source must not have changed since WORK was made.
 Then OUT.json and OUT.md get the counts per file: killed, survived, timed out, not reached by any
 selected test; the score is killed / (killed + survived) over the mutants a test reaches, with
 timeouts counted apart.
@@ -127,6 +130,28 @@ def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
     (work / "mutants" / "src").mkdir(parents=True, exist_ok=True)
 
 
+def recheck(work: Path) -> list[str]:
+    """HEAD's tests and bench scripts in WORK (made earlier at another commit with the same package
+    source); the names of the mutants that survived there."""
+    if not (work / "mutants").is_dir():
+        msg = f"--recheck: {work} has no mutmut run to recheck; run without --recheck first"
+        raise SystemExit(msg)
+    base = subprocess.run(["git", "-C", str(work), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    changed = subprocess.run(
+        ["git", "-C", str(ROOT), "diff", "--quiet", base.stdout.strip(), head.stdout.strip(), "--", "python"],
+        check=False,
+    )
+    if changed.returncode != 0:
+        msg = f"--recheck: python/ changed since {work} was made; its mutants are stale: start a new WORK"
+        raise SystemExit(msg)
+    subprocess.run(["git", "-C", str(work), "checkout", head.stdout.strip(), "--", "tests", "bench"], check=True)
+    results = subprocess.run(["mutmut", "results"], cwd=work, capture_output=True, text=True, check=True).stdout
+    names = [line.strip().rpartition(": ")[0] for line in results.splitlines() if line.strip().endswith(": survived")]
+    print(f"rechecking {len(names)} survivors against the tests of {head.stdout.strip()[:12]}")
+    return names
+
+
 def mutmut_env(work: Path) -> dict[str, str]:
     """The mutated copy and the hit reporting first on every test subprocess's path."""
     env = dict(os.environ)
@@ -177,13 +202,20 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/moetier-mutation"), help="the scratch worktree")
     p.add_argument("--children", type=int, default=1, help="mutants tested at once (mutmut --max-children)")
     p.add_argument("--out", type=Path, required=True, help="output prefix: OUT.json, OUT.md")
+    p.add_argument(
+        "--recheck",
+        action="store_true",
+        help="in an existing WORK: take HEAD's tests and run only the mutants that survived",
+    )
     a = p.parse_args()
     if shutil.which("mutmut") is None:
         msg = "mutmut is not installed: pip install mutmut==3.8.1"
         raise SystemExit(msg)
+    names = recheck(a.work) if a.recheck else []
     prepare(a.work, a.mutate.split(","), a.tests.split(","))
     env = mutmut_env(a.work)
-    run = subprocess.run(["mutmut", "run", "--max-children", str(a.children)], cwd=a.work, env=env, check=False)
+    cmd = ["mutmut", "run", "--max-children", str(a.children), *names]
+    run = subprocess.run(cmd, cwd=a.work, env=env, check=False)
     if run.returncode != 0:
         # mutmut exits 0 whatever survives; anything else is a failed run (the selected tests must pass
         # on HEAD first: the worktree holds no uncommitted change), whose counts would all be zero

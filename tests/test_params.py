@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,71 @@ def test_openmp_spin_count(given: str | None) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True", given or "3000"]
+
+
+def test_context_config_checks_each_field() -> None:
+    ctx = ContextConfig(n_ctx=1, type_v="q8_0", flash_attn="on")  # the smallest context; a quantized V with FA
+    assert (ctx.n_ctx, ctx.type_v) == (1, "q8_0")
+    for t in ("f32", "f16", "bf16"):
+        assert ContextConfig(type_v=t, flash_attn="off").type_v == t
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"type_k": ""}, "context.type_k: '' must be a non-empty string"),
+        ({"type_v": 5}, "context.type_v: 5 must be a non-empty string"),
+        ({"n_ctx": 0}, "context.n_ctx: 0 must be a positive integer"),
+        ({"n_batch": "512"}, "context.n_batch: '512' must be a positive integer"),
+        ({"n_threads": True}, "context.n_threads: True must be a positive integer"),
+        ({"flash_attn": "yes"}, "context.flash_attn: 'yes' must be one of auto, off, on"),
+        (
+            {"type_v": "q8_0", "flash_attn": "off"},
+            "context.type_v: a quantized value cache (q8_0) needs flash attention (auto or on)",
+        ),
+    ]
+    for kw, says in bad:
+        with pytest.raises(ConfigError) as e:
+            ContextConfig(**kw)  # type: ignore[arg-type]
+        assert str(e.value) == says
+
+
+def test_cache_config_sizes_and_int32_range() -> None:
+    from moetier.config import AUTO, PARAM_TABLE
+
+    c = CacheConfig(budget="1M", vram="auto", reserve="4K")
+    assert (c.vram, c.reserve) == (AUTO, 4096)
+    assert CacheConfig(budget="1M", vram="2M").vram == 2 << 20
+    for kw, says in (
+        ({"vram": "lots"}, "cache.vram: 'lots' is not a size or auto; use e.g. 512M"),
+        (
+            {"reserve": "auto"},
+            "cache.reserve: 'auto' is not a size; use e.g. 512M",
+        ),  # auto only where it means something
+    ):
+        with pytest.raises(ConfigError) as e:
+            CacheConfig(budget="1M", **kw)  # type: ignore[arg-type]
+        assert str(e.value) == says
+    # an int outside int32 is refused here, by name (the core could not take it); inside, the core's
+    # own range check speaks
+    for v, says in (
+        (2**31, "cache.prefetch: 2147483648 must lie in [0, 8]"),
+        (-(2**31) - 1, "cache.prefetch: -2147483649 must lie in [0, 8]"),
+        (2**31 - 1, "cache: expert cache prefetch=2147483647: must lie in [0, 8]"),
+        (-(2**31), "cache: expert cache prefetch=-2147483648: must lie in [0, 8]"),
+        (-100, "cache: expert cache prefetch=-100: must lie in [0, 8]"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            CacheConfig(budget="1M", prefetch=v)
+        assert str(e.value) == says
+    # each field's help is the core's table row
+    helps = {f.name: f.metadata.get("help") for f in dataclasses.fields(CacheConfig)}
+    assert helps["prefetch"] == PARAM_TABLE["prefetch"]["help"] and len(str(helps["prefetch"])) > 20
+
+
+def test_check_gguf_says_what_the_path_is(tmp_path: Path) -> None:
+    from moetier import ModelError
+    from moetier.model import check_gguf
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF....")
+    assert check_gguf(f) == f
+    with pytest.raises(ModelError) as e:
+        check_gguf(f / "inside.gguf")  # a path through a file
+    assert str(e.value) == f"{f / 'inside.gguf'}: cannot read the model file: Not a directory"

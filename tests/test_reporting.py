@@ -303,3 +303,18 @@ def test_cache_flags_of_the_shipped_binaries() -> None:
     want = ["--expert-cache", "1048576", "--expert-policy", "lru", "--expert-opt", c.opts()]
     assert cache_flags(c) == want
     assert cache_flags(c, "/s/m.experts") == [*want, "--expert-store", "/s/m.experts"]
+
+
+def test_model_checks_rpc_and_tensor_overrides(tiny_model: ModelFactory) -> None:
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2)
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"rpc": 5}, "rpc: 5 must be a string of HOST:PORT, comma-separated"),
+        ({"tensor_overrides": "a=CPU"}, "tensor_overrides: 'a=CPU' must be a sequence of PATTERN=BUFFER_TYPE strings"),
+        ({"tensor_overrides": [1]}, "tensor_overrides: [1] must be a sequence of PATTERN=BUFFER_TYPE strings"),
+        # the overrides reach the core, which checks each
+        ({"tensor_overrides": ["nope"]}, "tensor override 'nope': expected PATTERN=BUFFER_TYPE (e.g. exps=CPU)"),
+    ]
+    for kw, says in cases:
+        with pytest.raises(ConfigError) as e:
+            Model(path, **kw)  # type: ignore[arg-type]
+        assert str(e.value) == says
