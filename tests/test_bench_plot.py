@@ -125,29 +125,42 @@ def _lines(ax: Any) -> dict[str, tuple[list[float], list[float], str, str]]:
 
 
 def test_bench_plot_draws_each_run_where_it_belongs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rep = _report()
+    runs = rep["runs"]
+    # the cache each variant ran with is recorded (here 2 MiB above expert_bytes * pct / 100)
+    for name in ("lru-high", "multi"):
+        for pct in (10, 25, 50):
+            if "budget_bytes" in runs[f"{name}-{pct}"]:
+                runs[f"{name}-{pct}"]["budget_bytes"] += 2 * MiB
+    runs["multi-10"] = {**_summary(99.0, 0.99, None), "error": "timeout after 900 s"}  # failed: not drawn
+    runs["lru-high-75"] = {**_summary(25.0, 0.9, None), "budget_bytes": 302 * MiB}  # one variant only
+    runs["stock-capped-5"] = _summary(1.0, None, None)  # stock only: a budget too, at the formula's size
     out = tmp_path / "new" / "dir" / "plot.png"  # its folder is made
-    fig = _drawn(monkeypatch, _report(), out)
+    fig = _drawn(monkeypatch, rep, out)
     assert out.read_bytes().startswith(PNG_SIGNATURE)
     # 11 x 4.2 inches at 100 dpi
     assert out.read_bytes()[16:24] == (1100).to_bytes(4, "big") + (420).to_bytes(4, "big")
     speed, hits = fig.axes
-    assert fig._suptitle.get_text() == "tiny-moe.gguf (2 cores)"
-    # x: each budget's cache in MiB (the recorded budget_bytes); the failed multi-10 is left out
+    # side by side: speed on the left
+    assert speed.get_position().x1 < hits.get_position().x0 and speed.get_position().y0 == hits.get_position().y0
+    assert fig._suptitle.get_text() == "tiny-moe.gguf (2 cores)" and fig._suptitle.get_fontsize() == 10
+    xs = [20.0, 42.0, 102.0, 202.0, 302.0]
     assert _lines(speed) == {
-        "lru-high": ([40.0, 100.0, 200.0], [8.0, 12.0, 18.0], "-", "o"),
-        "multi": ([100.0, 200.0], [14.0, 21.0], "-", "o"),
-        "stock, same memory cap": ([40.0, 100.0, 200.0], [1.5, 2.5, 20.0], "--", "x"),
+        "lru-high": (xs[1:], [8.0, 12.0, 18.0, 25.0], "-", "o"),
+        "multi": ([102.0, 202.0], [14.0, 21.0], "-", "o"),
+        "stock, same memory cap": (xs[:4], [1.0, 1.5, 2.5, 20.0], "--", "x"),
         "stock, every expert in RAM": ([0.0, 1.0], [30.0, 30.0], "--", "None"),
     }
     assert [ln.get_color() for ln in speed.get_lines()][2:] == ["tab:red", "gray"]
     got = _lines(hits)
     assert list(got) == ["lru-high", "multi"]
-    assert got["lru-high"][0] == [40.0, 100.0, 200.0]
-    assert got["lru-high"][1] == pytest.approx([100 * 10 / 60, 100 * 25 / 60, 100 * 50 / 60])
-    assert got["multi"][:2] == ([100.0, 200.0], pytest.approx([100 * 25 / 60, 100 * 50 / 60]))
+    assert got["lru-high"][0] == xs[1:] and got["lru-high"][2:] == ("-", "o")
+    assert got["lru-high"][1] == pytest.approx([100 * 10 / 60, 100 * 25 / 60, 100 * 50 / 60, 90.0])
+    assert got["multi"] == ([102.0, 202.0], pytest.approx([100 * 25 / 60, 100 * 50 / 60]), "-", "o")
     for ax in (speed, hits):
-        assert list(ax.get_xticks()) == [40.0, 100.0, 200.0]
-        assert [t.get_text() for t in ax.get_xticklabels()] == ["40 MiB\n10%", "100 MiB\n25%", "200 MiB\n50%"]
+        assert list(ax.get_xticks()) == xs
+        labels = ["20 MiB\n5%", "42 MiB\n10%", "102 MiB\n25%", "202 MiB\n50%", "302 MiB\n75%"]
+        assert [t.get_text() for t in ax.get_xticklabels()] == labels
         assert ax.get_xlabel() == "expert cache size (% of expert bytes)"
         assert ax.get_legend() is not None and ax.get_legend().get_texts()[0].get_fontsize() == 8
         assert ax.xaxis.get_gridlines()[0].get_visible() and ax.xaxis.get_gridlines()[0].get_alpha() == 0.3
@@ -176,9 +189,14 @@ def test_bench_plot_one_budget_and_missing_fields(tmp_path: Path, monkeypatch: p
         "stock, same memory cap": ([0.0, 1.0], [1.5, 1.5], ":", "None"),
     }
     assert [t.get_text() for t in speed.get_xticklabels()] == ["64 MiB\n10%"]
+    assert speed.get_lines()[1].get_color() == "tab:red"
     assert _lines(hits)["moetier"][:2] == ([64.0], pytest.approx([100 * 10 / 60]))
-    fig = _drawn(monkeypatch, {**rep, "runs": runs, "min_cache_bytes": 0}, tmp_path / "two.png")
+    # no min_cache_bytes, no model name; expert_bytes * pct / 100 rounds down to whole bytes
+    rep2 = {k: v for k, v in rep.items() if k not in ("min_cache_bytes", "model")}
+    fig = _drawn(monkeypatch, {**rep2, "runs": runs, "expert_bytes": 400 * MiB + 55}, tmp_path / "two.png")
+    assert list(fig.axes[0].get_xticks()) == [(40 * MiB + 5) / MiB]
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["40 MiB\n10%"]
+    assert fig._suptitle.get_text() == ""
     # no hit rate and no speed for any run: the axes have no lines and no legend
     bare = {"stock-capped-25": {"error": "killed"}, "moetier-25": {"decode_tok_s": {}, "hit_rate": None}}
     fig = _drawn(monkeypatch, {**rep, "runs": bare}, tmp_path / "bare.png")

@@ -52,10 +52,14 @@ def _budgets(report: dict[str, Any], source: str) -> list[tuple[int, float]]:
     return out
 
 
+def _completed(run: dict[str, Any] | None) -> dict[str, Any]:
+    """run, or {} if it is missing or failed (a failed run's partial numbers are not drawn)."""
+    return run if run and "error" not in run else {}
+
+
 def _median(run: dict[str, Any] | None, key: str) -> float | None:
-    if not run or "error" in run or not run.get(key):
-        return None
-    return float(run[key]["median"])
+    stat = _completed(run).get(key)
+    return float(stat["median"]) if stat else None
 
 
 def bench_plot(report: dict[str, Any], out: str | os.PathLike[str], source: str | os.PathLike[str] = "report") -> Path:
@@ -80,7 +84,7 @@ def bench_plot(report: dict[str, Any], out: str | os.PathLike[str], source: str 
         xy = [(x, y) for x, y in pts if y is not None]
         if xy:
             speed.plot(*zip(*xy, strict=True), "o-", label=v)
-        rate = [(mib, runs.get(f"{v}-{pct}", {}).get("hit_rate")) for pct, mib in budgets]
+        rate = [(mib, _completed(runs.get(f"{v}-{pct}")).get("hit_rate")) for pct, mib in budgets]
         xy = [(x, 100 * float(y)) for x, y in rate if y is not None]
         if xy:
             hits.plot(*zip(*xy, strict=True), "o-", label=v)
