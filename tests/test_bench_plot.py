@@ -197,6 +197,10 @@ def test_bench_plot_one_budget_and_missing_fields(tmp_path: Path, monkeypatch: p
     assert list(fig.axes[0].get_xticks()) == [(40 * MiB + 5) / MiB]
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["40 MiB\n10%"]
     assert fig._suptitle.get_text() == ""
+    # without a variant list the harness's run is "moetier": its recorded cache size counts
+    recorded = {**runs, "moetier-10": {**runs["moetier-10"], "budget_bytes": 50 * MiB}}
+    fig = _drawn(monkeypatch, {**rep2, "runs": recorded}, tmp_path / "three.png")
+    assert list(fig.axes[0].get_xticks()) == [50.0]
     # no hit rate and no speed for any run: the axes have no lines and no legend
     bare = {"stock-capped-25": {"error": "killed"}, "moetier-25": {"decode_tok_s": {}, "hit_rate": None}}
     fig = _drawn(monkeypatch, {**rep, "runs": bare}, tmp_path / "bare.png")
@@ -222,6 +226,9 @@ def test_bench_plot_rejects_what_is_not_a_result(tmp_path: Path) -> None:
         with pytest.raises(MoetierError) as e:
             bench_plot(report, tmp_path / "x.png", Path("res.json"))  # type: ignore[arg-type]
         assert str(e.value).startswith(msg)
+    # the source named by default
+    with pytest.raises(MoetierError, match=r"^report: not a bench/run.py result"):
+        bench_plot([], tmp_path / "x.png")  # type: ignore[arg-type]
     assert not (tmp_path / "x.png").exists()
 
 
