@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, ConfigError, ContextConfig, Model, _core
+from moetier import CacheConfig, ConfigError, ContextConfig, Model, ModelError, _core
 from moetier.calibrate import CalibrateConfig, Trace, calibrate, choose_thresholds, record_trace, split_of
 
 
@@ -165,3 +165,143 @@ def test_bad_budget_fails_before_tracing(tmp_path: Path) -> None:
     would fail on the model instead."""
     with pytest.raises(ConfigError, match=r"cache\.budget: '25%'"):
         calibrate(tmp_path / "absent.gguf", "text", "25%", tmp_path / "c.json")
+
+
+def _shared(path: Path, **arrays: object) -> Path:
+    np.savez(path, **arrays)  # type: ignore[arg-type]
+    return path
+
+
+def test_shared_trace_format_is_read_as_recorded(tmp_path: Path) -> None:
+    ids = np.array([[[3, 1, 2], [0, 4, 5]]] * 4, dtype=np.uint8)  # [4 tokens, 2 layers, top-3]
+    base = {"ids": ids, "seq_offsets": np.array([0, 3, 4]), "n_experts": np.int32(8), "top_k": np.int32(3)}
+    tr = Trace.load(_shared(tmp_path / "a.npz", **base))
+    assert tr.ids.dtype == np.int32 and tr.ids.tolist() == ids.astype(np.int32).tolist()
+    # no layers: numbered from 0; no weights: each selection weighs 1/K, in float32
+    assert tr.layers == (0, 1) and tr.n_expert == 8 and not tr.has_weights
+    assert tr.weights.dtype == np.float32 and np.all(tr.weights == np.float32(1 / 3))
+    assert tr.seq_starts == (0, 3) and tr.ubatch_starts == (0, 1, 2, 3)  # every token its own step
+    w = np.full(ids.shape, 0.25, dtype=np.float64)
+    tr = Trace.load(_shared(tmp_path / "b.npz", **base, layers=np.array([1, 2]), weights=w))
+    assert tr.layers == (1, 2) and tr.has_weights and tr.weights.dtype == np.float32
+    bad = [
+        ({"ids": ids[:, :, 0]}, "ids of shape (4, 2), need [tokens, layers, top_k]"),
+        ({"seq_offsets": np.array([0, 2, 2, 4])}, "seq_offsets must rise strictly from 0 to the 4 tokens"),
+        ({"weights": w[:, :, :2]}, "weights (4, 2, 2) and ids (4, 2, 3) differ in shape"),
+    ]
+    for change, says in bad:
+        p = _shared(tmp_path / "bad.npz", **{**base, **change})
+        with pytest.raises(ConfigError) as e:
+            Trace.load(p)
+        assert str(e.value) == f"{p}: {says}"
+
+
+def _trace(n: int, *, layers: tuple[int, ...] = (0, 1), n_expert: int = 8, k: int = 2, **kw: object) -> Trace:
+    rng = np.random.default_rng(n)
+    ids = np.stack([rng.permutation(n_expert)[:k] for _ in range(n * len(layers))]).reshape(n, len(layers), k)
+    w = np.full(ids.shape, 1.0 / k, dtype=np.float32)
+    return Trace(ids.astype(np.int32), w, layers, n_expert, **{"seq_starts": (0,), **kw})  # type: ignore[arg-type]
+
+
+def test_concat_traces_checks_and_offsets() -> None:
+    from moetier.calibrate import concat_traces
+
+    a, b = _trace(3, ubatch_starts=(0, 2)), _trace(2, seq_starts=(0, 1), ubatch_starts=(0,), has_weights=False)
+    c = concat_traces([a, b], ["a.npz", "b.npz"])
+    assert c.ids.shape == (5, 2, 2) and c.ids[3:].tolist() == b.ids.tolist()
+    assert (c.layers, c.n_expert, c.seq_starts, c.ubatch_starts) == ((0, 1), 8, (0, 3, 4), (0, 2, 3))
+    assert not c.has_weights and concat_traces([a, a], ["a", "a2"]).has_weights
+    for other in (_trace(2, layers=(0, 2)), _trace(2, n_expert=16), _trace(2, k=3)):
+        with pytest.raises(ConfigError) as e:
+            concat_traces([a, a, other], ["a.npz", "a2.npz", "c.npz"])
+        assert str(e.value) == "c.npz: recorded on another model than a.npz (MoE layers, experts or top-k differ)"
+    with pytest.raises(ValueError):
+        concat_traces([a, b], ["a.npz"])  # a name for each trace
+
+
+def test_policy_candidates_on_the_grid() -> None:
+    from moetier.calibrate import policy_candidates
+
+    singles = [(n, (0.25, 0.25, 0.25, 0.25)) for n in ("random", "lru", "lfu", "lhu", "fld", "reuse", "reuse-rank")]
+    halves = [
+        (0.0, 0.0, 0.5, 0.5),
+        (0.0, 0.5, 0.0, 0.5),
+        (0.0, 0.5, 0.5, 0.0),
+        (0.5, 0.0, 0.0, 0.5),
+        (0.5, 0.0, 0.5, 0.0),
+        (0.5, 0.5, 0.0, 0.0),
+    ]
+    assert policy_candidates(2) == singles + [("multi", w) for w in halves]
+    assert policy_candidates(1) == singles  # the grid's only points are one-hot: the single policies
+    assert len(policy_candidates(4)) == 7 + 35 - 4
+
+
+def test_search_policy_replays_each_candidate(moe: Path) -> None:
+    from moetier.calibrate import search_policy
+
+    tr = record_trace(moe, LONG_PROMPT, CalibrateConfig(tokens=48, seq_len=16))
+    info = dict(Model(moe, cache=CacheConfig.exact("64M")).cache_info())
+    info = {k: info[k] for k in ("n_groups", "n_layers", "n_expert", "expert_bytes", "n_slots")}
+    info["n_slots"] = 24  # of 64 experts: a small cache, where the policies differ
+    calls: list[tuple[int, int]] = []
+    rows = search_policy(tr, info, 1.0, 1.0, 2, lambda done, total: calls.append((done, total)))
+    assert calls == [(i, 13) for i in range(1, 14)]
+    # each row is the engine's replay with the trace's weights and sequence starts
+    per = int(info["expert_bytes"]) // (int(info["n_layers"]) * int(info["n_expert"]))
+    for r in rows:
+        want = _core.replay(
+            tr.ids,
+            tr.weights,
+            16,
+            per,
+            0,
+            int(info["n_slots"]),
+            0,
+            r["policy"],
+            r["weights"],
+            1.0,
+            1.0,
+            list(tr.seq_starts),
+        )
+        assert r["n_bytes_read"] == want.n_bytes_read and r["n_hits"] == want.n_hits
+    random = next(r for r in rows if r["policy"] == "random")
+    assert [r["penalty_vs_random"] for r in rows] == [r["n_bytes_read"] / random["n_bytes_read"] for r in rows]
+    # sorted by bytes read; on a tie a weighted multi comes first
+    keys = [(r["n_bytes_read"], r["policy"] != "multi") for r in rows]
+    assert keys == sorted(keys)
+    with pytest.raises(ModelError) as e:
+        search_policy(tr, {**info, "n_groups": 2}, 1.0, 1.0, 2)
+    assert str(e.value) == "calibration replays one pool group; this model's layers form several"
+
+
+def test_plot_scores_draws_the_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from moetier.calibrate import plot_scores
+
+    kept: list[object] = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: kept.append(fig))
+    scores = np.array([0.0, 0.0, 0.1, 0.2, 0.3, 0.5, 0.9, 1.0], dtype=np.float32)
+    assert plot_scores(scores, 0.25, 0.6, tmp_path / "s.png")
+    (fig,) = kept
+    ax = fig.axes[0]  # type: ignore[attr-defined]
+    assert list(fig.get_size_inches()) == [7.0, 4.0]  # type: ignore[attr-defined]
+    bars = ax.patches
+    assert len(bars) == 60 and sum(b.get_height() for b in bars) == 6  # the 6 scores above 0
+    assert bars[0].get_x() == pytest.approx(0.1) and bars[0].get_facecolor()[:3] == pytest.approx(
+        (0.298, 0.447, 0.690), abs=1e-3
+    )
+    vlines = [ln for ln in ax.get_lines()]
+    assert [(ln.get_xdata()[0], ln.get_color(), ln.get_linestyle()) for ln in vlines] == [
+        (0.25, "k", "--"),
+        (0.6, "k", "--"),
+    ]
+    texts = [(t.get_text(), t.get_position(), t.get_va()) for t in ax.texts]
+    top = ax.get_ylim()[1] * 0.95
+    assert [t[0] for t in texts] == [" T1=0.25", " T2=0.60"] and all(t[2] == "top" for t in texts)
+    assert [t[1][1] for t in texts] == pytest.approx([top, top])
+    assert ax.get_xlabel() == "unimportance score s (HOBBIT eq. 2), top-1 selections (s = 0) left out"
+    assert ax.get_ylabel() == "expert selections"
+    assert ax.get_title() == "high 50% / low 25% / skip 25%"
+    # without matplotlib: no plot, and False
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot_scores(scores, 0.25, 0.6, tmp_path / "t.png") is False

@@ -140,6 +140,8 @@ class Trace:
         except OSError as e:
             msg = f"{path}: cannot read the routing trace ({e.strerror or e})"
             raise ConfigError(msg) from None
+        except ConfigError:
+            raise  # the shared format's own checks, which name the file already
         except (KeyError, ValueError) as e:
             msg = f"{path}: not a moetier routing trace ({e}); record one with `moetier trace`"
             raise ConfigError(msg) from None
