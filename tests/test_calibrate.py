@@ -305,3 +305,62 @@ def test_plot_scores_draws_the_split(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # without matplotlib: no plot, and False
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert plot_scores(scores, 0.25, 0.6, tmp_path / "t.png") is False
+
+
+def test_calibrate_report_files_and_progress(moe: Path, tmp_path: Path) -> None:
+    from moetier import PackConfig, pack
+    from moetier.calibrate import LOW_FRACS, scores_of, search_policy
+
+    store = pack(moe, tmp_path / "s", PackConfig(low_type="q4_0"), progress=False)
+    budget = 3 * int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    cfg = CalibrateConfig(tokens=64, seq_len=32, grid=2, target_low=0.5)
+    calls: list[tuple[int, int]] = []
+    out = tmp_path / "m.cache.json"
+    rep = calibrate(moe, LONG_PROMPT * 3, budget, out, cfg, store=store, progress=lambda d, t: calls.append((d, t)))
+    # one progress count over every split's candidates
+    n = len(LOW_FRACS) * 13
+    assert calls == [(i, n) for i in range(1, n + 1)]
+    # the files: the config (as JSON, indented by one), the report (what was returned), trace, plot
+    assert out.read_text() == json.dumps(rep["config"], indent=1) + "\n"
+    report_file = tmp_path / "m.cache.report.json"
+    assert report_file.read_text() == json.dumps(rep, indent=1) + "\n"
+    assert rep["config_path"] == str(out) and rep["trace_path"] == str(tmp_path / "m.cache.trace.npz")
+    assert rep["plot_path"] == str(tmp_path / "m.cache.scores.png") and Path(rep["plot_path"]).is_file()
+    assert rep["tokens"] == 64
+    tr = Trace.load(rep["trace_path"])
+    t1, t2 = rep["config"]["t1"], rep["config"]["t2"]
+    assert t1 < t2 and rep["split"] == split_of(scores_of(tr), t1, t2)
+    # each split: the best row of a replay at that split's geometry
+    for s in rep["low_frac_search"]:
+        cache = CacheConfig(budget=budget, t1=t1, t2=t2, low_frac=s["low_frac"], warm=False)
+        info = Model(moe, store=store, cache=cache).cache_info()
+        best = search_policy(tr, dict(info), t1, t2, 2)[0]
+        assert s == {
+            "low_frac": s["low_frac"],
+            "n_slots": int(info["n_slots"]),
+            "n_slots_low": int(info["n_slots_low"]),
+            "policy": best["policy"],
+            "weights": best["weights"],
+            "n_bytes_read": best["n_bytes_read"],
+        }
+    # the first split with the fewest bytes wins
+    first_best = min(rep["low_frac_search"], key=lambda s: s["n_bytes_read"])
+    assert rep["config"]["low_frac"] == first_best["low_frac"]
+    # the probes wrote no warm-start sidecar
+    assert not list(tmp_path.rglob("*cache-state*"))
+
+
+def test_calibrate_without_low_copies_searches_one_split(moe: Path, tmp_path: Path) -> None:
+    budget = 2 * int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    cfg = CalibrateConfig(tokens=48, seq_len=16, grid=1, target_low=0.5)
+    # no store: low copies are never read, whatever the thresholds; the default split is kept
+    rep = calibrate(moe, LONG_PROMPT * 3, budget, tmp_path / "a.json", cfg)
+    assert [s["low_frac"] for s in rep["low_frac_search"]] == [CacheConfig(budget=budget).low_frac]
+    assert rep["low_frac_search"][0]["n_slots_low"] == 0
+    # a store, but thresholds that use no low copy (t1 = t2 = 1): one split too
+    from moetier import PackConfig, pack
+
+    store = pack(moe, tmp_path / "s", PackConfig(low_type="q4_0"), progress=False)
+    no_low = CalibrateConfig(tokens=48, seq_len=16, target_low=0.0, grid=1)
+    rep = calibrate(moe, LONG_PROMPT * 3, budget, tmp_path / "b.json", no_low, store=store)
+    assert (rep["config"]["t1"], rep["config"]["t2"]) == (1.0, 1.0) and len(rep["low_frac_search"]) == 1
