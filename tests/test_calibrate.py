@@ -364,3 +364,61 @@ def test_calibrate_without_low_copies_searches_one_split(moe: Path, tmp_path: Pa
     no_low = CalibrateConfig(tokens=48, seq_len=16, target_low=0.0, grid=1)
     rep = calibrate(moe, LONG_PROMPT * 3, budget, tmp_path / "b.json", no_low, store=store)
     assert (rep["config"]["t1"], rep["config"]["t2"]) == (1.0, 1.0) and len(rep["low_frac_search"]) == 1
+
+
+def test_calibrate_config_bounds() -> None:
+    CalibrateConfig(tokens=1, seq_len=1, grid=1, target_low=1.0)  # the smallest of each
+    for kw in ({"tokens": 0}, {"seq_len": 0}, {"grid": 0}):
+        with pytest.raises(ConfigError) as e:
+            CalibrateConfig(**kw)  # type: ignore[arg-type]
+        assert str(e.value) == "calibrate: tokens, seq_len and grid must be positive"
+    for kw2 in ({"target_low": 1.1}, {"target_skip": -0.1}, {"target_low": 0.6, "target_skip": 0.5}):
+        with pytest.raises(ConfigError) as e:
+            CalibrateConfig(**kw2)  # type: ignore[arg-type]
+        assert str(e.value) == "calibrate: target_low and target_skip must lie in [0, 1] and sum to at most 1"
+
+
+def test_trace_load_checks_what_it_reads(tmp_path: Path) -> None:
+    good = _trace(5, ubatch_starts=(0, 4))
+    assert Trace.load(good.save(tmp_path / "good")).ubatch_starts == (0, 4)
+    bad = [
+        ({"seq_starts": (0, 5)}, "seq_starts must rise strictly from 0 and stay below 5 tokens"),
+        ({"seq_starts": (1, 3)}, "seq_starts must rise strictly from 0 and stay below 5 tokens"),
+        ({"ubatch_starts": (0, 3, 3)}, "ubatch_starts must rise strictly from 0 and stay below 5 tokens"),
+        ({"ids": np.full_like(good.ids, 8)}, "expert ids must lie in [0, 8)"),
+        ({"weights": good.weights[:, :, :1]}, "ids (5, 2, 2) and weights (5, 2, 1) must both be [n_tokens, 2, n_used]"),
+    ]
+    for change, says in bad:
+        fields = {f: getattr(good, f) for f in ("ids", "weights", "layers", "n_expert", "seq_starts", "ubatch_starts")}
+        p = Trace(**{**fields, **change}).save(tmp_path / "bad")  # type: ignore[arg-type]
+        with pytest.raises(ConfigError) as e:
+            Trace.load(p)
+        assert str(e.value) == f"{p}: {says}"
+    # the last expert id is in range
+    top = Trace(**{**fields, "ids": np.full_like(good.ids, 7)}).save(tmp_path / "top")  # type: ignore[arg-type]
+    assert int(Trace.load(top).ids.max()) == 7
+
+
+def test_record_trace_sequences_and_ubatches(moe: Path, tiny_model: ModelFactory) -> None:
+    from moetier.calibrate import moe_layers
+
+    m = Model(moe)
+    tokens = (m.tokenize(LONG_PROMPT) * 12)[:700]
+    # sequences of 600 tokens run in ubatches of at most 512
+    tr = record_trace(moe, tokens, CalibrateConfig(tokens=700, seq_len=600))
+    assert tr.seq_starts == (0, 600) and tr.ubatch_starts == (0, 512, 600)
+    assert tr.ids.dtype == np.int32 and tr.weights.dtype == np.float32 and tr.ids.shape == (700, 4, 4)
+    # each sequence starts from an empty context: its routing is that of its tokens alone
+    short = record_trace(moe, tokens[:40], CalibrateConfig(tokens=40, seq_len=16))
+    assert short.seq_starts == (0, 16, 32) and short.ubatch_starts == (0, 16, 32)
+    alone = record_trace(moe, tokens[16:32], CalibrateConfig(tokens=16, seq_len=16))
+    assert np.array_equal(short.ids[16:32], alone.ids)
+    assert record_trace(moe, tokens[:2], CalibrateConfig(tokens=2, seq_len=16)).ids.shape[0] == 2
+    with pytest.raises(ConfigError) as e:
+        record_trace(moe, tokens[:1], CalibrateConfig(tokens=2, seq_len=16))
+    assert str(e.value) == "calibration text is empty (under 2 tokens); give a file of real text"
+    assert moe_layers(moe) == ([0, 1, 2, 3], 16)
+    dense = tiny_model("qwen2")
+    with pytest.raises(ModelError) as e2:
+        moe_layers(dense)
+    assert str(e2.value) == f"{dense}: no MoE layers (blk.N.ffn_gate_inp.weight): calibration needs a MoE model"
