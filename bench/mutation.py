@@ -19,7 +19,7 @@ scratch git worktree (WORK), never in the checkout:
 The run is resumable (mutmut keeps its state in WORK/mutants: run the same command again to go on).
 After tests are added for the survivors (and committed), `--recheck` brings HEAD's tests into the same
 WORK and runs only the mutants that survived, against every selected test (mutmut maps the new tests
-first); the package's source must not have changed since WORK was made.
+first); the mutated modules must not have changed since WORK was made.
 Then OUT.json and OUT.md get the counts per file: killed, survived, timed out, not reached by any
 selected test; the score is killed / (killed + survived) over the mutants a test reaches, with
 timeouts counted apart.
@@ -130,20 +130,21 @@ def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
     (work / "mutants" / "src").mkdir(parents=True, exist_ok=True)
 
 
-def recheck(work: Path) -> list[str]:
-    """HEAD's tests and bench scripts in WORK (made earlier at another commit with the same package
-    source); the names of the mutants that survived there."""
+def recheck(work: Path, mutate: list[str]) -> list[str]:
+    """HEAD's tests and bench scripts in WORK (made earlier at another commit with the same source of
+    the mutated modules); the names of the mutants that survived there."""
     if not (work / "mutants").is_dir():
         msg = f"--recheck: {work} has no mutmut run to recheck; run without --recheck first"
         raise SystemExit(msg)
     base = subprocess.run(["git", "-C", str(work), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
     changed = subprocess.run(
-        ["git", "-C", str(ROOT), "diff", "--quiet", base.stdout.strip(), head.stdout.strip(), "--", "python"],
+        ["git", "-C", str(ROOT), "diff", "--quiet", base.stdout.strip(), head.stdout.strip(), "--"]
+        + [f"python/moetier/{m}" for m in mutate],
         check=False,
     )
     if changed.returncode != 0:
-        msg = f"--recheck: python/ changed since {work} was made; its mutants are stale: start a new WORK"
+        msg = f"--recheck: a mutated module changed since {work} was made; its mutants are stale: start a new WORK"
         raise SystemExit(msg)
     subprocess.run(["git", "-C", str(work), "checkout", head.stdout.strip(), "--", "tests", "bench"], check=True)
     results = subprocess.run(["mutmut", "results"], cwd=work, capture_output=True, text=True, check=True).stdout
@@ -211,7 +212,7 @@ def main() -> None:
     if shutil.which("mutmut") is None:
         msg = "mutmut is not installed: pip install mutmut==3.8.1"
         raise SystemExit(msg)
-    names = recheck(a.work) if a.recheck else []
+    names = recheck(a.work, a.mutate.split(",")) if a.recheck else []
     prepare(a.work, a.mutate.split(","), a.tests.split(","))
     env = mutmut_env(a.work)
     cmd = ["mutmut", "run", "--max-children", str(a.children), *names]
