@@ -422,3 +422,25 @@ def test_record_trace_sequences_and_ubatches(moe: Path, tiny_model: ModelFactory
     with pytest.raises(ModelError) as e2:
         moe_layers(dense)
     assert str(e2.value) == f"{dense}: no MoE layers (blk.N.ffn_gate_inp.weight): calibration needs a MoE model"
+
+
+def test_choose_thresholds_picks_the_quantiles_exactly() -> None:
+    scores = (np.arange(1, 101) / 100 + 0.000123).astype(np.float32)  # 100 scores, 0.010123 .. 1.000123
+    # 10% above t2 (index 89), 30% more between t1 and t2 (index 59), rounded to 4 places
+    assert choose_thresholds(scores, 0.3, 0.1) == (round(float(scores[59]), 4), round(float(scores[89]), 4))
+    assert choose_thresholds(scores, 0.3, 0.1) == (0.6001, 0.9001)
+    # everything low: t1 is the smallest score; a tiny skip share: t2 is the largest
+    assert choose_thresholds(scores, 1.0, 0.0)[0] == round(float(scores[0]), 4)
+    assert choose_thresholds(scores, 0.0, 0.001) == (round(float(scores[99]), 4), round(float(scores[99]), 4))
+
+
+def test_read_texts(tmp_path: Path) -> None:
+    from moetier.calibrate import read_texts
+
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"caf\xe9 ok")  # latin-1, not UTF-8: the byte is replaced
+    assert read_texts([str(f)], "--corpus") == ["caf\ufffd ok"]
+    with pytest.raises(ConfigError) as e:
+        read_texts([str(f), str(tmp_path / "none.txt")], "--corpus")
+    says = "cannot read it (No such file or directory); give text files"
+    assert str(e.value) == f"--corpus {tmp_path / 'none.txt'}: {says}"
