@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import gc
+import sys
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -595,3 +597,109 @@ def test_bad_real_traces_are_named(tmp_path: Path) -> None:
         Trace.load(shared_format(tmp_path / "ids.npz", big, [0, 50]))
     with pytest.raises(ConfigError, match=r"w\.npz: weights .* differ in shape"):
         Trace.load(shared_format(tmp_path / "w.npz", ids, [0, 50], weights=np.ones((50, 4, 3), np.float32)))
+
+
+def _rows() -> list[dict[str, Any]]:
+    def row(policy: str, pct: float, hit: float, mb: float, gap: float | None) -> dict[str, Any]:
+        return {
+            "policy": policy,
+            "pct": pct,
+            "hit_rate": hit,
+            "misses_per_token": 10 * (1 - hit),
+            "mb_per_token": mb,
+            "n_bytes_read": int(mb * 1e6),
+            "n_loads_low": 3,
+            "n_skipped": 0,
+            "gap_closed": gap,
+            "vram_hit_rate": hit / 2,
+            "vram_mb_per_token": mb / 4,
+        }
+
+    return [
+        row("lru", 10, 0.25, 4.0, 0.0),
+        row("belady", 10, 0.5, 2.0, None),
+        row("reuse-rank", 10, 0.3, 3.5, 0.25),
+        row("lru", 25, 0.5, 2.0, 0.0),
+        row("belady", 25, 0.75, 1.0, None),
+        row("reuse-rank", 25, 0.6, 1.5, 0.5),
+    ]
+
+
+def test_replay_table_of_a_model_and_of_a_bare_trace() -> None:
+    from moetier.tools.replay import table
+
+    geo = [{"pct": 10, "n_slots": 16, "n_slots_low": 0}, {"pct": 25, "n_slots": 40, "n_slots_low": 2}]
+    rep = {"model": "/m/x.gguf", "trace": "t.npz", "tokens": 300, "n_used": 8, "t1": 1.0, "t2": 1.0}
+    rep |= {"geometry": geo, "rows": _rows()}
+    head = (
+        "| budget | slots | policy | hit rate | misses/token | MB/token | low loads | skipped | gap closed |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    body = (
+        "| 10% | 16+0 | belady | 50.0% | 5.00 | 2.00 | 3 | 0 |  |\n"
+        "| 10% | 16+0 | reuse-rank | 30.0% | 7.00 | 3.50 | 3 | 0 | 25% |\n"
+        "| 10% | 16+0 | lru | 25.0% | 7.50 | 4.00 | 3 | 0 | 0% |\n"
+        "| 25% | 40+2 | belady | 75.0% | 2.50 | 1.00 | 3 | 0 |  |\n"
+        "| 25% | 40+2 | reuse-rank | 60.0% | 4.00 | 1.50 | 3 | 0 | 50% |\n"
+        "| 25% | 40+2 | lru | 50.0% | 5.00 | 2.00 | 3 | 0 | 0% |\n"
+    )
+    gap = "gap closed: share of the bytes between LRU and Belady a policy saves."
+    assert table(rep) == f"Replay of t.npz (300 tokens, top-8) on x.gguf; t1=1, t2=1. {gap}\n\n" + head + body
+    # no model: the trace's geometry; MB/token counts misses when no expert size is known; no weights
+    bare = {**rep, "model": None, "expert_bytes": 1, "has_weights": False, "sequences": (40, None), "t1": 0.25}
+    bare["geometry"] = [{**g, "n_layers": 26, "n_expert": 64} for g in geo]
+    first = table(bare).splitlines()[0]
+    assert first == (
+        "Replay of t.npz (sequences 40:, 300 tokens, top-8) on the trace's geometry (26 layers x 64 experts; "
+        f"MB/token counts misses, 1 byte each); t1=0.25, t2=1. {gap} The trace has no gate weights: ranks "
+        "follow its id order."
+    )
+    sized = table({**bare, "expert_bytes": 4096, "has_weights": True, "sequences": (0, 40)}).splitlines()[0]
+    assert "(sequences 0:40, 300 tokens" in sized and "(26 layers x 64 experts);" in sized
+    assert not sized.endswith("id order.")
+    # a VRAM tier: two more columns
+    lines = table({**rep, "vram": 5}).splitlines()
+    assert lines[0].endswith(" A VRAM tier of 5% of the experts over the cache: its hit rate and MB copied in.")
+    assert lines[2].endswith("| gap closed | VRAM hit rate | VRAM MB/token |") and lines[3].endswith("|---|---|---|")
+    assert lines[4] == "| 10% | 16+0 | belady | 50.0% | 5.00 | 2.00 | 3 | 0 |  | 25.0% | 0.50 |"
+
+
+def test_replay_plot_draws_every_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from moetier.tools.replay import plot
+
+    kept: list[Any] = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    rows = _rows() + [{**_rows()[1], "policy": "belady-cost", "pct": 10}]
+    rep = {"model": None, "trace": "/data/deepseek/trace.npz,/x/other.npz", "tokens": 300, "rows": rows}
+    assert plot(rep, tmp_path / "p.png") and (tmp_path / "p.png").is_file()
+    (fig,) = kept
+    hits, mb = fig.axes
+    assert fig._suptitle.get_text() == "deepseek: 300 traced tokens replayed" and fig._suptitle.get_fontsize() == 9
+    assert list(fig.get_size_inches()) == [11.0, 4.2]
+    got = {ln.get_label(): ln for ln in hits.get_lines()}
+    assert list(got) == ["lru", "belady", "reuse-rank", "belady-cost"]
+    assert list(got["lru"].get_xdata()) == [10, 25] and list(got["lru"].get_ydata()) == [25.0, 50.0]
+    assert list(mb.get_lines()[2].get_ydata()) == [3.5, 1.5]
+    # Belady black and thick on top (its cost-aware variant dotted), the online policies thin with markers
+    b, bc, r = got["belady"], got["belady-cost"], got["reuse-rank"]
+    assert (b.get_color(), b.get_linewidth(), b.get_zorder(), b.get_linestyle()) == ("k", 2.5, 5, "-")
+    assert (bc.get_color(), bc.get_linestyle()) == ("k", ":")
+    assert (r.get_linewidth(), r.get_marker(), r.get_markersize()) == (1.2, "o", 3)
+    assert (hits.get_xlabel(), hits.get_ylabel(), hits.get_title()) == (
+        "cache budget (% of expert bytes)",
+        "hit rate (%)",
+        "hits",
+    )
+    assert (mb.get_xlabel(), mb.get_ylabel(), mb.get_title()) == (
+        "cache budget (% of expert bytes)",
+        "MB read per token",
+        "bytes",
+    )
+    legend = mb.get_legend()
+    assert legend is not None and legend.get_texts()[0].get_fontsize() == 7 and legend._ncols == 2
+    assert hits.get_legend() is None
+    plot({**rep, "model": "/m/x.gguf"}, tmp_path / "q.png")
+    assert kept[1]._suptitle.get_text() == "x.gguf: 300 traced tokens replayed"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot(rep, tmp_path / "r.png") is False

@@ -280,7 +280,7 @@ def table(rep: dict[str, Any]) -> str:
     ]
     if rep.get("vram"):
         out[0] += f" A VRAM tier of {rep['vram']:g}% of the experts over the cache: its hit rate and MB copied in."
-        out[2] = out[2][:-1] + " VRAM hit rate | VRAM MB/token |"
+        out[2] += " VRAM hit rate | VRAM MB/token |"
         out[3] += "---|---|"
     for geo in rep["geometry"]:
         rows = sorted((r for r in rep["rows"] if r["pct"] == geo["pct"]), key=lambda r: r["n_bytes_read"])
