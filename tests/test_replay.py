@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import gc
-import sys
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -670,7 +670,7 @@ def test_replay_plot_draws_every_policy(tmp_path: Path, monkeypatch: pytest.Monk
 
     kept: list[Any] = []
     monkeypatch.setattr(plt, "close", kept.append)
-    rows = _rows() + [{**_rows()[1], "policy": "belady-cost", "pct": 10}]
+    rows = [*_rows(), {**_rows()[1], "policy": "belady-cost", "pct": 10}]
     rep = {"model": None, "trace": "/data/deepseek/trace.npz,/x/other.npz", "tokens": 300, "rows": rows}
     assert plot(rep, tmp_path / "p.png") and (tmp_path / "p.png").is_file()
     (fig,) = kept
