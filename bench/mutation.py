@@ -19,7 +19,8 @@ scratch git worktree (WORK), never in the checkout:
 The run is resumable (mutmut keeps its state in WORK/mutants: run the same command again to go on).
 After tests are added for the survivors (and committed), `--recheck` brings HEAD's tests into the same
 WORK and runs only the mutants that survived, against every selected test (mutmut maps the new tests
-first); the mutated modules must not have changed since WORK was made.
+first); the mutated modules must not have changed since WORK was made, and --mutate and --tests must
+be the ones of the run it rechecks (mutmut forgets every result when its configuration changes).
 Then OUT.json and OUT.md get the counts per file: killed, survived, timed out, not reached by any
 selected test; the score is killed / (killed + survived) over the mutants a test reaches, with
 timeouts counted apart.
@@ -212,6 +213,14 @@ def main() -> None:
     if shutil.which("mutmut") is None:
         msg = "mutmut is not installed: pip install mutmut==3.8.1"
         raise SystemExit(msg)
+    if a.recheck and (a.work / "setup.cfg").exists():
+        # mutmut forgets every result when its configuration changes: a recheck keeps the selection
+        before = (a.work / "setup.cfg").read_text()
+        prepare(a.work, a.mutate.split(","), a.tests.split(","))
+        if (a.work / "setup.cfg").read_text() != before:
+            (a.work / "setup.cfg").write_text(before)
+            msg = "--recheck: give the --mutate and --tests of the run it rechecks (mutmut would forget its results)"
+            raise SystemExit(msg)
     names = recheck(a.work, a.mutate.split(",")) if a.recheck else []
     prepare(a.work, a.mutate.split(","), a.tests.split(","))
     env = mutmut_env(a.work)

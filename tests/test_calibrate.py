@@ -444,3 +444,29 @@ def test_read_texts(tmp_path: Path) -> None:
         read_texts([str(f), str(tmp_path / "none.txt")], "--corpus")
     says = "cannot read it (No such file or directory); give text files"
     assert str(e.value) == f"--corpus {tmp_path / 'none.txt'}: {says}"
+
+
+def test_split_of_boundaries_and_more_edges(moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetier.calibrate import search_policy
+
+    # a score equal to t1 is high, one equal to t2 is low
+    got_split = split_of(np.array([0.2, 0.5, 0.6, 0.8, 0.9], np.float32), 0.5, 0.8)
+    assert got_split == pytest.approx({"high": 0.4, "low": 0.4, "skip": 0.2})
+    assert CalibrateConfig(target_low=0.0, target_skip=1.0).target_skip == 1.0  # everything skipped is allowed
+    with pytest.raises(ConfigError) as e:
+        Trace.load(tmp_path / "none.npz")
+    assert str(e.value) == f"{tmp_path / 'none.npz'}: cannot read the routing trace (No such file or directory)"
+    # a low pool in the geometry reaches the replay
+    tr = record_trace(moe, LONG_PROMPT, CalibrateConfig(tokens=48, seq_len=16))
+    info = {"n_groups": 1, "n_layers": 4, "n_expert": 16, "expert_bytes": 64 * 4096, "n_slots": 20}
+    low = {**info, "expert_bytes_low": 64 * 1024, "n_slots_low": 12}
+    t1, t2 = 0.05, 1.0
+    got = {r["policy"]: r["n_bytes_read"] for r in search_policy(tr, low, t1, t2, 1)}
+    want = _core.replay(tr.ids, tr.weights, 16, 4096, 1024, 20, 12, "lru", [0.25] * 4, t1, t2, list(tr.seq_starts))
+    assert got["lru"] == want.n_bytes_read
+    assert got != {r["policy"]: r["n_bytes_read"] for r in search_policy(tr, info, t1, t2, 1)}
+    # without matplotlib calibrate writes no plot and says so
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    budget = 2 * int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
+    rep = calibrate(moe, LONG_PROMPT, budget, tmp_path / "c.json", CalibrateConfig(tokens=32, seq_len=16, grid=1))
+    assert rep["plot_path"] is None and not (tmp_path / "c.scores.png").exists()
