@@ -703,3 +703,108 @@ def test_replay_plot_draws_every_policy(tmp_path: Path, monkeypatch: pytest.Monk
     assert kept[1]._suptitle.get_text() == "x.gguf: 300 traced tokens replayed"
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert plot(rep, tmp_path / "r.png") is False
+
+
+def test_geometry_without_a_model() -> None:
+    want = {"pct": 10, "budget_bytes": int(1664 * 4096 * 10 / 100), "n_layers": 26, "n_expert": 64, "n_slots": 166}
+    want |= {"n_slots_low": 0, "bytes_high": 4096, "bytes_low": 0}
+    assert rp.geometry_of(26, 64, 10, 4096) == want
+    assert rp.geometry_of(26, 64, 10, 4096)["budget_bytes"] == 681574
+    assert rp.geometry_of(26, 64, 1, 4096)["n_slots"] == 64  # one layer's experts at least
+    assert rp.geometry_of(26, 64, 100, 1)["n_slots"] == 1664
+
+
+def test_select_sequences_keeps_each_start() -> None:
+    ids = np.arange(8 * 2 * 2, dtype=np.int32).reshape(8, 2, 2) % 8
+    tr = Trace(ids, np.full(ids.shape, 0.5, np.float32), (3, 4), 8, (0, 3, 5), (0, 1, 3, 4, 5, 6, 7), False)
+    one = rp.select_sequences(tr, 1, 2, "t.npz")
+    assert np.array_equal(one.ids, ids[3:5]) and np.array_equal(one.weights, tr.weights[3:5])
+    assert (one.layers, one.n_expert, one.seq_starts, one.ubatch_starts, one.has_weights) == (
+        (3, 4),
+        8,
+        (0,),
+        (0, 1),
+        False,
+    )
+    rest = rp.select_sequences(tr, 1, None, "t.npz")
+    assert rest.ids.shape[0] == 5 and rest.seq_starts == (0, 2) and rest.ubatch_starts == (0, 1, 2, 3, 4)
+    # a part whose first ubatch began earlier starts one of its own
+    coarse = Trace(ids, tr.weights, (3, 4), 8, (0, 3, 5), (0, 4), True)
+    assert rp.select_sequences(coarse, 1, 3, "t.npz").ubatch_starts == (0, 1)
+    assert rp.select_sequences(coarse, 2, 3, "t.npz").ubatch_starts == (0,)
+    for first, last, says in ((2, 1, "2:1"), (3, None, "3:"), (0, 4, "0:4"), (-1, 2, "-1:2")):
+        with pytest.raises(ConfigError) as e:
+            rp.select_sequences(tr, first, last, "t.npz")
+        assert str(e.value) == f"t.npz: sequences {says} is not a range within its 3 sequences"
+
+
+def test_replay_command_files_and_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = shared_format(tmp_path / "real.npz", synthetic(5), [0, 120, 300])
+    args = [str(path), "--budgets", "25,100", "--policies", "lru,belady", "--expert-bytes", "2M"]
+    assert rp.replay_main([*args, "-o", str(tmp_path / "r.1.json")]) == 0
+    cap = capsys.readouterr()
+    assert cap.err  # the progress bar
+    base = tmp_path / "r.1"
+    assert cap.out.endswith(f"moetier: wrote {base}.json, {base}.md, {base}.png\n")
+    rep = json.loads((tmp_path / "r.1.json").read_text())
+    assert (tmp_path / "r.1.json").read_text() == json.dumps(rep, indent=1) + "\n"
+    assert (tmp_path / "r.1.md").read_text() == rp.table(rep) and cap.out.startswith(rp.table(rep))
+    assert [g["pct"] for g in rep["geometry"]] == [25.0, 100.0] and rep["geometry"][0]["bytes_high"] == 2 << 20
+    # an output name without .json gets it; -q draws no bar; t1/t2/vram are numbers
+    assert rp.replay_main([*args, "-q", "-o", str(tmp_path / "plain"), "--vram", "5", "--t1", "1", "--t2", "1"]) == 0
+    cap = capsys.readouterr()
+    assert not cap.err and (tmp_path / "plain.json").is_file() and (tmp_path / "plain.md").is_file()
+    assert json.loads((tmp_path / "plain.json").read_text())["vram"] == 5.0
+    bad = [
+        (["--budgets", "0"], "--budgets: '0': each budget is a share of the experts in (0, 100]"),
+        (["--budgets", "101"], "--budgets: '101': each budget is a share of the experts in (0, 100]"),
+        (["--budgets", ","], "--budgets: ',': each budget is a share of the experts in (0, 100]"),
+        (["--budgets", "x"], "--budgets: 'x' is not a comma-separated list of numbers"),
+        (["--weights", "1,2"], "--weights: '1,2' needs 4 numbers (w_lru,w_lfu,w_lhu,w_fld)"),
+        (["--weights", "a,b,c,d"], "--weights: 'a,b,c,d' is not a comma-separated list of numbers"),
+        (["--expert-bytes", "0"], "--expert-bytes: '0' is not a size of at least 1 byte"),
+        (["--expert-bytes", "lots"], "--expert-bytes: 'lots' is not a size of at least 1 byte"),
+        (
+            ["-m", "x.gguf", "--expert-bytes", "5M"],
+            "--expert-bytes: the model (-m) gives the experts' sizes; give one or the other",
+        ),
+    ]
+    for extra, says in bad:
+        with pytest.raises(ConfigError) as e:
+            rp.replay_main([str(path), "-q", *extra])
+        assert str(e.value) == says
+
+
+def test_replay_help_is_the_documented_one(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each flag's help, word for word: the text users read (docs/tools.md's table says the same)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        rp.replay_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    policies = ", ".join(rp.policies_all())
+    for text in (
+        "usage: moetier replay [-h]",
+        "Replay a routing trace through the engine's cache code for every policy and budget, beside Belady's MIN "
+        "(the offline optimum): hits, misses and bytes read per token; a table, a JSON report and a plot.",
+        "trace routing trace(s), replayed one after another: .npz of moetier trace or calibrate, or the shared format "
+        "of real routing (ids, seq_offsets, n_experts; gate weights optional)",
+        "-m MODEL, --model MODEL the MoE GGUF the trace was recorded on (gives the geometry); without one, the "
+        "trace's layers and experts, each of --expert-bytes",
+        "--expert-bytes EXPERT_BYTES without -m: bytes of one expert, e.g. 5M (default 1: the byte columns count "
+        "misses)",
+        "--store STORE expert store (gives the low-precision sizes; default: none)",
+        "--budgets BUDGETS cache budgets in % of all experts' bytes, comma-separated (default: 10,25,50)",
+        f"--policies POLICIES policies, comma-separated (default: all: {policies})",
+        "--t1 T1 precision threshold t1 (default 1: all high)",
+        "--t2 T2 precision threshold t2 (default 1: nothing skipped)",
+        "--low-frac LOW_FRAC share of the budget for low slots (default: engine's)",
+        "--weights WEIGHTS w_lru,w_lfu,w_lhu,w_fld of policy multi (default: equal)",
+        "--sequences SEQUENCES replay only sequences A:B of the trace (from A up to B excluded, counted from 0; A: "
+        "to the end), e.g. prompts held out from what a policy was tuned on (default: all)",
+        "--tokens TOKENS replay only the first N tokens (after --sequences; default: all)",
+        "--vram VRAM a VRAM tier over the cache of this % of the experts (the engine's tier code): its hits and the "
+        "MB copied into it per token beside the cache's (default 0: none)",
+        "-o OUTPUT, --output OUTPUT JSON report to write; OUT.md and OUT.png beside it",
+        "-q, --quiet no progress bar",
+    ):
+        assert text in out, text
