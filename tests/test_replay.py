@@ -808,3 +808,38 @@ def test_replay_help_is_the_documented_one(monkeypatch: pytest.MonkeyPatch, caps
         "-q, --quiet no progress bar",
     ):
         assert text in out, text
+
+
+def test_trace_command_defaults_flags_and_help(
+    moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text(LONG_PROMPT * 60)  # more than 4096 tokens of the tiny byte-level vocab
+    assert rp.trace_main([str(moe), "--text", str(text), "-o", str(tmp_path / "tr"), "-t", "1"]) == 0
+    tr = Trace.load(tmp_path / "tr.npz")
+    # the defaults: 4096 tokens in sequences of 512
+    assert tr.ids.shape[0] == 4096 and tr.seq_starts == tuple(range(0, 4096, 512))
+    out = capsys.readouterr().out
+    assert (
+        out
+        == f"moetier: wrote {tmp_path / 'tr.npz'}: 4096 tokens x 4 MoE layers x top-4 of 16, 8 sequences, 8 ubatches\n"
+    )
+    for missing in (["--text", str(text)], ["-o", str(tmp_path / "x")]):
+        with pytest.raises(SystemExit):
+            rp.trace_main([str(moe), *missing])
+    assert "required" in capsys.readouterr().err
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        rp.trace_main(["--help"])
+    helptext = " ".join(capsys.readouterr().out.split())
+    for s in (
+        "Record a MoE's routing on text (the stock model through llama.cpp): the experts and gate weights per token, "
+        "layer and ubatch, in the .npz format moetier calibrate writes.",
+        "model MoE GGUF",
+        "--text TEXT [TEXT ...] text file(s) to route, concatenated",
+        "-o OUTPUT, --output OUTPUT trace to write (.npz)",
+        "--tokens TOKENS tokens to record (default: 4096)",
+        "--seq-len SEQ_LEN tokens per sequence; each starts from an empty context (default: 512)",
+        "-t THREADS, --threads THREADS threads",
+    ):
+        assert s in helptext, s
