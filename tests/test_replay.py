@@ -16,7 +16,7 @@ import pytest
 
 from conftest import LONG_PROMPT, ModelFactory
 from moetier import CacheConfig, ConfigError, Model, _core
-from moetier.calibrate import Trace
+from moetier.calibrate import CalibrateConfig, Trace, record_trace
 from moetier.tools import replay as rp
 
 W = [0.25, 0.25, 0.25, 0.25]
@@ -843,3 +843,53 @@ def test_trace_command_defaults_flags_and_help(
         "-t THREADS, --threads THREADS threads",
     ):
         assert s in helptext, s
+
+
+def test_replay_cuts_tokens_and_counts_per_token(tmp_path: Path) -> None:
+    ids = synthetic(5)
+    path = shared_format(tmp_path / "real.npz", ids, [0, 120, 300])
+    # two traces replayed one after another, cut to the first 150 tokens: 3 sequences start before it
+    rep = rp.replay([path, path], None, [25.0], ["lru"], tokens=150, progress=False, expert_bytes=1000)
+    assert rep["trace"] == f"{path}, {path}" and rep["tokens"] == 150
+    cut = Trace(ids[:150], np.full((150, 4, 4), 0.25, np.float32), (1, 2, 3, 4), 16, (0, 120), tuple(range(150)))
+    c = rp.replay_one(cut, rep["geometry"][0], "lru", 1.0, 1.0, W)
+    (row,) = rep["rows"]
+    assert row["n_misses"] == c["n_misses"] and row["n_bytes_read"] == c["n_bytes_read"] == 1000 * c["n_misses"]
+    # the per-token figures
+    assert row["misses_per_token"] == row["n_misses"] / 150
+    assert row["mb_per_token"] == row["n_bytes_read"] / 150 / 1e6
+    assert row["hit_rate"] == row["n_hits"] / row["n_lookups"] and row["n_lookups"] == 150 * 4 * 4
+    # more tokens than the trace has: all of them
+    assert rp.replay(path, None, [25.0], ["lru"], tokens=10_000, progress=False)["tokens"] == 300
+    # a VRAM tier: its share is checked, its hits and copies counted per token
+    v = rp.replay(path, None, [50.0], ["lru"], vram=25.0, progress=False, expert_bytes=1000)
+    (vr,) = v["rows"]
+    assert v["geometry"][0]["n_slots_vram"] == 16 and 0 < vr["n_vram_hits"] < vr["n_hits"]
+    assert vr["vram_hit_rate"] == vr["n_vram_hits"] / vr["n_lookups"]
+    assert vr["vram_mb_per_token"] == vr["n_vram_bytes"] / 300 / 1e6 > 0
+    rp.replay(path, None, [50.0], ["lru"], vram=100.0, progress=False)  # the whole model is a share too
+    for bad in (-1.0, 100.5):
+        with pytest.raises(ConfigError) as e:
+            rp.replay(path, None, [50.0], ["lru"], vram=bad, progress=False)
+        assert str(e.value) == f"replay: vram={bad:g}: a share of the experts in [0, 100]"
+    with pytest.raises(ConfigError) as e:
+        rp.replay(path, None, [25.0], ["lru"], store=tmp_path, progress=False)
+    assert str(e.value) == "replay: a store and mixed precision need the model (-m) for their sizes"
+
+
+def test_replay_with_a_store_sizes_both_pools(moe: Path, tmp_path: Path) -> None:
+    from moetier import PackConfig, pack
+
+    store = pack(moe, tmp_path / "s", PackConfig(low_type="q4_0"), progress=False)
+    tr = record_trace(moe, LONG_PROMPT, CalibrateConfig(tokens=40, seq_len=40))
+    tr.save(tmp_path / "t.npz")
+    rep = rp.replay(
+        tmp_path / "t.npz", moe, [50.0], ["lru"], store=store, t1=0.1, t2=1.0, low_frac=0.25, progress=False
+    )
+    geo = rep["geometry"][0]
+    info = Model(moe, store=store, cache=CacheConfig(budget=geo["budget_bytes"], t1=0.1, low_frac=0.25)).cache_info()
+    n = int(info["n_layers"]) * int(info["n_expert"])
+    assert geo["n_slots_low"] == int(info["n_slots_low"]) > 0
+    assert geo["bytes_low"] == int(info["expert_bytes_low"]) // n > 0
+    assert geo["bytes_high"] == int(info["expert_bytes"]) // n > geo["bytes_low"]
+    assert rep["rows"][0]["n_loads_low"] > 0 and rep["store"] == str(store) and rep["low_frac"] == 0.25
