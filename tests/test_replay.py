@@ -893,3 +893,24 @@ def test_replay_with_a_store_sizes_both_pools(moe: Path, tmp_path: Path) -> None
     assert geo["bytes_low"] == int(info["expert_bytes_low"]) // n > 0
     assert geo["bytes_high"] == int(info["expert_bytes"]) // n > geo["bytes_low"]
     assert rep["rows"][0]["n_loads_low"] > 0 and rep["store"] == str(store) and rep["low_frac"] == 0.25
+
+
+def test_replay_command_passes_each_flag_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = shared_format(tmp_path / "real.npz", synthetic(5), [0, 120, 300])
+    out = tmp_path / "r.json"
+    argv = [str(path), str(path), "--budgets", "0.5,25", "--policies", "lru", "--tokens", "350"]
+    argv += ["--sequences", "1:", "--low-frac", "0.3", "-q", "-o", str(out)]
+    assert rp.replay_main(argv) == 0
+    rep = json.loads(out.read_text())
+    # two traces, sequences 1 on (180 + 300 tokens), cut to 350; a budget under 1% is a budget
+    assert rep["trace"] == f"{path}, {path}" and rep["sequences"] == [1, None] and rep["tokens"] == 350
+    assert [g["pct"] for g in rep["geometry"]] == [0.5, 25.0] and rep["low_frac"] == 0.3
+    assert (tmp_path / "r.png").is_file()
+    capsys.readouterr()
+    # without matplotlib: no plot, and the summary does not list one
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert rp.replay_main([str(path), "--policies", "lru", "-q", "-o", str(tmp_path / "s.json")]) == 0
+    assert capsys.readouterr().out.endswith(f"moetier: wrote {tmp_path / 's.json'}, {tmp_path / 's.md'}\n")
+    assert not (tmp_path / "s.png").exists()
