@@ -914,3 +914,18 @@ def test_replay_command_passes_each_flag_on(
     assert rp.replay_main([str(path), "--policies", "lru", "-q", "-o", str(tmp_path / "s.json")]) == 0
     assert capsys.readouterr().out.endswith(f"moetier: wrote {tmp_path / 's.json'}, {tmp_path / 's.md'}\n")
     assert not (tmp_path / "s.png").exists()
+
+
+def test_replay_report_fields(moe: Path, tmp_path: Path) -> None:
+    path = shared_format(tmp_path / "real.npz", synthetic(5), [0, 300])
+    rep = rp.replay(path, None, [25.0], ["lru"], weights=[0.1, 0.2, 0.3, 0.4], progress=False, expert_bytes=7)
+    assert (rep["model"], rep["expert_bytes"], rep["store"], rep["weights"]) == (None, 7, None, [0.1, 0.2, 0.3, 0.4])
+    assert rep["rows"][0]["n_slots"] == rep["geometry"][0]["n_slots"]
+    tr = record_trace(moe, LONG_PROMPT, CalibrateConfig(tokens=32, seq_len=32))
+    tr.save(tmp_path / "t.npz")
+    own = rp.replay(tmp_path / "t.npz", moe, [50.0], ["lru"], progress=False)
+    assert (own["model"], own["expert_bytes"], own["store"]) == (str(moe), None, None)
+    with pytest.raises(ConfigError) as e:
+        rp.parse_sequences("1:2:3")
+    assert str(e.value) == "--sequences: '1:2:3' is not a range A:B of sequence numbers (B may be left out)"
+    assert rp.parse_sequences("2:") == (2, None) and rp.parse_sequences("0:4") == (0, 4)
