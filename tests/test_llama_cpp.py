@@ -235,3 +235,52 @@ def test_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached
     assert env["CMAKE_ARGS"] == "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"
     with pytest.raises(SystemExit):
         lcpp.install(["uninstall"])
+
+
+def _lcpp_run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**base, **env}, timeout=120
+    )
+
+
+def test_import_llama_cpp_says_what_is_wrong(tmp_path: Path) -> None:
+    from moetier.lcpp import LIB_DIR, LLAMA_CPP_VERSION
+
+    call = (
+        "from moetier.lcpp import import_llama_cpp\ntry:\n    import_llama_cpp()\nexcept Exception as e:\n    print(e)"
+    )
+    # a library path of the user's that is not moetier's
+    r = _lcpp_run(call, LLAMA_CPP_LIB_PATH=str(tmp_path))
+    assert r.stdout == f"LLAMA_CPP_LIB_PATH={tmp_path}: moetier.Llama needs moetier's libllama ({LIB_DIR}); unset it\n"
+    # moetier's own folder, given by the user, is fine
+    r = _lcpp_run(call.replace("print(e)", "raise") + "\nprint('ok')", LLAMA_CPP_LIB_PATH=str(LIB_DIR))
+    assert r.stdout == "ok\n", r.stderr[-2000:]
+    # llama-cpp-python missing
+    r = _lcpp_run("import sys; sys.modules['llama_cpp'] = None\n" + call)
+    assert r.stdout.startswith(f"moetier.Llama needs llama-cpp-python {LLAMA_CPP_VERSION} (Python package only): ")
+    assert INSTALL_HINT in r.stdout
+    # another version of it
+    r = _lcpp_run("import moetier, llama_cpp; llama_cpp.__version__ = '0.0.1'\n" + call)
+    assert (
+        r.stdout
+        == f"llama-cpp-python 0.0.1 is installed; moetier's libllama is {LLAMA_CPP_VERSION}'s: {INSTALL_HINT}\n"
+    )
+    # loaded on another libllama (its path made to look like another folder's)
+    fake = "import moetier, llama_cpp; llama_cpp.llama_cpp._lib._name = '/elsewhere/libllama.so'\n"
+    r = _lcpp_run(fake + call)
+    assert r.stdout == (
+        "llama_cpp was imported before moetier.Llama and loaded /elsewhere/libllama.so; import moetier first "
+        f"(or set LLAMA_CPP_LIB_PATH={LIB_DIR})\n"
+    )
+
+
+def test_import_of_moetier_leaves_a_users_library_path_alone(tmp_path: Path) -> None:
+    code = "import os, moetier; print(os.environ.get('LLAMA_CPP_LIB_PATH'))"
+    assert _lcpp_run(code, LLAMA_CPP_LIB_PATH=str(tmp_path)).stdout == f"{tmp_path}\n"
+    from moetier.lcpp import LIB_DIR
+
+    assert _lcpp_run(code).stdout == f"{LIB_DIR}\n"
+    # llama_cpp imported first: moetier does not point it anywhere
+    r = _lcpp_run("import sys, types; sys.modules['llama_cpp'] = types.ModuleType('llama_cpp')\n" + code)
+    assert r.stdout == "None\n"
