@@ -98,20 +98,12 @@ def pytest_runtest_teardown(item, nextitem):
 """
 
 
-def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
-    """The scratch worktree at HEAD, made once; its mutmut configuration written every time."""
-    if not work.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(work), "HEAD"], check=True)
-        (work / "python").rename(work / "src")
-        pkg = installed_package()
-        for f in [*pkg.glob("*.so"), *pkg.glob("*.so.*")]:
-            shutil.copy2(f, work / "src" / "moetier" / f.name)
-        if (pkg / "bin").is_dir():
-            shutil.copytree(pkg / "bin", work / "src" / "moetier" / "bin", symlinks=True)
+def setup_cfg(mutate: list[str], tests: list[str]) -> str:
+    """mutmut's configuration for the modules to mutate and the tests that may kill them."""
     # setup.cfg lists: one item per line
     only = "".join(f"\n    src/moetier/{m}" for m in mutate)
     selection = "".join(f"\n    {t}" for t in tests)
-    (work / "setup.cfg").write_text(
+    return (
         "[mutmut]\n"
         "source_paths=src/moetier\n"
         f"only_mutate={only}\n"
@@ -122,6 +114,19 @@ def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
         # tests import the bench harness (its cgroup and disk helpers)
         "also_copy=\n    bench\n"
     )
+
+
+def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
+    """The scratch worktree at HEAD, made once; its mutmut configuration written every time."""
+    if not work.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(work), "HEAD"], check=True)
+        (work / "python").rename(work / "src")
+        pkg = installed_package()
+        for f in [*pkg.glob("*.so"), *pkg.glob("*.so.*")]:
+            shutil.copy2(f, work / "src" / "moetier" / f.name)
+        if (pkg / "bin").is_dir():
+            shutil.copytree(pkg / "bin", work / "src" / "moetier" / "bin", symlinks=True)
+    (work / "setup.cfg").write_text(setup_cfg(mutate, tests))
     (work / "path").mkdir(exist_ok=True)
     (work / "path" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     (work / "path" / "moetier_mutation_hits.py").write_text(PLUGIN)
@@ -213,14 +218,11 @@ def main() -> None:
     if shutil.which("mutmut") is None:
         msg = "mutmut is not installed: pip install mutmut==3.8.1"
         raise SystemExit(msg)
-    if a.recheck and (a.work / "setup.cfg").exists():
+    cfg = a.work / "setup.cfg"
+    if a.recheck and cfg.exists() and cfg.read_text() != setup_cfg(a.mutate.split(","), a.tests.split(",")):
         # mutmut forgets every result when its configuration changes: a recheck keeps the selection
-        before = (a.work / "setup.cfg").read_text()
-        prepare(a.work, a.mutate.split(","), a.tests.split(","))
-        if (a.work / "setup.cfg").read_text() != before:
-            (a.work / "setup.cfg").write_text(before)
-            msg = "--recheck: give the --mutate and --tests of the run it rechecks (mutmut would forget its results)"
-            raise SystemExit(msg)
+        msg = "--recheck: give the --mutate and --tests of the run it rechecks (mutmut would forget its results)"
+        raise SystemExit(msg)
     names = recheck(a.work, a.mutate.split(",")) if a.recheck else []
     prepare(a.work, a.mutate.split(","), a.tests.split(","))
     env = mutmut_env(a.work)
