@@ -32,6 +32,7 @@ timeouts counted apart.
 from __future__ import annotations
 
 import argparse
+import configparser
 import json
 import os
 import shutil
@@ -111,9 +112,19 @@ def setup_cfg(mutate: list[str], tests: list[str]) -> str:
         # plain fork deadlocks in the native library's threads
         "process_isolation=forkserver\n"
         "pytest_add_cli_args=\n    -p\n    moetier_mutation_hits\n"
-        # tests import the bench harness (its cgroup and disk helpers)
-        "also_copy=\n    bench\n"
+        # tests import the bench harness (its cgroup and disk helpers) and compare docs/cli.md with
+        # what scripts/cli-reference.py makes of the parsers
+        "also_copy=\n    bench\n    scripts\n    docs\n"
     )
+
+
+def selection(cfg: str) -> tuple[str, str]:
+    """What mutmut's results depend on in a configuration: the modules mutated and the tests selected
+    (files it copies beside them, also_copy, are not part of it)."""
+    parser = configparser.ConfigParser()
+    parser.read_string(cfg)
+    section = parser["mutmut"]
+    return section.get("only_mutate", ""), section.get("pytest_add_cli_args_test_selection", "")
 
 
 def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
@@ -219,7 +230,8 @@ def main() -> None:
         msg = "mutmut is not installed: pip install mutmut==3.8.1"
         raise SystemExit(msg)
     cfg = a.work / "setup.cfg"
-    if a.recheck and cfg.exists() and cfg.read_text() != setup_cfg(a.mutate.split(","), a.tests.split(",")):
+    new_cfg = setup_cfg(a.mutate.split(","), a.tests.split(","))
+    if a.recheck and cfg.exists() and selection(cfg.read_text()) != selection(new_cfg):
         # mutmut forgets every result when its configuration changes: a recheck keeps the selection
         msg = "--recheck: give the --mutate and --tests of the run it rechecks (mutmut would forget its results)"
         raise SystemExit(msg)

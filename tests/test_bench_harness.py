@@ -895,3 +895,13 @@ def test_mutation_report_counts_per_module_and_scores_reached_mutants() -> None:
     assert data["total"] == {"killed": 2, "survived": 1, "no tests": 1, "timeout": 1}
     assert "| moetier.config | 4 | 2 | 1 | 0 | 1 | 67% |" in md
     assert "| moetier.errors | 1 | 0 | 0 | 1 | 0 | - |" in md
+
+
+def test_mutation_recheck_compares_only_the_selection() -> None:
+    """A recheck refuses another selection of modules or tests (mutmut would forget its results) but
+    not a change in the files copied beside them."""
+    cfg = mutation.setup_cfg(["config.py", "model.py"], ["tests/test_params.py"])
+    assert mutation.selection(cfg) == ("\nsrc/moetier/config.py\nsrc/moetier/model.py", "\ntests/test_params.py")
+    assert mutation.selection(cfg.replace("    scripts\n", "")) == mutation.selection(cfg)
+    assert mutation.selection(mutation.setup_cfg(["config.py"], ["tests/test_params.py"])) != mutation.selection(cfg)
+    assert mutation.selection(mutation.setup_cfg(["config.py", "model.py"], ["tests/x.py"])) != mutation.selection(cfg)

@@ -76,13 +76,15 @@ def _add_dataclass_args(p: argparse._ActionsContainer, cls: Any, prefix: str = "
         if not help_text:
             msg = f"{cls.__name__}.{f.name} has no help text"
             raise RuntimeError(msg)
+        # a default that depends on the machine is described, not printed (the help is the same everywhere)
+        shown = f.metadata.get("shown_default", f.default)
         if f.type in ("bool", bool):
             p.add_argument(
                 name,
                 dest=prefix.replace("-", "_") + f.name,
                 action=argparse.BooleanOptionalAction,
                 default=f.default,
-                help=f"{help_text} (default: {f.default})",
+                help=f"{help_text} (default: {shown})",
             )
         else:
             typ = {"int": int, "float": float}.get(str(f.type), str)
@@ -92,7 +94,7 @@ def _add_dataclass_args(p: argparse._ActionsContainer, cls: Any, prefix: str = "
                 metavar=f.name.upper(),
                 type=typ,
                 default=f.default,
-                help=f"{help_text} (default: {f.default})",
+                help=f"{help_text} (default: {shown})",
             )
 
 

@@ -206,7 +206,10 @@ class ContextConfig:
     n_ctx: int = field(default=2048, metadata={"help": "context length in tokens"})
     n_threads: int = field(
         default=max(1, min(8, os.cpu_count() or 1)),
-        metadata={"help": "compute threads (also the threads that read missed experts)"},
+        metadata={
+            "help": "compute threads (also the threads that read missed experts)",
+            "shown_default": "the machine's cores, at most 8",
+        },
     )
     n_batch: int = field(default=512, metadata={"help": "logical batch size for prompt processing"})
     n_ubatch: int = field(default=512, metadata={"help": "physical batch size (tokens per graph run)"})
