@@ -113,8 +113,8 @@ def setup_cfg(mutate: list[str], tests: list[str]) -> str:
         "process_isolation=forkserver\n"
         "pytest_add_cli_args=\n    -p\n    moetier_mutation_hits\n"
         # tests import the bench harness (its cgroup and disk helpers) and compare docs/cli.md with
-        # what scripts/cli-reference.py makes of the parsers
-        "also_copy=\n    bench\n    scripts\n    docs\n"
+        # what scripts/cli-reference.py makes of the parsers; the README's examples run
+        "also_copy=\n    bench\n    scripts\n    docs\n    README.md\n"
     )
 
 

@@ -17,6 +17,7 @@ import contextlib
 import io
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +25,8 @@ PAGE = ROOT / "docs" / "cli.md"
 WIDTH = "100"
 
 
-def command_help(argv: list[str]) -> str:
-    """What `moetier ARGV --help` prints, run in this process."""
+def command_help(argv: list[str], entry: Callable[[list[str]], int] | None = None) -> str:
+    """What `moetier ARGV --help` prints (or entry's, another command's main), run in this process."""
     from moetier import cli
 
     out = io.StringIO()
@@ -33,7 +34,7 @@ def command_help(argv: list[str]) -> str:
     os.environ["COLUMNS"] = WIDTH
     try:
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-            cli.main([*argv, "--help"])
+            (entry or cli.main)([*argv, "--help"])
     finally:
         if old is None:
             del os.environ["COLUMNS"]
@@ -67,6 +68,10 @@ def page() -> str:
     for name, group, text in cli.COMMANDS:
         lines += ["", f"## moetier {name}", "", f"{group}: {text}.", "", "```text"]
         lines += [command_help([name]).rstrip(), "```"]
+    from moetier import lcpp
+
+    lines += ["", "## python -m moetier.lcpp", "", "Installs llama-cpp-python for `moetier.Llama`.", "", "```text"]
+    lines += [command_help([], lcpp.install).rstrip(), "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 import moetier
 from conftest import LONG_PROMPT, ModelFactory
-from moetier import CacheConfig, ConfigError, Model, ModelError
+from moetier import CacheConfig, ConfigError, Model, ModelError, StoreError, _log, pack
 from moetier.lcpp import INSTALL_HINT, import_llama_cpp
 
 if importlib.util.find_spec("llama_cpp") is None:
@@ -26,6 +27,13 @@ llama_cpp = import_llama_cpp()  # on moetier's libllama
 @pytest.fixture(scope="module")
 def model_path(tiny_model: ModelFactory) -> Path:
     return tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+
+
+@pytest.fixture(autouse=True)
+def fresh_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moetier.Llama is built once per process; each test builds its own, so that what it checks
+    comes from the code of the class as it is now (mutation testing changes code between tests)."""
+    monkeypatch.setattr(moetier.lcpp, "_cls", None)
 
 
 def _llama(path: Path, cache: CacheConfig | None = None, **kw: object) -> llama_cpp.Llama:
@@ -53,6 +61,73 @@ def test_is_a_llama_cpp_llama_on_moetier_libllama(model_path: Path) -> None:
     # stock (no cache): llama_model_params is stock llama.cpp's, so the ctypes struct matches
     assert not llm.has_expert_cache
     assert llm("Hello", max_tokens=4, temperature=0)["choices"][0]["text"] is not None
+
+
+def test_the_class_is_moetier_llama(model_path: Path) -> None:
+    cls = moetier.Llama
+    assert (cls.__module__, cls.__qualname__, cls.__name__) == ("moetier", "Llama", "Llama")
+    assert issubclass(cls, llama_cpp.Llama) and cls is not llama_cpp.Llama
+    # llama_cpp's own arguments pass through as they are: a positional one it does not take is refused
+    with pytest.raises(TypeError, match="positional"):
+        moetier.Llama(str(model_path), 512, verbose=False)
+    # llama_cpp's own refusal of a path comes through as a ModelError with its message
+    with pytest.raises(ModelError, match=r"^Model path does not exist: /nonexistent\.gguf$"):
+        moetier.Llama("/nonexistent.gguf", cache=CacheConfig.exact(budget="16M"), verbose=False)
+
+
+def test_auto_budget_leaves_room_for_the_context_llama_cpp_allocates(model_path: Path) -> None:
+    """cache=CacheConfig() sizes the cache from the memory limit less the KV cache of the context
+    llama_cpp will allocate: its n_ctx, 512 when not given (llama_cpp's default)."""
+    note = moetier.Llama(str(model_path), cache=CacheConfig(), verbose=False).budget_note
+    assert note.startswith("expert cache auto: ") and "(n_ctx 512)" in note
+    assert "(n_ctx 1024)" in moetier.Llama(str(model_path), cache=CacheConfig(), n_ctx=1024, verbose=False).budget_note
+    assert _llama(model_path, CacheConfig.exact(budget="16M")).budget_note == "expert cache: 16.00 MiB (given)"
+    assert _llama(model_path).budget_note == ""
+
+
+def test_store_reads_and_a_damaged_expert_names_the_file(model_path: Path, tmp_path: Path) -> None:
+    """With a store, the experts come from it (O_DIRECT); an expert whose bytes do not match the
+    store's checksum fails the call with the file, layer and expert named (llama_cpp alone says only
+    "llama_decode returned 2"), for completions and embeddings alike, and the same Llama answers
+    as before once the file is restored."""
+    store = pack(model_path, tmp_path / "store", progress=False)
+    stock = _greedy(_llama(model_path), 8)
+    budget = _min_budget(model_path)
+    llm = _llama(model_path, CacheConfig.exact(budget=budget, warm=False), store=str(store))
+    assert llm.cache_info()["from_store"]
+    emb = _llama(model_path, CacheConfig.exact(budget=budget, warm=False), store=str(store), embedding=True)
+    data = store / "experts.bin"
+    good = data.read_bytes()
+    raw = bytearray(good)
+    for layer in json.loads((store / "manifest.json").read_text())["layers"]:
+        for o in layer["projections"][0]["offset_high"]:  # every expert: whatever is routed is damaged
+            raw[o + 5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    named = rf"^{model_path}: decode failed: {data}: checksum mismatch for layer \d+ expert \d+ "
+    with pytest.raises(StoreError, match=named):
+        _greedy(llm, 8)
+    with pytest.raises(StoreError, match=named):
+        emb.embed("hello world")
+    data.write_bytes(good)
+    llm.reset()
+    assert _greedy(llm, 8) == stock
+    assert llm.cache_stats().n_misses > 0
+
+
+def test_close_frees_the_model_now(model_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """close() frees the model and its cache at once (the cache logs its totals as it is freed), not
+    when the object is collected; the closed Llama refuses to report a freed cache's counters."""
+    llm = _llama(model_path, CacheConfig.exact(budget=_min_budget(model_path), warm=False))
+    _greedy(llm, 2)
+    capfd.readouterr()
+    _log.set_level("info")
+    try:
+        llm.close()
+    finally:
+        _log.set_level("warn")  # the library's default
+    assert "moetier: expert cache totals:" in capfd.readouterr().err
+    with pytest.raises(ValueError, match="null pointer"):
+        llm.cache_info()
 
 
 def test_oracle_same_greedy_tokens_as_model_and_stock(model_path: Path) -> None:
@@ -284,3 +359,32 @@ def test_import_of_moetier_leaves_a_users_library_path_alone(tmp_path: Path) -> 
     # llama_cpp imported first: moetier does not point it anywhere
     r = _lcpp_run("import sys, types; sys.modules['llama_cpp'] = types.ModuleType('llama_cpp')\n" + code)
     assert r.stdout == "None\n"
+
+
+@pytest.mark.parametrize("own_lib", [False, True])
+def test_point_llama_cpp_here_only_without_a_library_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_lib: bool
+) -> None:
+    """`import moetier` points llama_cpp at moetier's libllama when llama_cpp has none of its own
+    (installed without its native build: no lib/libllama*); a llama_cpp with its own library, or none
+    installed, is left alone."""
+    from importlib.machinery import ModuleSpec
+
+    from moetier import lcpp
+
+    pkg = tmp_path / "llama_cpp"
+    (pkg / "lib").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    if own_lib:
+        (pkg / "lib" / "libllama.so").write_bytes(b"")
+    spec = ModuleSpec("llama_cpp", None, origin=str(pkg / "__init__.py"))
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    monkeypatch.delitem(sys.modules, "llama_cpp")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "llama_cpp" else None)
+    lcpp.point_llama_cpp_here()
+    assert os.environ.get("LLAMA_CPP_LIB_PATH") == (None if own_lib else str(lcpp.LIB_DIR))
+    # not installed at all
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    lcpp.point_llama_cpp_here()
+    assert "LLAMA_CPP_LIB_PATH" not in os.environ

@@ -366,6 +366,25 @@ void register_model(py::module_ & m) {
     m.def(
         "cache_info_at", [](uintptr_t addr) { return cache_info(model_at(addr)); }, py::arg("model"),
         "the cache_info of the llama_model at this address");
+    m.def(
+        "budget_note_at", [](uintptr_t addr) { return std::string(moetier_model_budget_note(model_at(addr))); },
+        py::arg("model"), "the budget_note of the llama_model at this address");
+    m.def(
+        "raise_read_error_at",
+        [](uintptr_t addr, const std::string & what) {
+            // the model is llama-cpp-python's: clearing its error is not a change of its weights
+            auto *             model = const_cast<llama_model *>(model_at(addr));
+            std::string        why   = moetier_model_error(model);
+            moetier_error_kind kind  = moetier_model_error_kind(model);
+            if (why.empty()) {
+                return;
+            }
+            moetier_model_clear_error(model);
+            throw moetier_py_error{ kind, what + ": " + why };
+        },
+        py::arg("model"), py::arg("what"),
+        "if an expert read of the llama_model at this address failed (its decode returned 2), raises the typed "
+        "error 'WHAT: why' (the file, layer and expert) and clears it; else nothing");
 
     m.def(
         "share_cache",

@@ -128,6 +128,18 @@ def _llama_init(
         llama_cpp.llama_set_abort_callback(self._ctx.ctx, self._moetier_abort, ctypes.c_void_p(self._moetier_model))
 
 
+def _llama_decode(self: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
+    """run(*args, **kwargs), a llama_cpp.Llama method that decodes (eval, embed): when a failed expert
+    read stopped the graph (llama_cpp says only "llama_decode returned 2"), the error names the
+    file, layer and expert instead (a StoreError for a checksum mismatch)."""
+    try:
+        return run(self, *args, **kwargs)
+    except RuntimeError:
+        if self._moetier_model:
+            _core.raise_read_error_at(self._moetier_model, f"{self.model_path}: decode failed")
+        raise
+
+
 def _llama_close(self: Any, llama_cpp: Any) -> None:
     self._moetier_model = 0  # the model is freed: its address must not be used again
     if hasattr(self, "_stack"):  # not when __init__ refused the arguments before llama_cpp's own ran
@@ -156,6 +168,12 @@ def _llama_class() -> type:
         def close(self) -> None:
             _llama_close(self, llama_cpp)
 
+        def eval(self, tokens: Any) -> None:
+            _llama_decode(self, llama_cpp.Llama.eval, tokens)
+
+        def embed(self, *args: Any, **kwargs: Any) -> Any:
+            return _llama_decode(self, llama_cpp.Llama.embed, *args, **kwargs)
+
         @property
         def has_expert_cache(self) -> bool:
             return bool(_core.has_cache_at(self._moetier_model))
@@ -167,6 +185,12 @@ def _llama_class() -> type:
 
         def cache_info(self) -> dict[str, int | bool]:
             return dict(_core.cache_info_at(self._moetier_model))
+
+        @property
+        def budget_note(self) -> str:
+            """How the cache's size was chosen (with cache=CacheConfig() or budget "auto": from the
+            memory limit, less what the model and the context need)."""
+            return _core.budget_note_at(self._moetier_model)
 
     Llama.__module__ = "moetier"
     Llama.__qualname__ = "Llama"
