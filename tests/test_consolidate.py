@@ -144,3 +144,129 @@ def test_capacity_bounds(variants: list[Path]) -> None:
         consolidate(variants, -1)
     with pytest.raises(ConfigError, match=r"^consolidate: give at least two variants$"):
         consolidate(variants[:1], 1)
+
+
+def _dequantized_rows(path: Path, il: int, n_expert: int) -> np.ndarray:
+    """A layer's experts (gate, up and down) as float32 rows, dequantized with gguf's own code."""
+    from gguf.quants import dequantize
+
+    parts = []
+    for proj in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        t = next(t for t in GGUFReader(str(path)).tensors if t.name == f"blk.{il}.{proj}.weight")
+        parts.append(np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32).reshape(n_expert, -1))
+    return np.concatenate(parts, axis=1)
+
+
+def test_quantized_variants_distances_map_and_average(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """q8_0 experts are compared dequantized; the map records each variant's size and digest; the
+    cross-position mean is over every pair of different positions; the weight average of q8_0 experts
+    is quantized back to q8_0, of f32 tensors exact."""
+    import hashlib
+
+    from moetier.tools.consolidate import summary, write_average
+
+    n_expert = 4
+    vs = [
+        tiny_model("qwen2moe", n_expert=n_expert, n_expert_used=2, n_layer=2, expert_type="q8_0", seed=s)
+        for s in (1, 2)
+    ]
+    m = consolidate(vs, 3)
+    assert m["arch"] == "qwen2moe" and m["capacity"] == 3
+    for v, p in zip(m["variants"], vs, strict=True):
+        h = hashlib.sha256(p.read_bytes()[: 1 << 20])
+        h.update(str(p.stat().st_size).encode())
+        assert v == {"path": str(p), "bytes": p.stat().st_size, "sha256_head": h.hexdigest()}
+    for il in range(2):
+        a, b = (_dequantized_rows(p, il, n_expert) for p in vs)
+        np.testing.assert_allclose(m["distance"][il], 2 * np.linalg.norm(a - b, axis=1), rtol=1e-5)
+        cross = [np.linalg.norm(a[e] - b[f]) for e in range(n_expert) for f in range(n_expert) if e != f]
+        assert m["cross_position_mean"][il] == pytest.approx(float(np.mean(cross)), rel=1e-4)
+    # three positions shared, dealt to variants 0, 1, 0 in order of distance
+    order = sorted((d, il, e) for il, row in enumerate(m["distance"]) for e, d in enumerate(row))
+    assert [m["map"][il][e] for _, il, e in order[:3]] == [0, 1, 0]
+    assert sum(x >= 0 for row in m["map"] for x in row) == 3
+    text = summary(m).splitlines()
+    shared = "3 of 8 positions shared (2 from variant 0, 1 from variant 1)"
+    assert text[0] == f"2 variants of qwen2moe, 2 MoE layers x 4 experts: {shared}"
+    assert text[1] == "layer  same-position distance  cross-position distance"
+    assert text[2] == f"    0  {m['same_position_mean'][0]:22.4f}  {m['cross_position_mean'][0]:23.4f}"
+
+    avg = tmp_path / "avg.gguf"
+    write_average(vs, avg)
+    got = {t.name: t for t in GGUFReader(str(avg)).tensors}
+    srcs = [{t.name: t for t in GGUFReader(str(p)).tensors} for p in vs]
+    name = "blk.1.ffn_down_exps.weight"
+    assert got[name].tensor_type.name == "Q8_0"
+    mean = (_dequantized_rows(vs[0], 1, n_expert) + _dequantized_rows(vs[1], 1, n_expert)) / 2
+    back = _dequantized_rows(avg, 1, n_expert)
+    scale = np.abs(mean).max()
+    assert np.abs(back - mean).max() <= scale / 127  # q8_0's rounding, no more
+    norm = "blk.0.attn_norm.weight"  # f32: the mean itself
+    want = (np.asarray(srcs[0][norm].data, dtype=np.float32) + np.asarray(srcs[1][norm].data, dtype=np.float32)) / 2
+    np.testing.assert_array_equal(np.asarray(got[norm].data), want)
+
+
+def test_unreadable_or_incomplete_variants_are_named(
+    variants: list[Path], tiny_model: ModelFactory, tmp_path: Path
+) -> None:
+    from gguf import GGUFWriter
+
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a gguf\n")
+    with pytest.raises(ConfigError, match=rf"^{text}: not a readable GGUF file \("):
+        consolidate([variants[0], text], 1)
+    # a MoE layer without its down projection
+    lacking = tmp_path / "lacking.gguf"
+    w = GGUFWriter(str(lacking), "qwen2moe")
+    for t in GGUFReader(str(variants[0])).tensors:
+        if t.name != "blk.1.ffn_down_exps.weight":
+            w.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.data).shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=rf"^{lacking}: layer 1 lacks ffn_down_exps$"):
+        consolidate([variants[0], lacking], 1)
+    # another number of MoE layers
+    deeper = tiny_model("qwen2moe", n_expert=N_EXPERT, n_expert_used=2, n_layer=N_LAYER + 1)
+    with pytest.raises(
+        ConfigError, match=rf"^{deeper}: MoE layers \[0, 1, 2, 3\] differ from {variants[0]}'s \[0, 1, 2\]$"
+    ):
+        consolidate([variants[0], deeper], 1)
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [("0", True), ("0%", True), ("100%", True), ("101%", False), ("-1%", False), ("half", False), ("2.5", False)],
+)
+def test_capacity_flag(
+    variants: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, ok: bool
+) -> None:
+    out = tmp_path / "map.json"
+    if ok:
+        assert main(["consolidate", *map(str, variants), "--capacity", value, "-o", str(out)]) == 0
+        want = {"0": 0, "0%": 0, "100%": N_LAYER * N_EXPERT}[value]
+        assert json.loads(out.read_text())["capacity"] == want
+        assert capsys.readouterr().out.endswith(f"\nwrote {out}\n")
+        assert not out.with_name("map.json.tmp").exists()
+        return
+    with pytest.raises(SystemExit):
+        main(["consolidate", *map(str, variants), f"--capacity={value}", "-o", str(out)])
+    assert f"--capacity: {value!r} is not a count of positions or a share like 50%" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_variants_of_other_types_are_compared_but_not_spliced(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """An f16 and a q8_0 variant of one shape can be ranked (both are dequantized), but a shared
+    position's bytes cannot be copied from one type into the other."""
+    from moetier.tools.consolidate import write_consolidated
+
+    f16, q8 = (tiny_model("qwen2moe", n_expert=4, n_expert_used=2, n_layer=2, expert_type=t) for t in ("f16", "q8_0"))
+    m = consolidate([f16, q8], 2)
+    assert sorted(x for row in m["map"] for x in row if x >= 0) == [0, 1]
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{q8}: blk\.\d\.ffn_gate_exps is Q8_0, but {f16}'s is F16; a shared expert is copied as it is",
+    ):
+        write_consolidated(m, 0, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()

@@ -197,8 +197,8 @@ def write_consolidated(m: dict[str, Any], index: int, out: str | os.PathLike[str
                     src = vs[owner].layers[il][p]
                     if src.tensor_type != t.tensor_type:
                         msg = (
-                            f"{vs[owner].path}: blk.{il}.{p} is {src.tensor_type.name}, "
-                            f"{me.path}'s {t.tensor_type.name}"
+                            f"{vs[owner].path}: blk.{il}.{p} is {src.tensor_type.name}, but {me.path}'s is "
+                            f"{t.tensor_type.name}; a shared expert is copied as it is, so the variants need one type"
                         )
                         raise ConfigError(msg)
                     raw[e] = _expert_bytes(src)[e]
