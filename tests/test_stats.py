@@ -258,3 +258,126 @@ def test_render_whole_view() -> None:
         "expert cache   no expert cache metrics (not a moetier llama-server?)",
         "generation     5 tokens",
     ]
+
+
+def test_formats_and_edges_of_the_view() -> None:
+    """The small rules the view is made of: numbers, durations, shares, URLs, counters that went back,
+    histograms without observations or with an empty bucket, lines the parser leaves out."""
+    from moetier.stats import Histogram, _num, _pct, _seconds
+
+    assert [_num(x) for x in (3.0, -3.0, 2.5, 1e16, 0.1234567)] == ["3", "-3", "2.5", "1e+16", "0.123457"]
+    assert [_seconds(x) for x in (None, 0.0123, 0.999, 1.0, 2.345)] == ["-", "12.3 ms", "999 ms", "1 s", "2.35 s"]
+    assert (_pct(1, 0), _pct(1, 3), _pct(0, 4)) == ("-", "33.3%", "0.0%")
+    assert metrics_url(" h:1 ") == "http://h:1/metrics"
+    assert metrics_url("https://h:1/") == "https://h:1/metrics"
+    assert metrics_url("http://h:1/metrics") == "http://h:1/metrics"
+    # no observations: no quantile, no mean
+    assert Histogram((), 0.0, 0.0).quantile(0.5) is None
+    assert Histogram(((1.0, 0.0), (float("inf"), 0.0)), 0.0, 0.0).quantile(0.5) is None
+    assert Histogram(((1.0, 0.0), (float("inf"), 0.0)), 0.0, 0.0).mean is None
+    # rank 0 falls in an empty first bucket: its bound; every observation past the finite bounds: the last
+    h = Histogram(((1.0, 0.0), (2.0, 4.0), (float("inf"), 4.0)), 6.0, 4.0)
+    assert (h.quantile(0.0), h.quantile(0.5), h.quantile(1.0), h.mean) == (1.0, 1.5, 2.0, 1.5)
+    assert Histogram(((1.0, 2.0), (float("inf"), 4.0)), 0.0, 4.0).quantile(0.9) == 1.0
+    # parsing: short TYPE lines, values that are not numbers and stray text are left out
+    m = parse_prometheus(
+        "# TYPE x\n# TYPE y_seconds histogram\nx NaNish\nnot a sample line at all\n"
+        'y_seconds_bucket{le="0.5"} 1\ny_seconds_bucket{le="half"} 2\ny_seconds_bucket{le="+Inf"} 3\n'
+        'y_seconds_count 3\nz{b="2",a="1"} -Inf\n'
+    )
+    assert m.types == {"y_seconds": "histogram"}
+    assert m.values == {
+        'y_seconds_bucket{le="0.5"}': 1.0,
+        'y_seconds_bucket{le="half"}': 2.0,
+        'y_seconds_bucket{le="+Inf"}': 3.0,
+        "y_seconds_count": 3.0,
+        'z{a="1",b="2"}': float("-inf"),
+    }
+    y = histogram(m, "y_seconds")
+    assert y == Histogram(((0.5, 1.0), (float("inf"), 3.0)), 0.0, 3.0)  # no _sum: 0; a bad bound left out
+    # a counter that went back (the server restarted) or no time between scrapes: no rate
+    now = parse_prometheus("llamacpp:expert_cache_lookups_total 1\nllamacpp:expert_cache_bytes_read_total 10\n")
+    before = parse_prometheus("llamacpp:expert_cache_bytes_read_total 20\n")
+    assert "rate: needs two refreshes" in render("x", now, before, 2.0)
+    assert "rate: needs two refreshes" in render("x", now, now, 0.0)
+    assert "0 B/s since the last refresh" in render("x", now, now, 1.0)
+
+
+def test_other_metrics_are_packed_to_the_width() -> None:
+    """Samples the view does not know, two or more to a line up to 100 columns; a histogram of them
+    as one entry with its median and count."""
+    text = "".join(f"llamacpp:metric_{i:02d} {i}\n" for i in range(12))
+    text += '# TYPE llamacpp:wait_seconds histogram\nllamacpp:wait_seconds_bucket{le="1"} 2\n'
+    text += 'llamacpp:wait_seconds_bucket{le="+Inf"} 2\nllamacpp:wait_seconds_sum 1\nllamacpp:wait_seconds_count 2\n'
+    lines = render("x", parse_prometheus(text)).splitlines()[2:]
+    entries = [f"metric_{i:02d} {i}" for i in range(12)] + ["wait_seconds p50 500 ms n 2"]
+    col = max(len(e) for e in entries) + 2
+    per_line = (100 - 14) // col
+    want = [
+        f"{'other' if i == 0 else '':<14} " + "".join(e.ljust(col) for e in entries[i : i + per_line]).rstrip()
+        for i in range(0, len(entries), per_line)
+    ]
+    assert lines == want and per_line > 1
+
+
+def test_watch_once_and_a_plain_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a terminal: views one after the other, separated by a blank line; --once prints one and
+    returns without sleeping; Ctrl-C ends it with status 0 and nothing more written."""
+    monkeypatch.setattr(stats, "fetch", lambda url: parse_prometheus(SAMPLE))
+    out = io.StringIO()
+    assert stats.watch("h:1", once=True, out=out, sleep=lambda s: pytest.fail("slept")) == 0
+    assert out.getvalue().startswith("moetier stats  http://h:1/metrics") and not out.getvalue().endswith("\n\n")
+    naps: list[float] = []
+
+    def nap(seconds: float) -> None:
+        naps.append(seconds)
+        if len(naps) == 2:
+            raise KeyboardInterrupt
+
+    out = io.StringIO()
+    assert stats.watch("h:1", out=out, sleep=nap) == 0
+    assert naps == [2.0, 2.0] and out.getvalue().count("moetier stats  ") == 2
+    assert out.getvalue().endswith("\n\n") and "\033[" not in out.getvalue()
+
+
+def test_fetch_says_what_the_answer_was() -> None:
+    """An HTTP error names its code (with how to turn /metrics on for the codes llama-server gives
+    when it is off); an answer without samples is not taken for an empty view; a malformed address
+    is named as given."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from moetier import MoetierError
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            code = {"/a/metrics": 404, "/b/metrics": 500, "/c/metrics": 501}.get(self.path, 200)
+            body = b"<html>hello</html>" if self.path == "/d/metrics" else b"llamacpp:x_total 1\n"
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        hint = ": /metrics is off; start llama-server with --metrics (`moetier serve --cache` turns it on)"
+        for where, code, why in (("a", 404, "Not Found"), ("c", 501, "Not Implemented")):
+            with pytest.raises(MoetierError) as e:
+                stats.fetch(f"{base}/{where}")
+            assert str(e.value) == f"{base}/{where}/metrics: HTTP {code} {why}{hint}"
+        with pytest.raises(MoetierError) as e:
+            stats.fetch(f"{base}/b")
+        assert str(e.value) == f"{base}/b/metrics: HTTP 500 Internal Server Error"
+        with pytest.raises(MoetierError) as e:
+            stats.fetch(f"{base}/d")
+        assert str(e.value) == f"{base}/d/metrics: no Prometheus metrics in the answer (is this a llama-server?)"
+        assert stats.fetch(base).values == {"llamacpp:x_total": 1.0}
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with pytest.raises(MoetierError, match=r"^http://\[::1: not a server address \(.*\); give e\.g\. http://127"):
+        stats.fetch("http://[::1")
