@@ -74,6 +74,27 @@ if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("MOETIER_MU
                 f.write(name + "\\n")
 
     _trampoline.record_trampoline_hit = _record
+
+if os.environ.get("MUTANT_UNDER_TEST"):
+    # `python -m moetier.cli` runs the file as __main__, whose functions mutmut would name
+    # __main__.x_...: neither the mutant under test nor the hits would match moetier.cli's. The
+    # package's own module is imported and its entry point run instead.
+    import runpy as _runpy
+
+    _ENTRY = {"moetier.cli": "main", "moetier.lcpp": "install"}
+    _run_as_main = _runpy._run_module_as_main
+
+    def _as_main(mod_name, alter_argv=True):
+        if mod_name not in _ENTRY:
+            return _run_as_main(mod_name, alter_argv)
+        import importlib
+        import sys
+
+        mod = importlib.import_module(mod_name)
+        sys.argv[0] = mod.__file__
+        sys.exit(getattr(mod, _ENTRY[mod_name])())
+
+    _runpy._run_module_as_main = _as_main
 """
 
 # the pytest side (pytest -p moetier_mutation_hits): before mutmut's own teardown hook files the
