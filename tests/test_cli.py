@@ -332,3 +332,74 @@ def test_serve_refuses_what_llama_server_would_log_pages_about(files: dict[str, 
             r = moetier("serve", *args)
             assert r.returncode == 1 and r.stderr.startswith("moetier: error: ") and says in r.stderr, r.stderr
             assert len(r.stderr.splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (
+            ["run", "-p", "hi"],
+            "moetier run: error: the following arguments are required: -m/--model\n"
+            "moetier run: `moetier run --help` lists the flags\n",
+        ),
+        (
+            ["sever"],
+            "moetier: error: 'sever' is not a command; did you mean serve?\n"
+            "moetier: `moetier --help` lists the commands\n",
+        ),
+        (
+            ["tool"],
+            "moetier tool: error: name the tool to run, e.g. `moetier tool llama-cli -m MODEL.gguf`\n"
+            "moetier tool: `moetier tool --help` lists the flags\n",
+        ),
+    ],
+)
+def test_usage_errors_exit_2_and_say_where_the_help_is(
+    argv: list[str], want: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A usage error is two lines, the problem and which --help lists the commands (top level) or the
+    flags (a command), with exit status 2 as argparse's own errors."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == want
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_tool_without_a_tool_lists_the_tools(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tool", flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: moetier tool ") and "llama-perplexity" in out
+    assert out.endswith("\n`moetier tool TOOL --help` for the tool's flags (llama.cpp's, with --expert-*).\n")
+
+
+def test_flag_errors_name_the_flag_that_set_the_value() -> None:
+    """A config error about a field becomes one about the flag that set it; an error about anything
+    else passes through as it is."""
+    from moetier import ConfigError, ContextConfig
+    from moetier.cli import _flag_error
+
+    def flag(text: str, cls: type, section: str, prefix: str) -> str:
+        return str(_flag_error(ConfigError(text), cls, section, prefix))
+
+    assert flag("cache.t1: must lie in [0, 1]", CacheConfig, "cache", "cache-") == "--cache-t1: must lie in [0, 1]"
+    assert flag("cache.budget: too small", CacheConfig, "cache", "cache-") == "--cache: too small"
+    assert flag("cache: expert cache t1=2: above t2", CacheConfig, "cache", "cache-") == "--cache-t1 2: above t2"
+    assert flag("type_k: not a ggml type", ContextConfig, "context", "") == "--type-k: not a ggml type"
+    assert flag("context.n_ctx: must be positive", ContextConfig, "context", "") == "--n-ctx: must be positive"
+    # not a field of the class, or no field named at all: unchanged
+    assert flag("cache.colour: red", CacheConfig, "cache", "cache-") == "cache.colour: red"
+    assert flag("colour: red", ContextConfig, "context", "") == "colour: red"
+    assert flag("the store is damaged", CacheConfig, "cache", "cache-") == "the store is damaged"
+
+
+def test_pack_takes_its_flags(tiny_model: ModelFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`moetier pack` writes the store with the pack flags given (here the low-precision type) and
+    says where it wrote it."""
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    out = tmp_path / "q8.experts"
+    assert main(["pack", str(path), "-o", str(out), "--low-type", "q8_0", "--quiet"]) == 0
+    assert capsys.readouterr().err == f"moetier: store written to {out}\n"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["low_type"] == "q8_0"
+    assert {p["type_low"] for layer in manifest["layers"] for p in layer["projections"]} == {"q8_0"}
