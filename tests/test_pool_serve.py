@@ -4,6 +4,7 @@ pipelines route by the answer, switches under a budget, bad input and failed loa
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,15 +15,32 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from openai import InternalServerError, NotFoundError, OpenAI
 
 from conftest import ModelFactory
 from moetier import CacheConfig, ConfigError, Model, ModelError, pack
-from moetier.pool.executor import Pool, Work, estimate_cost, open_model
+from moetier.config import ContextConfig
+from moetier.pool import executor
+from moetier.pool.executor import (
+    DISK_BYTES_PER_SECOND,
+    Pool,
+    Work,
+    _deliver,
+    cache_bytes,
+    drop_page_cache,
+    estimate_cost,
+    footprint,
+    gguf_bytes,
+    open_model,
+    read_profile,
+    rss_bytes,
+)
+from moetier.pool.sched import Cost
 from moetier.pool.server import PoolService, make_server
-from moetier.pool.spec import ModelSpec, load_spec
+from moetier.pool.spec import ModelSpec, PoolSpec, load_spec
 
 PROMPTS = ["hello there", "the cat sat", "one two three", "abc def"]
 
@@ -238,7 +256,7 @@ def test_profile_command_measures_each_shape_once(tmp_path: Path, tiny_model: Mo
     assert prof["d1"]["p"] == pytest.approx(3 / 7) and prof["moe"]["p"] == pytest.approx(3 / 7)
     assert prof["d2"]["p"] == 0 and prof["d3"]["p"] == pytest.approx(1 / 7)
     for m in prof.values():
-        assert m["load"] > 0 and m["nbytes"] > 0 and m["k"] > 0 and m["b"] >= 0
+        assert m["load"] > 0 and m["nbytes"] > 0 and m["k"] >= 0 and m["b"] >= 0 and m["k"] + m["b"] > 0
     data["profile"] = str(out)
     data["budget"] = "256M"  # what a process grows by is noisy at these sizes: room for all of them
     cfg.write_text(json.dumps(data))
@@ -336,6 +354,8 @@ def test_a_failing_callback_does_not_stop_the_executor(tmp_path: Path, tiny_mode
         ({"model": "a", "prompt": "x", "seed": True}, False, 400, "seed: True must be an integer"),
         ({"model": "a"}, False, 400, "prompt: a string is required"),
         ({"model": "a", "prompt": ["x", "y"]}, False, 400, "prompt: a string is required"),
+        ({"model": "a", "prompt": ""}, False, 400, "prompt: an empty prompt has no tokens to continue"),
+        ({"model": "a", "prompt": [""]}, False, 400, "prompt: an empty prompt has no tokens to continue"),
         ({"model": "a"}, True, 400, "messages: a non-empty list of {role, content} is required"),
         ({"model": "a", "messages": []}, True, 400, "messages: a non-empty list of {role, content} is required"),
         (
@@ -553,3 +573,598 @@ def test_the_http_surface_answers_every_path_and_error_as_openai_does(served: tu
     chat = b'{"model": "d1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}'
     ok = call("POST", "/chat/completions", chat)
     assert ok[0] == 200 and ok[2]["object"] == "chat.completion"
+
+
+# -- the executor module, in-process: sizes from the GGUF, the profile reader, and the pool's threads --------------
+
+
+def test_the_expert_cache_is_a_share_or_a_size_and_nothing_without_a_store() -> None:
+    """The expert cache is 0 without a store, else a share (rounded down) or a size; bad values name the setting."""
+    store = Path("m.experts")
+    assert cache_bytes(ModelSpec("m", Path("m.gguf"), cache="50%"), 1000) == 0
+    assert cache_bytes(ModelSpec("m", Path("m.gguf"), store, "25%"), 1000) == 250
+    assert cache_bytes(ModelSpec("m", Path("m.gguf"), store, "100%"), 1000) == 1000
+    assert cache_bytes(ModelSpec("m", Path("m.gguf"), store, "12.55%"), 1000) == 125
+    assert cache_bytes(ModelSpec("m", Path("m.gguf"), store, "0.1%"), 1000) == 1
+    assert cache_bytes(ModelSpec("m", Path("m.gguf"), store, "3M"), 1000) == 3 << 20
+    assert cache_bytes(ModelSpec("m", Path("m.gguf"), store, "4096"), 1000) == 4096
+    cases = [
+        ("half%", "models.m.cache: 'half%' is not a share; use e.g. 25%"),
+        ("0%", "models.m.cache: '0%' must be above 0% and at most 100%"),
+        ("-5%", "models.m.cache: '-5%' must be above 0% and at most 100%"),
+        ("100.5%", "models.m.cache: '100.5%' must be above 0% and at most 100%"),
+        ("lots", "models.m.cache: 'lots' is not a size; use e.g. 512M"),
+    ]
+    for cache, msg in cases:
+        with pytest.raises(ConfigError) as e:
+            cache_bytes(ModelSpec("m", Path("m.gguf"), store, cache), 1000)
+        assert str(e.value) == msg
+
+
+def test_gguf_sizes_split_dense_and_expert_tensors_and_read_the_hyperparameters(
+    tiny_model: ModelFactory, tmp_path: Path
+) -> None:
+    """gguf_bytes matches the GGUF reader's bytes, experts apart, and rereads a file whose size or time changed."""
+    from gguf import GGUFReader
+
+    moe = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3, seed=4)
+    tensors = GGUFReader(str(moe)).tensors
+    expert = sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
+    total = sum(int(t.n_bytes) for t in tensors)
+    assert 0 < expert < total
+    hp = {"arch": "qwen2moe", "n_layer": 3, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_vocab": 128}
+    assert gguf_bytes(ModelSpec("m", moe)) == (total - expert, expert, hp)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(tiny_model("qwen2", seed=1).read_bytes())
+    dense = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    assert gguf_bytes(ModelSpec("m", path)) == (dense, 0, {**hp, "arch": "qwen2", "n_layer": 2})
+    # a file of the same size changed later, then one of another size with the same time: both are read again
+    mtime = path.stat().st_mtime_ns
+    path.write_bytes(tiny_model("qwen2", n_head=8, n_head_kv=4, seed=1).read_bytes())
+    os.utime(path, ns=(mtime, mtime + 10**9))
+    assert path.stat().st_size == tiny_model("qwen2", seed=1).stat().st_size
+    assert gguf_bytes(ModelSpec("m", path))[2]["n_head"] == 8
+    path.write_bytes(tiny_model("qwen2", n_layer=3, seed=1).read_bytes())
+    os.utime(path, ns=(mtime, mtime + 10**9))
+    assert gguf_bytes(ModelSpec("m", path))[2]["n_layer"] == 3
+
+
+def test_a_gguf_without_hyperparameters_is_sized_with_their_defaults(tmp_path: Path) -> None:
+    """A GGUF missing hyperparameter keys gets no layers, width 0, one head, KV heads = heads, architecture ''."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    def write(name: str, heads: int | None, arch: bool = True) -> Path:
+        path = tmp_path / name
+        w = GGUFWriter(str(path), "bare")
+        if not arch:
+            del w.kv_data[0]["general.architecture"]
+        if heads is not None:
+            w.add_uint32("bare.attention.head_count", heads)
+        w.add_tensor("token_embd.weight", np.zeros((5, 4), dtype=np.float32))  # 5 tokens of width 4
+        w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((2, 3, 4), dtype=np.float16))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    bare = ModelSpec("m", write("bare.gguf", None), n_ctx=64)
+    hp = {"arch": "bare", "n_layer": 0, "n_embd": 0, "n_head": 1, "n_head_kv": 1, "n_vocab": 5}
+    assert gguf_bytes(bare) == (5 * 4 * 4, 2 * 3 * 4 * 2, hp)
+    assert footprint(bare) == (80 + 48, 0, 4 * 64 * 5 + 4 * 64 * 64 * 1)
+    assert gguf_bytes(ModelSpec("m", write("heads.gguf", 4)))[2] == {**hp, "n_head": 4, "n_head_kv": 4}
+    assert gguf_bytes(ModelSpec("m", write("anon.gguf", None, arch=False)))[2] == {**hp, "arch": ""}
+
+
+def test_footprint_and_estimate_follow_the_context_and_the_cache(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """Footprint and estimate: weights (or dense + cache), f16 KV per position, compute over a ubatch <= 512."""
+    dense = tiny_model("qwen2", seed=1)
+    d_bytes, _, _ = gguf_bytes(ModelSpec("d", dense))
+    head_dim = 64 // 4
+    m = ModelSpec("d", dense, n_ctx=256, max_batch=3)
+    kv, compute = 2 * 2 * 256 * 2 * head_dim * 2, 4 * 256 * (128 + 8 * 64) + 4 * 256 * 256 * 4
+    assert footprint(m) == (d_bytes, kv, compute)
+    c = estimate_cost(m)
+    assert c == Cost(k=0.05, b=0.01, load=d_bytes / 300e6, nbytes=d_bytes + kv + compute, max_batch=3, p=0.0)
+    assert DISK_BYTES_PER_SECOND == 300e6
+    big = ModelSpec("d", dense, n_ctx=1024)
+    assert footprint(big) == (d_bytes, 4 * kv, 4 * 512 * (128 + 8 * 64) + 4 * 512 * 1024 * 4)  # ubatch capped at 512
+    moe = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3, seed=4)
+    store = tmp_path / "moe.experts"
+    store.mkdir()
+    m_dense, m_expert, _ = gguf_bytes(ModelSpec("m", moe))
+    assert footprint(ModelSpec("m", moe, n_ctx=256))[0] == m_dense + m_expert  # no store: every expert loads
+    assert footprint(ModelSpec("m", moe, store, "50%", n_ctx=256))[0] == m_dense + m_expert // 2
+    assert footprint(ModelSpec("m", moe, store, "1M", n_ctx=256))[0] == m_dense + (1 << 20)
+
+
+def profile_row(m: ModelSpec, **kw: object) -> dict[str, object]:
+    return {"path": str(m.path), "shape": m.shape(), "k": 0.1, "b": 0.2, "load": 0.3, "nbytes": 1000, **kw}
+
+
+def test_read_profile_takes_each_models_costs_and_the_pools_max_batch(tmp_path: Path) -> None:
+    """read_profile takes costs from the file and max_batch from the pool, skips unknown rows, keeps pool order."""
+    for n in ("a", "b"):
+        (tmp_path / f"{n}.gguf").write_bytes(b"GGUF")
+    ms = {n: ModelSpec(n, tmp_path / f"{n}.gguf", max_batch=i + 2) for i, n in enumerate(("b", "a"))}
+    spec = PoolSpec(tmp_path / "pool.yaml", 1 << 30, ms)
+    rows = {
+        "gone": {"path": "x"},
+        "a": profile_row(ms["a"], max_batch=99, p=1),
+        "b": profile_row(ms["b"], k=0, b=0, load=0, nbytes=1),
+    }
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"models": rows}))
+    got = read_profile(path, spec)
+    assert list(got) == ["b", "a"]
+    assert got["a"] == Cost(k=0.1, b=0.2, load=0.3, nbytes=1000, max_batch=3, p=1.0)
+    assert got["b"] == Cost(k=0.0, b=0.0, load=0.0, nbytes=1, max_batch=2, p=0.0)
+    rows["b"]["p"] = 0
+    path.write_text(json.dumps({"models": rows}))
+    assert read_profile(path, spec)["b"].p == 0.0
+
+
+def test_read_profile_refuses_costs_out_of_range_with_the_model_and_its_costs(tmp_path: Path) -> None:
+    """read_profile refuses no bytes, negative or infinite times and shares outside 0..1, naming model and costs."""
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    m = ModelSpec("a", tmp_path / "a.gguf")
+    spec = PoolSpec(tmp_path / "pool.yaml", 1 << 30, {"a": m})
+    path = tmp_path / "p.json"
+    for bad in ({"nbytes": 0}, {"k": -0.1}, {"b": -1}, {"load": float("inf")}, {"load": float("nan")}, {"p": 1.5},
+                {"p": -0.1}):  # fmt: skip
+        row = profile_row(m, **bad)
+        path.write_text(json.dumps({"models": {"a": row}}))
+        c = Cost(float(row["k"]), float(row["b"]), float(row["load"]), int(row["nbytes"]), 4, float(row.get("p", 0)))
+        with pytest.raises(ConfigError) as e:
+            read_profile(path, spec)
+        assert str(e.value) == f"{path}: a: costs out of range ({c}); run `moetier profile {spec.path}` again", bad
+
+
+def test_read_profile_errors_name_the_file_and_what_to_do(tmp_path: Path) -> None:
+    """read_profile's messages for a missing file, bad JSON, a missing field, a stale shape and a missing model."""
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    (tmp_path / "b.gguf").write_bytes(b"GGUF")
+    ms = {n: ModelSpec(n, tmp_path / f"{n}.gguf") for n in ("a", "b", "c")}
+    spec = PoolSpec(tmp_path / "pool.yaml", 1 << 30, {n: ms[n] for n in ("a", "b")})
+    path = tmp_path / "p.json"
+
+    def error() -> str:
+        with pytest.raises(ConfigError) as e:
+            read_profile(path, spec)
+        return str(e.value)
+
+    assert error() == f"{path}: cannot read the profile: No such file or directory"
+    path.write_text("{not json")
+    assert error().startswith(f"{path}: not a profile written by `moetier profile` (JSONDecodeError(")
+    assert error().endswith("); run it again")
+    row = profile_row(ms["a"])
+    del row["load"]
+    path.write_text(json.dumps({"models": {"a": row}}))
+    assert error() == f"{path}: not a profile written by `moetier profile` (KeyError('load')); run it again"
+    path.write_text(json.dumps({"models": {"a": profile_row(ms["a"], shape=[1, False, "", 512])}}))
+    stale = (
+        f"{path}: a was profiled as {ms['a'].path} [1, False, '', 512], it is {ms['a'].path} {ms['a'].shape()} now; "
+        f"run `moetier profile {spec.path}` again"
+    )
+    assert error() == stale
+    path.write_text(json.dumps({"models": {"a": profile_row(ms["a"], path="/elsewhere/a.gguf")}}))
+    assert error().startswith(f"{path}: a was profiled as /elsewhere/a.gguf {ms['a'].shape()}, it is {ms['a'].path} ")
+    # "models" not an object, a size JSON allows but no integer holds: not a profile, no traceback
+    path.write_text(json.dumps({"models": []}))
+    assert error().startswith(f"{path}: not a profile written by `moetier profile` (AttributeError(")
+    row = profile_row(ms["a"])
+    path.write_text(json.dumps({"models": {"a": {**row, "nbytes": float("inf")}}}))
+    assert error().startswith(f"{path}: not a profile written by `moetier profile` (OverflowError(")
+    path.write_text(json.dumps({"models": {}}))
+    spec = PoolSpec(tmp_path / "pool.yaml", 1 << 30, {n: ms[n] for n in ("b", "a")})
+    assert error() == f"{path}: no costs for a, b; run `moetier profile {spec.path}` again"
+
+
+def test_resident_memory_is_procs_resident_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rss_bytes is the resident (not virtual) size from /proc/self/statm, and 0 when /proc cannot be read."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    size, resident = (int(x) * page for x in Path("/proc/self/statm").read_text().split()[:2])
+    got = rss_bytes()
+    assert abs(got - resident) < 32 << 20 and abs(got - resident) < abs(got - size)
+
+    def no_proc(*a: object, **k: object) -> object:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(executor, "open", no_proc, raising=False)
+    assert rss_bytes() == 0
+
+
+def test_dropping_a_files_pages_advises_the_whole_file_and_closes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """drop_page_cache advises DONTNEED on the whole file and closes it even on error; a missing file is skipped."""
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x" * 8192)
+    calls: list[tuple[int, int, int, int]] = []
+    real = os.posix_fadvise
+
+    def advise(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append((fd, offset, length, advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    assert drop_page_cache(f) is None
+    ((fd, offset, length, advice),) = calls
+    assert (offset, length, advice) == (0, 0, os.POSIX_FADV_DONTNEED)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+    assert drop_page_cache(tmp_path / "gone.gguf") is None
+
+    def refuse(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append((fd, offset, length, advice))
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    with pytest.raises(OSError, match="Invalid argument"):
+        drop_page_cache(f)
+    with pytest.raises(OSError):
+        os.fstat(calls[-1][0])
+
+
+def test_a_callback_that_raises_is_reported_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """A job's callback gets the answer and error; an exception from it is written to stderr, not raised."""
+    seen: list[tuple[object, object]] = []
+    err = ModelError("boom")
+    _deliver(Work("x", None, 1, lambda a, e: seen.append((a, e))), None, err)
+    assert seen == [(None, err)]
+
+    def broken(a: object, e: object) -> None:
+        msg = "a bug in the caller"
+        raise RuntimeError(msg)
+
+    _deliver(Work("x", None, 1, broken), None, None)
+    assert capsys.readouterr().err == "moetier pool: a request's callback failed: RuntimeError: a bug in the caller\n"
+
+
+def test_open_model_gives_the_context_threads_and_cache_the_spec_says(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """open_model sets n_ctx, threads and batches of at most 512; a MoE with a store gets a fixed cache of its share."""
+    dense = tiny_model("qwen2", seed=1)
+    m = open_model(ModelSpec("d", dense, n_ctx=256), 2)
+    assert m.context == ContextConfig(n_ctx=256, n_threads=2, n_batch=256, n_ubatch=256)
+    assert m.cache is None and m.store is None
+    m.close()
+    m = open_model(ModelSpec("d", dense, n_ctx=1024), 1)
+    assert (m.context.n_ctx, m.context.n_threads, m.context.n_batch, m.context.n_ubatch) == (1024, 1, 512, 512)
+    m.close()
+    moe = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3, seed=4)
+    store = tmp_path / "moe.experts"
+    pack(moe, store, progress=False)
+    spec = ModelSpec("m", moe, store, "50%", n_ctx=256)
+    m = open_model(spec, 1)
+    _, expert, _ = gguf_bytes(spec)
+    assert m.cache is not None and m.store == store
+    assert (m.cache.budget, m.cache.grow) == (expert // 2, 0)
+    m.close()
+
+
+class Spy:
+    """A real model, as the pool opened it, that records its close; faults can be switched on: generate
+    returning an answer with no tokens, close raising."""
+
+    def __init__(self, m: Model, broken: bool, close_error: Exception | None) -> None:
+        self.m, self.broken, self.close_error = m, broken, close_error
+        self.closed = False
+
+    def generate(self, prompt: str, **kw: Any) -> object:
+        r = self.m.generate(prompt, **kw)
+        return object() if self.broken else r
+
+    def chat_prompt(self, messages: list[tuple[str, str]]) -> str:
+        return self.m.chat_prompt(messages)
+
+    def close(self) -> None:
+        self.closed = True
+        self.m.close()
+        if self.close_error is not None:
+            raise self.close_error
+
+
+class Opener:
+    """open_model with a record of each load (model, threads); the next `fail` loads raise, a load waits
+    for `gate` when one is set, and each load takes at least `delay` seconds."""
+
+    def __init__(self) -> None:
+        self.loads: list[tuple[str, int]] = []
+        self.models: dict[str, list[Spy]] = {}
+        self.fail = 0
+        self.delay = 0.0
+        self.gate: threading.Event | None = None
+        self.loading = threading.Event()
+        self.broken = False
+        self.close_error: Exception | None = None
+
+    def __call__(self, m: ModelSpec, threads: int) -> Spy:
+        self.loads.append((m.name, threads))
+        self.loading.set()
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        if self.fail:
+            self.fail -= 1
+            msg = f"{m.name}: cannot load (a test's fault)"
+            raise ModelError(msg)
+        time.sleep(self.delay)
+        spy = Spy(open_model(m, threads), self.broken, self.close_error)
+        self.models.setdefault(m.name, []).append(spy)
+        return spy
+
+
+def small_pool(
+    tmp: Path,
+    tiny_model: ModelFactory,
+    names: tuple[str, ...] = ("d",),
+    budget: int = 1 << 30,
+    executors: int = 1,
+    scheduler: str = "coserve",
+    costs: dict[str, Cost] | None = None,
+    opener: Opener | None = None,
+) -> Pool:
+    """A pool of tiny dense models (seeds 1, 2, ...; n_ctx 256) built in-process, no file read but the models."""
+    models = {n: ModelSpec(n, tiny_model("qwen2", seed=i + 1), n_ctx=256) for i, n in enumerate(names)}
+    spec = PoolSpec(tmp / "pool.yaml", budget, models, executors=executors, threads=1, scheduler=scheduler)
+    return Pool(spec, costs, opener or open_model)  # type: ignore[arg-type]
+
+
+def ask(pool: Pool, model: str, prompt: str | None, max_tokens: int, **kw: Any) -> tuple[Any, Any]:
+    """Submits one job and waits for its (answer, error)."""
+    got: list[tuple[Any, Any]] = []
+    done = threading.Event()
+
+    def callback(a: Any, e: Any) -> None:
+        got.append((a, e))
+        done.set()
+
+    pool.submit(model, Work(prompt, kw.pop("messages", None), max_tokens, callback, **kw))
+    assert done.wait(30)
+    return got[0]
+
+
+def test_a_pool_answer_is_the_models_own_with_its_load_and_run_times(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    """A pool answer equals the model alone, with its load, queue and run times, finish reason and counters."""
+    opener = Opener()
+    opener.delay = 0.4
+    pool = small_pool(tmp_path, tiny_model, opener=opener)
+    path = pool.spec.models["d"].path
+    try:
+        a, e = ask(pool, "d", "hello", 5)
+        assert e is None
+        assert (a.model, a.text, a.prompt_tokens, a.completion_tokens, a.finish_reason, a.executor) == (
+            "d",
+            alone(path, "hello", 5),
+            4,
+            5,
+            "length",
+            0,
+        )
+        assert a.load_seconds >= 0.4 and 0 <= a.queued_seconds < 0.35 and a.run_seconds > 0  # queued: not the load
+        c = pool.counters["d"]
+        assert (c.loads, c.load_seconds, c.jobs, c.failures, c.run_seconds) == (1, a.load_seconds, 1, 0, a.run_seconds)
+        assert opener.loads == [("d", 1)]
+        b, _ = ask(pool, "d", "a" * 250, 16)  # 250 of the context's 256 positions: it stops after 6 tokens
+        assert (b.load_seconds, b.completion_tokens, b.finish_reason) == (0.0, 6, "stop")
+        assert b.text == alone(path, "a" * 250, 16)
+        full, _ = ask(pool, "d", "a" * 250, 6)
+        assert (full.completion_tokens, full.finish_reason) == (6, "length")
+        assert (c.loads, c.jobs, c.run_seconds) == (1, 3, a.run_seconds + b.run_seconds + full.run_seconds)
+        assert pool.resident() == {"d": 0}
+        assert pool.resident_bytes() == pool.costs["d"].nbytes
+    finally:
+        pool.close()
+    assert [s.closed for s in opener.models["d"]] == [True]  # close frees every model
+
+
+def test_a_pool_job_passes_chat_messages_sampling_and_an_empty_prompt_through(
+    tmp_path: Path, tiny_model: ModelFactory
+) -> None:
+    """A job's chat messages, temperature and seed reach the model; a job without a prompt fails with its error."""
+    pool = small_pool(tmp_path, tiny_model)
+    path = pool.spec.models["d"].path
+    m = Model(path, n_ctx=256, n_threads=1)
+    try:
+        a, _ = ask(pool, "d", None, 4, messages=[("user", "hi")])
+        assert a.text == m.generate(m.chat_prompt([("user", "hi")]), max_tokens=4).text
+        want = [m.generate("hello", max_tokens=8, temperature=1.0, seed=s).text for s in (7, 8)]
+        assert want[0] != want[1]  # the seed matters
+        a, _ = ask(pool, "d", "hello", 8, temperature=1.0, seed=7)
+        assert a.text == want[0]
+        a, e = ask(pool, "d", None, 4)
+        assert a is None and isinstance(e, ConfigError) and str(e) == "generate: empty prompt"
+        c = pool.counters["d"]
+        assert (c.jobs, c.failures) == (3, 1)
+    finally:
+        pool.close()
+        m.close()
+
+
+def test_pool_answers_name_the_executor_that_ran_them(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    """Each answer names the executor that ran it (two executors taken in turn: 0, 1, 0)."""
+    pool = small_pool(tmp_path, tiny_model, executors=2, scheduler="round-robin")
+    try:
+        assert [ask(pool, "d", "hi", 2)[0].executor for _ in range(3)] == [0, 1, 0]
+        assert pool.counters["d"].loads == 2  # one copy per executor
+    finally:
+        pool.close()
+
+
+def test_a_failed_load_fails_its_jobs_and_the_next_job_loads_again(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    """A failed load fails only its batch, is counted, and leaves the model unloaded so the next job loads it."""
+    opener = Opener()
+    opener.fail = 1
+    pool = small_pool(tmp_path, tiny_model, opener=opener)
+    try:
+        a, e = ask(pool, "d", "hi", 2)
+        assert a is None and isinstance(e, ModelError) and str(e) == "d: cannot load (a test's fault)"
+        c = pool.counters["d"]
+        assert (c.loads, c.load_failures, c.jobs, c.failures) == (0, 1, 1, 1)
+        assert pool.resident() == {}
+        a, e = ask(pool, "d", "hi", 2)
+        assert e is None and a.load_seconds > 0
+        assert (c.loads, c.load_failures, c.jobs, c.failures) == (1, 1, 2, 1)
+        assert opener.loads == [("d", 1), ("d", 1)]
+    finally:
+        pool.close()
+
+
+def wait_for(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_preload_loads_used_models_before_any_job_and_survives_a_failed_one(
+    tmp_path: Path, tiny_model: ModelFactory
+) -> None:
+    """Used models are preloaded so the first job pays no load; a failed preload is counted and a job loads it."""
+    costs = {"d": Cost(k=0.05, b=0.01, load=0.01, nbytes=1000, max_batch=4, p=0.5)}
+    opener = Opener()
+    pool = small_pool(tmp_path, tiny_model, costs=costs, opener=opener)
+    try:
+        wait_for(lambda: pool.counters["d"].loads == 1)
+        assert pool.resident() == {"d": 0} and pool.resident_bytes() == 1000
+        a, _ = ask(pool, "d", "hi", 2)
+        assert a.load_seconds == 0.0 and opener.loads == [("d", 1)]
+    finally:
+        pool.close()
+    opener = Opener()
+    opener.fail = 1
+    pool = small_pool(tmp_path, tiny_model, costs=costs, opener=opener)
+    try:
+        wait_for(lambda: pool.counters["d"].load_failures == 1)
+        assert pool.resident() == {}
+        a, e = ask(pool, "d", "hi", 2)
+        assert e is None and a.load_seconds > 0 and pool.counters["d"].loads == 1
+    finally:
+        pool.close()
+
+
+def test_a_model_the_scheduler_cannot_place_fails_its_jobs_without_a_load(
+    tmp_path: Path, tiny_model: ModelFactory
+) -> None:
+    """When the scheduler says a model does not fit, its jobs fail with that ConfigError and nothing loads."""
+    opener = Opener()
+    pool = small_pool(tmp_path, tiny_model, opener=opener)
+    try:
+        with pool._cv:
+            pool.sched.executors[0].budget = 0  # the executor's share no longer holds the model
+        a, e = ask(pool, "d", "hi", 2)
+        assert a is None and isinstance(e, ConfigError) and str(e) == "model d does not fit the budget"
+        c = pool.counters["d"]
+        assert (c.loads, c.load_failures, c.jobs, c.failures) == (0, 0, 1, 1)
+        assert opener.loads == []
+    finally:
+        pool.close()
+
+
+def test_switching_models_unloads_the_evicted_one_even_if_its_pages_cannot_be_dropped(
+    tmp_path: Path, tiny_model: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Switching frees the evicted model (closed, counted, pages dropped) even if the drop fails; load times add."""
+    costs = {m: Cost(k=0.05, b=0.01, load=0.01, nbytes=100, max_batch=4) for m in ("a", "b")}
+    opener = Opener()
+    pool = small_pool(tmp_path, tiny_model, ("a", "b"), budget=100, costs=costs, opener=opener)
+    dropped: list[Path] = []
+
+    def drop(p: Path) -> None:
+        dropped.append(p)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(executor, "drop_page_cache", drop)
+    try:
+        first, _ = ask(pool, "a", "hi", 2)
+        a, e = ask(pool, "b", "hi", 2)
+        assert e is None and a.text == alone(pool.spec.models["b"].path, "hi", 2)
+        assert opener.models["a"][0].closed and not opener.models["b"][0].closed
+        assert (pool.counters["a"].unloads, pool.counters["b"].unloads) == (1, 0)
+        assert dropped == [pool.spec.models["a"].path]
+        assert pool.resident() == {"b": 0}
+        again, _ = ask(pool, "a", "hi", 2)  # a second load of a: its load times add up
+        c = pool.counters["a"]
+        assert (c.loads, c.load_seconds) == (2, first.load_seconds + again.load_seconds)
+    finally:
+        pool.close()
+
+
+def test_an_error_while_switching_fails_the_batch_and_the_executor_goes_on(
+    tmp_path: Path, tiny_model: ModelFactory
+) -> None:
+    """An error freeing the evicted model fails that batch's jobs, and the executor keeps answering others."""
+    costs = {m: Cost(k=0.05, b=0.01, load=0.01, nbytes=100, max_batch=4) for m in ("a", "b")}
+    opener = Opener()
+    pool = small_pool(tmp_path, tiny_model, ("a", "b"), budget=100, costs=costs, opener=opener)
+    try:
+        assert ask(pool, "a", "hi", 2)[1] is None
+        opener.models["a"][0].close_error = RuntimeError("close failed")
+        a, e = ask(pool, "b", "hi", 2)
+        assert a is None and isinstance(e, RuntimeError) and str(e) == "close failed"
+        a, e = ask(pool, "a", "hi", 2)
+        assert e is None and a.text == alone(pool.spec.models["a"].path, "hi", 2)
+    finally:
+        pool.close()
+
+
+def test_a_bookkeeping_error_fails_the_rest_of_the_batch_once_each(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    """An error building a job's answer fails it and the rest of its batch, each once; waiting jobs show as queued."""
+    opener = Opener()
+    opener.gate = threading.Event()
+    opener.broken = True
+    pool = small_pool(tmp_path, tiny_model, opener=opener)
+    got: list[tuple[int, Any, Any]] = []
+    all_done = threading.Event()
+
+    def callback(i: int) -> Any:
+        def done(a: Any, e: Any) -> None:
+            got.append((i, a, e))
+            if len(got) == 4:
+                all_done.set()
+
+        return done
+
+    try:
+        pool.submit("d", Work("hi", None, 2, callback(0)))
+        assert opener.loading.wait(30)  # the executor holds job 0's batch, loading
+        for i in (1, 2, 3):
+            pool.submit("d", Work("hi", None, 2, callback(i)))
+        assert pool.queue_depths() == {"d": 3}
+        opener.gate.set()
+        assert all_done.wait(30)
+        time.sleep(0.1)  # a second delivery would come now
+        assert sorted(i for i, _, _ in got) == [0, 1, 2, 3]
+        assert all(a is None and isinstance(e, AttributeError) for _, a, e in got)
+        assert pool.sched.stats.batches == 2 and pool.queue_depths() == {}
+    finally:
+        pool.close()
+
+
+def test_submit_refuses_unknown_models_and_a_closed_pool(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    """submit refuses an unknown model (ConfigError) and any job after close (ModelError), with exact messages."""
+    pool = small_pool(tmp_path, tiny_model)
+    with pytest.raises(ConfigError) as e:
+        pool.submit("nope", Work("x", None, 1, lambda a, e: None))
+    assert str(e.value) == "unknown model 'nope'"
+    pool.close()
+    with pytest.raises(ModelError) as e2:
+        pool.submit("d", Work("x", None, 1, lambda a, e: None))
+    assert str(e2.value) == "the pool is shutting down; the request was not run"
+
+
+def test_a_model_whose_gguf_cannot_be_read_is_sized_by_its_file(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    """A GGUF whose tensors cannot be read is sized by its file, with a warning naming it; the others are estimated."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(tiny_model("qwen2", seed=1).read_bytes()[:4096])
+    good = tiny_model("qwen2", seed=1)
+    models = {"ok": ModelSpec("ok", good, n_ctx=256), "bad": ModelSpec("bad", broken, n_ctx=256, max_batch=2)}
+    pool = Pool(PoolSpec(tmp_path / "pool.yaml", 1 << 30, models))
+    try:
+        (w,) = pool.warnings
+        assert w.startswith(f"{broken}: cannot read the GGUF's tensors to size it (")
+        assert w.endswith("); sized by the file")
+        assert pool.costs["bad"] == Cost(0.05, 0.01, 4096 / 300e6, 4096, 2)
+        assert pool.costs["ok"] == estimate_cost(models["ok"])
+    finally:
+        pool.close()

@@ -9,12 +9,16 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import LONG_PROMPT, ModelFactory
 from moetier import CacheConfig, ConfigError, Model, StoreError, Variants, VariantSpec, pack
+from moetier.pool.server import RequestError
+from moetier.pool.variant_service import VariantService
 from moetier.tools.consolidate import consolidate, write_consolidated
 from moetier.tools.moefy import MoefyConfig, moefy
 from moetier.tools.tiny import write_tiny_model
@@ -287,3 +291,168 @@ def test_variants_take_the_default_prefetch_and_the_context(seeded: list[Variant
     assert vs.cache.prefetch == 0 and not vs.cache.warm
     assert all(m.context.n_ctx == 192 and m.context.n_threads == 1 for m in vs._models)
     vs.close()
+
+
+class Recorder:
+    """Variants.generate as it is, with each call's arguments and result kept."""
+
+    def __init__(self, vs: Variants) -> None:
+        self.real = vs.generate
+        self.calls: list[tuple[tuple[Any, ...], Any]] = []
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        assert not kw
+        r = self.real(*args)
+        self.calls.append((args, r))
+        return r
+
+
+@pytest.fixture
+def service(seeded: list[VariantSpec], monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[VariantService, Recorder]]:
+    """The three seeded variants behind a VariantService whose chat default is 5 tokens."""
+    vs = Variants(seeded, CFG, n_ctx=256)
+    rec = Recorder(vs)
+    monkeypatch.setattr(vs, "generate", rec)
+    try:
+        yield VariantService(vs, 5), rec
+    finally:
+        vs.close()
+
+
+def test_variant_service_lists_each_variant_and_whether_it_is_consolidated(seeded: list[VariantSpec]) -> None:
+    """The variant service lists every variant in order, owned by moetier, of kind variant, not consolidated."""
+    vs = Variants(seeded, CFG, n_ctx=256)
+    try:
+        meta = {"kind": "variant", "consolidated": False}
+        assert VariantService(vs, 256).names() == [
+            {"id": n, "object": "model", "owned_by": "moetier", "moetier": meta} for n in ("v0", "v1", "v2")
+        ]
+    finally:
+        vs.close()
+
+
+def test_variant_service_completion_is_the_variants_answer_with_openais_defaults(
+    service: tuple[VariantService, Recorder], seeded: list[VariantSpec]
+) -> None:
+    """A completion runs the named variant, 16 greedy tokens by default, and returns its text, counts and timings."""
+    svc, rec = service
+    t0 = time.perf_counter()
+    out = svc.run({"model": "v1", "prompt": PROMPTS[0]}, False)
+    wall = time.perf_counter() - t0
+    ((args, r),) = rec.calls
+    assert args == ("v1", PROMPTS[0], 16, 0.0, 0)
+    assert r.tokens[:10] == alone(seeded[1].model, seeded[1].store)[0]
+    assert (out["object"], out["model"]) == ("text_completion", "v1")
+    assert out["choices"] == [{"index": 0, "text": r.text, "finish_reason": "length", "logprobs": None}]
+    assert out["usage"] == {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": 16,
+        "total_tokens": r.prompt_tokens + 16,
+    }
+    meta = out["moetier"]
+    assert {k: meta[k] for k in ("variant", "consolidated", "prefill_seconds", "decode_seconds")} == {
+        "variant": "v1",
+        "consolidated": False,
+        "prefill_seconds": round(r.prefill_seconds, 4),
+        "decode_seconds": round(r.decode_seconds, 4),
+    }
+    assert meta["seconds"] == round(meta["seconds"], 4)
+    assert round(r.seconds, 4) - 1e-4 <= meta["seconds"] <= round(wall, 4) + 1e-4  # the request's own time
+
+
+def test_variant_service_passes_max_tokens_sampling_and_says_why_it_stopped(
+    service: tuple[VariantService, Recorder],
+) -> None:
+    """max_tokens, temperature and seed reach the variant; a context-cut answer ends in stop, a full one in length."""
+    svc, rec = service
+    out = svc.run({"model": "v0", "prompt": "a" * 250, "max_tokens": 16}, False)
+    assert rec.calls[-1][0] == ("v0", "a" * 250, 16, 0.0, 0)
+    assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == (6, "stop")  # 256 positions
+    out = svc.run({"model": "v0", "prompt": "a" * 250, "max_tokens": 6}, False)
+    assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == (6, "length")
+    out = svc.run({"model": "v2", "prompt": "hi", "max_tokens": 3, "temperature": 0.8, "seed": 11}, False)
+    args, r = rec.calls[-1]
+    assert args == ("v2", "hi", 3, 0.8, 11)
+    assert out["choices"][0]["text"] == r.text
+
+
+def test_variant_service_chat_renders_the_variants_template_and_defaults_to_its_context(
+    service: tuple[VariantService, Recorder],
+) -> None:
+    """A chat is rendered by the variant's template and runs up to the service's context length by default."""
+    svc, rec = service
+    out = svc.run({"model": "v2", "messages": [{"role": "user", "content": "hi"}]}, True)
+    args, r = rec.calls[-1]
+    assert args == ("v2", svc.variants.chat_prompt("v2", [("user", "hi")]), 5, 0.0, 0)
+    assert args[1].startswith("<|im_start|>user\nhi")
+    assert out["object"] == "chat.completion"
+    assert out["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": r.text}, "finish_reason": "length"}
+    ]
+    assert out["usage"]["completion_tokens"] == len(r.tokens) == 5
+
+
+def test_variant_service_errors_and_metrics(service: tuple[VariantService, Recorder]) -> None:
+    """Metrics sum the requests' cache counters; an unknown variant is a 404 not counted failed, a closed set a 500."""
+    svc, rec = service
+    for name in ("v1", "v1", "v2"):
+        svc.run({"model": name, "prompt": "the cat", "max_tokens": 4}, False)
+    with pytest.raises(RequestError) as e:
+        svc.run({"model": "v9", "prompt": "x"}, False)
+    assert (e.value.status, str(e.value)) == (404, "unknown model 'v9'; the variants served: v0, v1, v2")
+    with pytest.raises(RequestError) as e:  # a client's mistake, answered, not a dropped connection
+        svc.run({"model": "v1", "prompt": ""}, False)
+    assert (e.value.status, str(e.value)) == (400, "prompt: an empty prompt has no tokens to continue")
+    stats = [r.stats for _, r in rec.calls]
+    lookups, hits, reads = (sum(getattr(s, f) for s in stats) for f in ("n_lookups", "n_hits", "n_bytes_read"))
+    assert lookups > hits > 0 and reads > 0
+    info = svc.variants.cache_info()
+
+    def want(failed: int) -> str:
+        return (
+            "# TYPE moetier_variants_slots gauge\n"
+            f"moetier_variants_slots {info['n_slots']}\n"
+            "# TYPE moetier_variants_slots_held gauge\n"
+            f"moetier_variants_slots_held {info['n_held']}\n"
+            "# TYPE moetier_variants_cache_bytes gauge\n"
+            f"moetier_variants_cache_bytes {info['cache_bytes']}\n"
+            "# TYPE moetier_variants_consolidated gauge\n"
+            "moetier_variants_consolidated 0\n"
+            "# TYPE moetier_variants_expert_lookups_total counter\n"
+            f"moetier_variants_expert_lookups_total {lookups}\n"
+            "# TYPE moetier_variants_expert_hits_total counter\n"
+            f"moetier_variants_expert_hits_total {hits}\n"
+            "# TYPE moetier_variants_bytes_read_total counter\n"
+            f"moetier_variants_bytes_read_total {reads}\n"
+            "# TYPE moetier_variants_failed_total counter\n"
+            f"moetier_variants_failed_total {failed}\n"
+            "# TYPE moetier_variants_requests_total counter\n"
+            'moetier_variants_requests_total{variant="v0"} 0\n'
+            'moetier_variants_requests_total{variant="v1"} 2\n'
+            'moetier_variants_requests_total{variant="v2"} 1\n'
+        )
+
+    assert svc.metrics() == want(0)
+    assert (svc.lookups, svc.hits, svc.reads, svc.failed) == (lookups, hits, reads, 0)
+    svc.variants.close()
+    for chat in (False, True):  # the chat template and the generate fail alike
+        body = {"model": "v0", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+        with pytest.raises(RequestError) as e:
+            svc.run(body, chat)
+        assert (e.value.status, str(e.value)) == (500, "variants: closed")
+    assert svc.failed == 2
+
+
+def test_variant_service_says_when_its_variants_are_consolidated(seeded: list[VariantSpec], tmp_path: Path) -> None:
+    """With a map that shares positions, the listing, each response and /metrics say the variants are consolidated."""
+    mp = tmp_path / "map.json"
+    mp.write_text(json.dumps(consolidate([v.model for v in seeded], 4)))
+    vs = Variants(seeded, CFG, consolidation=mp, n_ctx=256)
+    try:
+        svc = VariantService(vs, 256)
+        assert all(m["moetier"] == {"kind": "variant", "consolidated": True} for m in svc.names())
+        out = svc.run({"model": "v0", "prompt": "hi", "max_tokens": 2}, False)
+        assert out["moetier"]["consolidated"] is True
+        assert "\nmoetier_variants_consolidated 1\n" in svc.metrics()
+    finally:
+        vs.close()

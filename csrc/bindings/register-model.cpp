@@ -155,7 +155,7 @@ py::dict generate(py_model &                       pm,
                   uint32_t                         seed,
                   const py::object &               on_first_token) {
     if (prompt.empty()) {
-        throw std::invalid_argument("generate: empty prompt");
+        throw moetier_py_error{ MOETIER_ERROR_CONFIG, "generate: empty prompt" };  // a ConfigError
     }
     for (llama_token t : prompt) {
         pm.check_token(t);

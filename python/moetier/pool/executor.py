@@ -172,10 +172,13 @@ def read_profile(path: Path, spec: PoolSpec) -> dict[str, Cost]:
                 msg = f"{path}: {name}: costs out of range ({c}); run `moetier profile {spec.path}` again"
                 raise ConfigError(msg)
             out[name] = c
+    except ConfigError:
+        raise  # our own message (a stale or out-of-range row), already naming the file
     except OSError as e:
         msg = f"{path}: cannot read the profile: {e.strerror or e}"
         raise ConfigError(msg) from None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+        # AttributeError: "models" is not an object; OverflowError: a size of Infinity
         msg = f"{path}: not a profile written by `moetier profile` ({e!r}); run it again"
         raise ConfigError(msg) from None
     missing = sorted(set(spec.models) - set(out))

@@ -90,10 +90,13 @@ def _topological(p: Any) -> list[Any]:
 
 def fit_batch_line(ns: list[int], ts: list[float]) -> tuple[float, float]:
     """k, b of t = k*n + b (sched.fit_line); a negative b is clamped to 0 with k the mean time per job
-    (a batch never runs faster than its jobs)."""
+    (a batch never runs faster than its jobs), a negative k to a flat line at the mean time per batch
+    (timing noise can make a larger batch look faster; a pool refuses a negative cost)."""
     k, b = fit_line(ns, ts)
     if b < 0:
         k, b = sum(ts) / sum(ns), 0.0
+    elif k < 0:
+        k, b = 0.0, sum(ts) / len(ts)
     return k, b
 
 

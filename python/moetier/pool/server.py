@@ -101,6 +101,9 @@ def parse_request(body: dict[str, Any], chat: bool, known: list[str], served: st
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise RequestError(400, "prompt: a string is required")
+        if not prompt:
+            # refused whatever the model: one that adds no BOS token would have nothing to continue from
+            raise RequestError(400, "prompt: an empty prompt has no tokens to continue")
         text = prompt
     return Request(name, text, messages, max_tokens, float(temperature), seed)
 
