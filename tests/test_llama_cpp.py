@@ -107,10 +107,13 @@ def test_store_reads_and_a_damaged_expert_names_the_file(model_path: Path, tmp_p
     with pytest.raises(StoreError, match=named):
         _greedy(llm, 8)
     with pytest.raises(StoreError, match=named):
-        emb.embed("hello world")
+        emb.embed("hello world", return_count=True)
     data.write_bytes(good)
     llm.reset()
     assert _greedy(llm, 8) == stock
+    # embed's own arguments pass through
+    vectors, n_tokens = emb.embed("hello world", return_count=True)
+    assert n_tokens == len(emb.tokenize(b"hello world")) and len(vectors) > 0
     assert llm.cache_stats().n_misses > 0
 
 
@@ -135,11 +138,15 @@ def test_oracle_same_greedy_tokens_as_model_and_stock(model_path: Path) -> None:
     stock = Model(model_path, n_ctx=512).generate(LONG_PROMPT, max_tokens=16)
     cached = Model(model_path, cache=CacheConfig.exact(budget=budget, warm=False), n_ctx=512)
     ours = cached.generate(LONG_PROMPT, max_tokens=16)
-    llm = _llama(model_path, CacheConfig.exact(budget=budget, warm=False))
+    cfg = CacheConfig.exact(budget=budget, warm=False)
+    llm = _llama(model_path, cfg)
+    assert llm.expert_cache_config is cfg
     assert llm.has_expert_cache and llm.cache_info()["cache_bytes"] == cached.cache_info()["cache_bytes"]
     assert _greedy(llm, 16) == ours.tokens == stock.tokens
     s = llm.cache_stats()
     assert s.n_lookups > 0 and s.n_misses > 0 and s.n_hits + s.n_misses == s.n_lookups
+    # per MoE layer too, summing to the totals
+    assert len(s.layers) == 3 and sum(x.n_lookups for x in s.layers) == s.n_lookups
 
 
 def test_vram_tier_through_llama_cpp(model_path: Path) -> None:
@@ -299,6 +306,7 @@ def test_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached
     calls: list[tuple[list[str], dict[str, str]]] = []
 
     def fake_run(cmd: list[str], env: dict[str, str], check: bool) -> subprocess.CompletedProcess[bytes]:
+        assert check is False  # pip's failure is its return code, not a traceback
         calls.append((cmd, env))
         return subprocess.CompletedProcess(cmd, 3)
 
