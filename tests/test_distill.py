@@ -164,6 +164,213 @@ def test_routing_report(tiny_model: ModelFactory) -> None:
     assert "selection frequency" in rep.summary() and rep.table().count("\n") == 3 + 1
 
 
+def _report(**kw: object) -> object:
+    from moetier.tools.routing import RoutingReport
+
+    fields: dict[str, object] = {
+        "n_expert": 8,
+        "n_expert_used": 2,
+        "n_tokens": 100,
+        "freq": [[1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0], [0.25] * 8],
+        "top1_share": [0.6, 0.9],
+        "stacked_top1": 0.625,
+        "stacked_allk": 0.25,
+        "n_pred": 8,
+    }
+    return RoutingReport(**{**fields, **kw})  # type: ignore[arg-type]
+
+
+def test_routing_report_summary_and_table_text() -> None:
+    """The report's one-paragraph summary and per-layer table, word for word: frequency range, the
+    uniform share k/E, the mean coefficient of variation over layers, the top-1 share against flat 1/k,
+    and the stacked-gate accuracies in percent."""
+    from moetier.tools.routing import RoutingReport
+
+    rep = _report()
+    assert isinstance(rep, RoutingReport)
+    lo, hi, cv = rep.freq_stats()
+    # layer 0: mean 0.25, std sqrt(1/8), CV sqrt(2); layer 1 is uniform, CV 0
+    assert (lo, hi) == (0.0, 1.0) and cv == pytest.approx(np.sqrt(2) / 2, rel=1e-12)
+    assert rep.summary() == (
+        "routing over 100 tokens, top-2 of 8: selection frequency 0.00-1.00 (uniform 0.25, CV 0.71); top-1 share "
+        "of the selected weight 0.75 (layers 0.60-0.90; flat 0.50); stacked gate distance 1: top-1 62.5%, whole "
+        "top-k 25.0% (8 predictions)"
+    )
+    assert rep.table() == (
+        "| layer | freq min | freq max | top-1 share |\n|---|---|---|---|\n"
+        "| 0 | 0.000 | 1.000 | 0.600 |\n| 1 | 0.250 | 0.250 | 0.900 |"
+    )
+
+
+def _counters(path: Path, prompt: str, n_predict: int) -> tuple[int, int, int]:
+    """Distance-1 predictions, top-1 right, whole top-k right: the engine's counters for one generation
+    with prefetch on and every expert cached."""
+    from moetier import CacheConfig
+
+    all_bytes = int(Model(path, cache=CacheConfig(budget="64G", warm=False)).cache_info()["expert_bytes"])
+    m = Model(path, cache=CacheConfig.exact(all_bytes, prefetch=1, warm=False), n_ctx=1024)
+    assert len(m.generate(prompt, max_tokens=n_predict).tokens) == n_predict
+    pf = m.prefetch_stats()
+    return int(pf.n_pred[0]), int(pf.n_top1[0]), int(pf.n_allk[0])
+
+
+def test_routing_report_counts_the_trace_and_the_engine(tiny_model: ModelFactory) -> None:
+    """Frequencies are each expert's share of the traced tokens (experts never picked at 0, so the row has
+    every expert), the top-1 share is the mean of top-1 weight over the selected weights, and the stacked
+    gate figures are the engine's own counters for the given prompt's generation."""
+    from moetier.calibrate import CalibrateConfig, record_trace
+    from moetier.tools.routing import routing_report
+
+    path = tiny_model("qwen3moe", n_expert=16, n_expert_used=4, n_layer=3)
+    rep = routing_report(path, LONG_PROMPT, tokens=3, prompts=["Sphinx of black quartz"], n_predict=6)
+    trace = record_trace(path, LONG_PROMPT, CalibrateConfig(tokens=3))
+    assert (rep.n_expert, rep.n_expert_used, rep.n_tokens) == (16, 4, 3)
+    want = [[0.0] * 16 for _ in range(3)]
+    for tok in trace.ids:
+        for il, experts in enumerate(tok):
+            for e in experts:
+                want[il][int(e)] += 1 / 3
+    assert np.allclose(rep.freq, want, rtol=0, atol=1e-12) and min(min(f) for f in rep.freq) == 0.0
+    w = trace.weights.astype(np.float64)
+    top1 = [np.mean([max(w[t, il]) / sum(w[t, il]) for t in range(3)]) for il in range(3)]
+    assert rep.top1_share == pytest.approx(top1, rel=1e-12)
+    n_pred, n_top1, n_allk = _counters(path, "Sphinx of black quartz", 6)
+    assert n_pred == 2 * 5  # layers 0 and 1 predict the next layer at each of the 5 decoded tokens
+    assert (rep.n_pred, rep.stacked_top1, rep.stacked_allk) == (n_pred, n_top1 / n_pred, n_allk / n_pred)
+
+
+def test_routing_report_of_a_single_prediction(tiny_model: ModelFactory) -> None:
+    """Two MoE layers and two generated tokens make one prediction: the accuracies are that prediction's
+    counts, not halved."""
+    from moetier.tools.routing import routing_report
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=2)
+    assert _counters(path, "Sphinx", 2) == (1, 1, 1)
+    rep = routing_report(path, LONG_PROMPT, tokens=4, prompts=["Sphinx"], n_predict=2)
+    assert (rep.n_pred, rep.stacked_top1, rep.stacked_allk) == (1, 1.0, 1.0)
+
+
+def test_routing_report_generates_in_a_1024_token_context(tiny_model: ModelFactory) -> None:
+    """The generations run in a 1024-token context: after a long prompt they stop where it fills up."""
+    from moetier.tools.routing import routing_report
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    prompt = (LONG_PROMPT * 8)[:1150]
+    n = len(Model(path).tokenize(prompt))
+    assert 1000 < n < 1024
+    rep = routing_report(path, LONG_PROMPT, tokens=4, prompts=[prompt], n_predict=200)
+    assert rep.n_pred == 2 * (1024 - n - 1)  # 1024 - n tokens generated, the first from the prompt's pass
+
+
+def test_routing_report_prompts_default_to_four_slices_of_the_text(tiny_model: ModelFactory) -> None:
+    """Without prompts, the generations start from four 400-character slices of the text, a quarter of
+    its length apart (one character apart for a text under 8 characters)."""
+    from moetier.tools.routing import routing_report
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    long = "".join(f"{i} {LONG_PROMPT[i % 40 :]}" for i in range(12))
+    assert len(long) > 1600  # the last slice ends before the text does
+    for text in (long, "Sphinx"):
+        step = max(1, len(text) // 4)
+        slices = [text[i * step : i * step + 400] for i in range(4)]
+        got = routing_report(path, text, tokens=16, n_predict=3)
+        assert got == routing_report(path, text, tokens=16, prompts=slices, n_predict=3)
+
+
+def test_routing_report_defaults(tiny_model: ModelFactory) -> None:
+    """By default the trace covers the first 4096 tokens of the text and each generation is 64 tokens."""
+    from moetier.tools.routing import routing_report
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    rep = routing_report(path, LONG_PROMPT * 60, prompts=["abc"])  # 8400 tokens of text
+    assert rep.n_tokens == 4096
+    assert rep.n_pred == 2 * 63
+
+
+def test_routing_report_leaves_no_warm_start_file(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """The report's models do not warm-start: nothing (no cache-state sidecar) is written beside the model."""
+    import gc
+    import shutil
+
+    from moetier.tools.routing import routing_report
+
+    path = Path(shutil.copy(tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3), tmp_path / "m.gguf"))
+    routing_report(path, LONG_PROMPT, tokens=16, prompts=["abc"], n_predict=2)
+    gc.collect()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_routing_cli_prints_the_report_and_writes_its_json(
+    tiny_model: ModelFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """moetier routing MODEL --text F --tokens N -n N -t N --json OUT: the summary, a blank line and the
+    table on stdout, and the same report, every field, as JSON."""
+    import json
+    from dataclasses import asdict
+
+    from moetier.tools.routing import RoutingReport, main, routing_report
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    text = tmp_path / "held-out.txt"
+    text.write_text(LONG_PROMPT * 4)
+    out = tmp_path / "r.json"
+    assert main([str(path), "--text", str(text), "--tokens", "40", "-n", "3", "-t", "1", "--json", str(out)]) == 0
+    got = RoutingReport(**json.loads(out.read_text()))
+    assert got == routing_report(path, LONG_PROMPT * 4, tokens=40, n_predict=3, n_threads=1)
+    assert got.n_tokens == 40
+    assert capsys.readouterr().out == got.summary() + "\n\n" + got.table() + "\n"
+    assert json.loads(out.read_text()) == asdict(got)
+    assert out.read_text().startswith('{\n "n_expert": 8,\n "n_expert_used": 2,')  # indented by one
+
+
+def test_routing_cli_defaults(tiny_model: ModelFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without flags the CLI traces 4096 tokens, generates 64 tokens per prompt, and writes no file."""
+    from moetier.tools.routing import main
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    text = tmp_path / "held-out.txt"
+    text.write_text(LONG_PROMPT * 60)  # 8400 tokens
+    assert main([str(path), "--text", str(text)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("routing over 4096 tokens, top-2 of 8: selection frequency ")
+    n_pred = int(out.split(" predictions)")[0].rsplit("(", 1)[1])
+    assert n_pred > 0 and n_pred % (2 * 63) == 0  # two layers predicted at each of a generation's 63 decoded tokens
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held-out.txt"]
+
+
+def test_routing_cli_errors_and_help(
+    tiny_model: ModelFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--text is required and must be readable (the error names the flag and the file); --help shows the
+    module's description and every flag's help, word for word."""
+    from moetier.tools.routing import main
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    missing = tmp_path / "none.txt"
+    with pytest.raises(ConfigError) as e:
+        main([str(path), "--text", str(missing)])
+    assert str(e.value) == f"--text {missing}: cannot read it (No such file or directory); give text files"
+    with pytest.raises(SystemExit) as ex:
+        main([str(path)])
+    assert ex.value.code == 2 and "the following arguments are required: --text" in capsys.readouterr().err
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "\n- per-layer expert selection frequency (the share of tokens that select each expert; top-k of E\n" in out
+    helptext = " ".join(out.split())
+    for s in (
+        "usage: moetier routing [-h] --text TEXT [--tokens TOKENS] [-n N_PREDICT] [-t THREADS] [--json JSON] model",
+        "model MoE GGUF",
+        "--text TEXT text file to route (held-out text, not calibration text)",
+        "--tokens TOKENS tokens of the trace (default: 4096)",
+        "-n N_PREDICT, --n-predict N_PREDICT tokens per generation (default: 64)",
+        "-t THREADS, --threads THREADS threads",
+        "--json JSON write the report as JSON here",
+    ):
+        assert s in helptext, s
+
+
 def test_moefy_cli_distill_flags(dense: Path, tmp_path: Path) -> None:
     from moetier.cli import main
 
@@ -175,3 +382,13 @@ def test_moefy_cli_distill_flags(dense: Path, tmp_path: Path) -> None:
     assert main([*args, "-q"]) == 0
     assert list(tmp_path.rglob("round-1-layer-1.npz"))
     assert main(["moefy", str(dense), "-o", str(out), "--calib", str(calib), "--distill-lr", "-1"]) == 1
+
+
+def test_routing_report_counts_every_prompts_predictions(tiny_model: ModelFactory) -> None:
+    """The stacked-gate figures cover the generations of every prompt, not only the last one."""
+    from moetier.tools.routing import routing_report
+
+    path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
+    one = routing_report(path, LONG_PROMPT, tokens=16, prompts=["hello world"], n_predict=5)
+    both = routing_report(path, LONG_PROMPT, tokens=16, prompts=["abc", "hello world"], n_predict=5)
+    assert both.n_pred == 2 * one.n_pred > 0

@@ -356,3 +356,263 @@ def test_stacked_prediction_chooses_with_the_selection_bias(tiny_model: ModelFac
     assert m.generate(tokens, max_tokens=24).tokens == stock.generate(tokens, max_tokens=24).tokens
     n_pred, _, n_allk, _ = _pred_counts(m)
     assert n_pred[0] > 0 and n_pred[1] > 0 and n_allk[:2] == n_pred[:2], (n_pred, n_allk)
+
+
+@pytest.fixture()
+def deepseek(tiny_model: ModelFactory) -> Path:
+    """A tiny DeepSeek-V1 layout: layer 0 dense, layers 1-3 with 8 experts (top-2) behind a router."""
+    return tiny_model("deepseek", n_expert=8, n_expert_used=2, n_layer=4)
+
+
+def _predictor_tensors(path: Path) -> dict[str, np.ndarray]:
+    import gguf
+
+    return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+
+
+def test_moe_layers_are_the_layers_with_a_router(deepseek: Path, tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """moe_layers lists, sorted, the N of every tensor named exactly blk.N.ffn_gate_inp.weight; a model
+    without one is refused, naming the file."""
+    import gguf
+
+    from moetier import ModelError
+    from moetier.tools.predictor import moe_layers
+
+    assert moe_layers(deepseek) == [1, 2, 3]
+    path = tmp_path / "names.gguf"
+    w = gguf.GGUFWriter(path, "test")
+    for name in (
+        "blk.3.ffn_gate_inp.weight",
+        "blk.1.ffn_gate_inp.weight",
+        "token_embd.weight",
+        "blk.0.ffn_gate_inp.bias",
+        "blk.2.ffn_gate_inp",
+        "blk.4.ffn_gate_inp.weight.x",
+        "blk.5.ffn_gate_exps.weight",
+        "xblk.6.ffn_gate_inp.weight",
+    ):
+        w.add_tensor(name, np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert moe_layers(str(path)) == [1, 3]
+    dense = tiny_model("qwen2")
+    with pytest.raises(ModelError) as e:
+        moe_layers(dense)
+    assert str(e.value) == f"{dense}: no MoE layer (no blk.N.ffn_gate_inp.weight): nothing to predict"
+
+
+def test_ridge_fit_is_the_regularised_least_squares_solution() -> None:
+    """ridge_fit(x, y, lam) minimises |x W^T + b - y|^2 + lam * s * |W|^2, s the mean of x^T x's diagonal
+    (the bias unshrunk); lam 0 recovers an exact linear map. W and b come back float32 and contiguous."""
+    from moetier.tools.predictor import ridge_fit
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((50, 3)) * [1.0, 10.0, 0.1]).astype(np.float32)
+    w_true = np.array([[1.0, -2.0, 3.0], [0.5, 0.0, -1.0]])
+    y = (x @ w_true.T + [4.0, -5.0]).astype(np.float32)
+    w, b = ridge_fit(x, y, 0.0)
+    assert w.shape == (2, 3) and b.shape == (2,)
+    assert w.dtype == np.float32 and b.dtype == np.float32
+    assert w.flags.c_contiguous and b.flags.c_contiguous
+    np.testing.assert_allclose(w, w_true, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(b, [4.0, -5.0], rtol=1e-4)
+    lam = 0.05
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    s = np.mean(np.sum(x64**2, axis=0))
+    a = np.vstack([np.hstack([x64, np.ones((50, 1))]), np.hstack([np.sqrt(lam * s) * np.eye(3), np.zeros((3, 1))])])
+    want = np.linalg.lstsq(a, np.vstack([y64, np.zeros((3, 2))]), rcond=None)[0]
+    w, b = ridge_fit(x, y, lam)
+    np.testing.assert_allclose(w, want[:3].T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b, want[3], rtol=1e-5, atol=1e-6)
+    assert np.abs(w).max() < 0.9 * np.abs(w_true).max()  # visibly shrunk
+
+
+def test_fit_predictor_refuses_bad_settings(deepseek: Path, tiny_model: ModelFactory) -> None:
+    """depth below 1, fewer than 16 tokens or a negative ridge are refused before the model is read
+    (depth 1, 16 tokens and ridge 0 are fine), and so is a text of under 16 tokens."""
+    from moetier import ModelError
+    from moetier.tools.predictor import fit_predictor
+
+    dense = tiny_model("qwen2")
+    says = "fit-predictor: depth {} must be >= 1, tokens {} >= 16, ridge {} >= 0"
+    for depth, tokens, ridge in ((0, 16, 0.0), (1, 15, 0.0), (1, 16, -1e-9)):
+        with pytest.raises(ConfigError) as e:
+            fit_predictor(dense, LONG_PROMPT, depth=depth, tokens=tokens, ridge=ridge)
+        assert str(e.value) == says.format(depth, tokens, ridge)
+    with pytest.raises(ModelError, match="no MoE layer"):  # past the checks: the model has no router
+        fit_predictor(dense, LONG_PROMPT, depth=1, tokens=16, ridge=0.0)
+    with pytest.raises(ConfigError) as e:
+        fit_predictor(deepseek, "Sphinx of quartz")
+    n = len(Model(deepseek).tokenize("Sphinx of quartz"))
+    assert n < 16 and str(e.value) == f"fit-predictor: the text gives {n} tokens; need at least 16"
+    assert sorted(fit_predictor(deepseek, LONG_PROMPT, tokens=16)) == [(1, 1), (2, 1)]
+
+
+def test_fit_predictor_maps_each_layer_to_the_next_routers(deepseek: Path) -> None:
+    """Per MoE layer l and distance d up to depth (while l + d is a MoE layer): the ridge fit from l's gate
+    input (ffn_norm) to l + d's router logits, over the first `tokens` tokens of the text, run as
+    sequences of 512 tokens that each start from an empty context."""
+    import gguf
+
+    from moetier import _core
+    from moetier.tools.predictor import fit_predictor, ridge_fit
+
+    text = LONG_PROMPT * 6  # 840 tokens
+    maps = fit_predictor(deepseek, text, depth=2, tokens=600, ridge=0.01, n_threads=1)
+    assert sorted(maps) == [(1, 1), (1, 2), (2, 1)]
+    m = Model(deepseek, n_ctx=512, n_threads=1)
+    toks = m.tokenize(text)[:600]
+    names = [f"{k}-{il}" for k in ("ffn_norm", "ffn_moe_logits") for il in (1, 2, 3)]
+    rows = {k: np.asarray(v).reshape(600, -1) for k, v in _core.trace.collect(m._m, toks, names, 512).items()}
+    for il in (1, 2, 3):  # the logits are the layer's router applied to its gate input
+        t = next(t for t in gguf.GGUFReader(deepseek).tensors if t.name == f"blk.{il}.ffn_gate_inp.weight")
+        router = np.asarray(t.data, dtype=np.float32).reshape(8, 64)
+        np.testing.assert_allclose(rows[f"ffn_norm-{il}"] @ router.T, rows[f"ffn_moe_logits-{il}"], atol=1e-5)
+    for (il, d), (w, b) in maps.items():
+        assert w.shape == (8, 64) and b.shape == (8,)
+        want_w, want_b = ridge_fit(rows[f"ffn_norm-{il}"], rows[f"ffn_moe_logits-{il + d}"], 0.01)
+        np.testing.assert_array_equal(w, want_w)
+        np.testing.assert_array_equal(b, want_b)
+
+
+def test_write_predictor_file_layout(deepseek: Path, tmp_path: Path) -> None:
+    """The predictor GGUF: architecture moetier-predictor, the model's key, the largest distance, then
+    per (layer, distance) in order a float32 weight [n_embd, n_expert] and bias; no temporary file left."""
+    import gguf
+
+    from moetier import _core
+    from moetier.tools.predictor import write_predictor
+
+    rng = np.random.default_rng(1)
+    maps = {
+        (2, 1): (rng.standard_normal((64, 8)).T, rng.standard_normal(8)),  # float64, not contiguous
+        (1, 2): (rng.standard_normal((8, 64)), rng.standard_normal(8)),
+        (1, 1): (rng.standard_normal((8, 64)), rng.standard_normal(8)),
+    }
+    out = tmp_path / "p.gguf"
+    assert write_predictor(str(out), deepseek, maps) == out  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.gguf"]
+    r = gguf.GGUFReader(out)
+    assert r.fields["general.architecture"].contents() == "moetier-predictor"
+    assert r.fields["moetier-predictor.model"].contents() == _core.predictor_model_key(str(deepseek))
+    assert r.fields["moetier-predictor.depth"].contents() == 2
+    assert [t.name for t in r.tensors] == [
+        f"blk.{il}.pred.{d}.{k}" for il, d in ((1, 1), (1, 2), (2, 1)) for k in ("weight", "bias")
+    ]
+    for t in r.tensors:
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32
+        il, d = int(t.name.split(".")[1]), int(t.name.split(".")[3])
+        w, b = maps[(il, d)]
+        if t.name.endswith("weight"):
+            assert [int(n) for n in t.shape] == [64, 8]
+            np.testing.assert_array_equal(np.asarray(t.data).reshape(8, 64), w.astype(np.float32))
+        else:
+            np.testing.assert_array_equal(np.asarray(t.data), b.astype(np.float32))
+
+
+def test_write_predictor_keeps_the_old_file_when_writing_fails(deepseek: Path, tmp_path: Path) -> None:
+    """The predictor is written to <name>.tmp and renamed: when that write fails, the file already there
+    is left as it was."""
+    from moetier.tools.predictor import write_predictor
+
+    out = tmp_path / "p.gguf"
+    out.write_bytes(b"old predictor")
+    (tmp_path / "p.gguf.tmp").mkdir()  # the temporary name cannot be written
+    with pytest.raises(IsADirectoryError):
+        write_predictor(out, deepseek, {(1, 1): (np.zeros((8, 64), np.float32), np.zeros(8, np.float32))})
+    assert out.read_bytes() == b"old predictor"
+
+
+def test_fit_predictor_cli_flags(deepseek: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """moetier fit-predictor MODEL --text A B -o OUT --depth D --tokens N --ridge R -t T fits on the texts
+    joined by a blank line and says what it wrote."""
+    import re
+
+    from moetier.tools.predictor import fit_predictor, main
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("Pack my box.")
+    b.write_text(LONG_PROMPT)
+    out = tmp_path / "out.gguf"
+    args = ["--text", str(a), str(b), "-o", str(out), "--depth", "2", "--tokens", "40", "--ridge", "0.5", "-t", "1"]
+    assert main([str(deepseek), *args]) == 0
+    said = capsys.readouterr().out
+    wrote = rf"moetier: wrote {re.escape(str(out))}: 3 maps \(distances 1\.\.2\) fitted on up to 40 tokens"
+    took = re.fullmatch(rf"{wrote} in (\d+) s\n", said)
+    assert took and int(took[1]) < 300, said  # the seconds it took
+    maps = fit_predictor(deepseek, "Pack my box.\n\n" + LONG_PROMPT, depth=2, tokens=40, ridge=0.5, n_threads=1)
+    got = _predictor_tensors(out)
+    assert len(got) == 2 * len(maps)
+    for (il, d), (w, bias) in maps.items():
+        np.testing.assert_array_equal(got[f"blk.{il}.pred.{d}.weight"].reshape(w.shape), w)
+        np.testing.assert_array_equal(got[f"blk.{il}.pred.{d}.bias"], bias)
+
+
+def test_fit_predictor_cli_defaults_and_store(
+    deepseek: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without -o the predictor goes beside the model (<model>.predictor.gguf), or into --store as
+    predictor.gguf; the defaults, depth 1 and 8192 tokens (and ridge 1e-3, as --help says), are
+    fit_predictor's own."""
+    import shutil
+
+    from moetier.tools.predictor import fit_predictor, main
+
+    model = Path(shutil.copy(deepseek, tmp_path / "m.gguf"))  # its sidecar is this test's alone
+    text = tmp_path / "t.txt"
+    text.write_text(LONG_PROMPT * 60 + "The end. " * 20)  # past 8192 tokens
+    assert main([str(model), "--text", str(text)]) == 0
+    side = tmp_path / "m.gguf.predictor.gguf"
+    assert capsys.readouterr().out.startswith(
+        f"moetier: wrote {side}: 2 maps (distances 1..1) fitted on up to 8192 tokens in "
+    )
+    maps = fit_predictor(model, text.read_text())
+    got = _predictor_tensors(side)
+    assert len(got) == 2 * len(maps)
+    for (il, d), (w, b) in maps.items():
+        np.testing.assert_array_equal(got[f"blk.{il}.pred.{d}.weight"].reshape(w.shape), w)
+        np.testing.assert_array_equal(got[f"blk.{il}.pred.{d}.bias"], b)
+    store = tmp_path / "store"
+    store.mkdir()
+    assert main([str(model), "--text", str(text), "--store", str(store), "--tokens", "16"]) == 0
+    assert capsys.readouterr().out.startswith(f"moetier: wrote {store / 'predictor.gguf'}: 2 maps ")
+    assert (store / "predictor.gguf").exists()
+
+
+def test_fit_predictor_cli_errors_and_help(
+    deepseek: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unreadable --text is refused naming the flag and file, and --text is required; --help shows
+    the description and every flag's help, word for word."""
+    from moetier.tools.predictor import main
+
+    missing = tmp_path / "none.txt"
+    with pytest.raises(ConfigError) as e:
+        main([str(deepseek), "--text", str(missing)])
+    assert str(e.value) == f"--text {missing}: cannot read it (No such file or directory); give text files"
+    with pytest.raises(SystemExit) as ex:
+        main([str(deepseek)])
+    assert ex.value.code == 2 and "the following arguments are required: --text" in capsys.readouterr().err
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    helptext = " ".join(capsys.readouterr().out.split())
+    for s in (
+        "usage: moetier fit-predictor [-h] --text TEXT [TEXT ...] [--store STORE] [-o OUTPUT] [--depth DEPTH] "
+        "[--tokens TOKENS] [--ridge RIDGE] [-t THREADS] model",
+        "Fit the prefetch predictor of a MoE model: per layer and distance, a linear map from the layer's gate input "
+        "to a later layer's router logits (ridge regression on calibration text), written where the prefetcher "
+        "finds it (<store>/predictor.gguf, or <model>.predictor.gguf); prefetch then predicts with it instead of "
+        "the next layers' routers (cache option fitted_prefetch=0 turns it off).",
+        "model MoE GGUF",
+        "--text TEXT [TEXT ...] calibration text file(s), concatenated",
+        "--store STORE expert store the predictor goes with (default: the model)",
+        "-o OUTPUT, --output OUTPUT write here instead of where the prefetcher looks",
+        "--depth DEPTH distances fitted, 1..depth (prefetch=N uses N; default: 1)",
+        "--tokens TOKENS calibration tokens (default: 8192)",
+        "--ridge RIDGE ridge strength, times x^T x's mean diagonal (default: 0.001)",
+        "-t THREADS, --threads THREADS threads",
+    ):
+        assert s in helptext, s

@@ -91,18 +91,20 @@ def routing_report(
     if not prompts:
         step = max(1, len(text) // 4)
         prompts = [text[i * step : i * step + 400] for i in range(4)]
+    # generate() resets the counters: each prompt's are added up
+    n_pred = n_top1 = n_allk = 0
     for p in prompts:
         m.generate(p, max_tokens=n_predict)
-    pf = m.prefetch_stats()
-    n_pred = int(pf.n_pred[0])
+        pf = m.prefetch_stats()
+        n_pred, n_top1, n_allk = n_pred + int(pf.n_pred[0]), n_top1 + int(pf.n_top1[0]), n_allk + int(pf.n_allk[0])
     return RoutingReport(
         n_expert=trace.n_expert,
         n_expert_used=k,
         n_tokens=n,
         freq=freq.tolist(),
         top1_share=top1.tolist(),
-        stacked_top1=pf.n_top1[0] / max(1, n_pred),
-        stacked_allk=pf.n_allk[0] / max(1, n_pred),
+        stacked_top1=n_top1 / max(1, n_pred),
+        stacked_allk=n_allk / max(1, n_pred),
         n_pred=n_pred,
     )
 
