@@ -470,3 +470,25 @@ def test_split_of_boundaries_and_more_edges(moe: Path, tmp_path: Path, monkeypat
     budget = 2 * int(Model(moe, cache=CacheConfig.exact("64M")).cache_info()["min_cache_bytes"])
     rep = calibrate(moe, LONG_PROMPT, budget, tmp_path / "c.json", CalibrateConfig(tokens=32, seq_len=16, grid=1))
     assert rep["plot_path"] is None and not (tmp_path / "c.scores.png").exists()
+
+
+def test_calibrate_cli_joins_its_corpus_files_and_takes_an_auto_budget(
+    moe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`moetier calibrate` routes the corpus files as one text, in order, with the --tokens and
+    --seq-len given, and accepts --budget auto (the budget of the machine it will run on)."""
+    from moetier.cli import main
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(LONG_PROMPT[:300])
+    b.write_text(LONG_PROMPT[300:] * 2)
+    out = tmp_path / "cli.json"
+    argv = ["calibrate", str(moe), "--corpus", str(a), str(b), "--budget", "auto", "-o", str(out)]
+    assert main([*argv, "--tokens", "48", "--seq-len", "16", "-q"]) == 0
+    assert "| policy |" in capsys.readouterr().out
+    assert json.loads(out.read_text())["budget"] == "auto"
+    want = record_trace(moe, LONG_PROMPT[:300] + LONG_PROMPT[300:] * 2, CalibrateConfig(tokens=48, seq_len=16))
+    got = Trace.load(tmp_path / "cli.trace.npz")
+    assert np.array_equal(got.ids, want.ids)
+    # the config it wrote loads as an automatic budget
+    assert CacheConfig.from_file(out).budget_text == "auto"

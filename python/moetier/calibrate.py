@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _core
-from .config import CacheConfig, ContextConfig
+from .config import AUTO, CacheConfig, ContextConfig
 from .errors import ConfigError, ModelError
 from .model import Model
 
@@ -410,7 +410,9 @@ def calibrate(
             rows, lf = r, f
     best = rows[0]
     w = dict(zip(("w_lru", "w_lfu", "w_lhu", "w_fld"), best["weights"], strict=True))
-    config = {"budget": cache.budget_bytes, "policy": best["policy"], "t1": t1, "t2": t2, "low_frac": lf, **w}
+    # an automatic budget stays "auto": it is sized again on the machine that loads the config
+    budget_field: int | str = "auto" if cache.budget_bytes == AUTO else cache.budget_bytes
+    config = {"budget": budget_field, "policy": best["policy"], "t1": t1, "t2": t2, "low_frac": lf, **w}
     outp.write_text(json.dumps(config, indent=1) + "\n")
     plot = outp.with_name(outp.stem + ".scores.png")
     report = {
