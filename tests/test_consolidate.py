@@ -60,6 +60,7 @@ def test_cli_writes_the_map(variants: list[Path], tmp_path: Path, capsys: pytest
     assert main(["consolidate", *map(str, variants), "--capacity", "25%", "-o", str(out)]) == 0
     m = json.loads(out.read_text())
     assert m["capacity"] == 6 and [v["path"] for v in m["variants"]] == list(map(str, variants))
+    assert out.read_text() == json.dumps(m, indent=1) + "\n"  # one value per line: a map a person can diff
     assert "6 of 24 positions shared (2 from variant 0, 2 from variant 1, 2 from variant 2)" in capsys.readouterr().out
 
 
@@ -108,8 +109,9 @@ def test_written_variants_take_the_owners_experts_and_the_average_the_mean(
     assert not np.array_equal(np.asarray(a[name].data), np.asarray(srcs[0][name].data))
     # tensors the variants share are copied as they are
     assert np.array_equal(np.asarray(a["output.weight"].data), np.asarray(srcs[0]["output.weight"].data))
-    with pytest.raises(ConfigError, match="variant 5: the map has 3 variants"):
-        write_consolidated(m, 5, tmp_path / "x.gguf")
+    for index in (3, -1):
+        with pytest.raises(ConfigError, match=rf"^variant {index}: the map has 3 variants$"):
+            write_consolidated(m, index, tmp_path / "x.gguf")
 
 
 def test_distances_are_the_papers_sums_over_ordered_pairs(variants: list[Path]) -> None:
@@ -167,7 +169,8 @@ def test_quantized_variants_distances_map_and_average(tiny_model: ModelFactory, 
 
     n_expert = 4
     vs = [
-        tiny_model("qwen2moe", n_expert=n_expert, n_expert_used=2, n_layer=2, expert_type="q8_0", seed=s)
+        # n_ff_exp 96: rows of the down projection are 96 values, of the others 64 (n_embd)
+        tiny_model("qwen2moe", n_expert=n_expert, n_expert_used=2, n_layer=2, n_ff_exp=96, expert_type="q8_0", seed=s)
         for s in (1, 2)
     ]
     m = consolidate(vs, 3)
@@ -215,17 +218,17 @@ def test_unreadable_or_incomplete_variants_are_named(
     text.write_text("not a gguf\n")
     with pytest.raises(ConfigError, match=rf"^{text}: not a readable GGUF file \("):
         consolidate([variants[0], text], 1)
-    # a MoE layer without its down projection
+    # a MoE layer without its up and down projections
     lacking = tmp_path / "lacking.gguf"
     w = GGUFWriter(str(lacking), "qwen2moe")
     for t in GGUFReader(str(variants[0])).tensors:
-        if t.name != "blk.1.ffn_down_exps.weight":
+        if t.name not in ("blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"):
             w.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.data).shape, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConfigError, match=rf"^{lacking}: layer 1 lacks ffn_down_exps$"):
+    with pytest.raises(ConfigError, match=rf"^{lacking}: layer 1 lacks ffn_up_exps, ffn_down_exps$"):
         consolidate([variants[0], lacking], 1)
     # another number of MoE layers
     deeper = tiny_model("qwen2moe", n_expert=N_EXPERT, n_expert_used=2, n_layer=N_LAYER + 1)
@@ -270,3 +273,33 @@ def test_variants_of_other_types_are_compared_but_not_spliced(tiny_model: ModelF
     ):
         write_consolidated(m, 0, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_variants_digest_is_its_first_mib_and_its_size(tmp_path: Path) -> None:
+    """The map tells its variants from other files by the sha256 of their first MiB and their size
+    (a whole multi-GB file would take minutes to hash)."""
+    import hashlib
+
+    from moetier.tools.consolidate import _head_digest
+
+    p = tmp_path / "big.gguf"
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    p.write_bytes(data)
+    want = hashlib.sha256(data[: 1 << 20] + str(3 << 20).encode()).hexdigest()
+    assert _head_digest(p) == want
+    # a change past the first MiB that keeps the size is not seen; one in it is
+    p.write_bytes(data[: 2 << 20] + b"x" + data[(2 << 20) + 1 :])
+    assert _head_digest(p) == want
+    p.write_bytes(b"x" + data[1:])
+    assert _head_digest(p) != want
+
+
+def test_two_experts_have_a_cross_position_distance(tiny_model: ModelFactory) -> None:
+    """With two experts per layer there is one pair of different positions, and its distance is shown."""
+
+    two = [tiny_model("qwen2moe", n_expert=2, n_expert_used=1, n_layer=2, seed=s) for s in (1, 2)]
+    m = consolidate(two, 0)
+    for il in range(2):
+        a, b = (_dequantized_rows(p, il, 2) for p in two)
+        want = (np.linalg.norm(a[0] - b[1]) + np.linalg.norm(a[1] - b[0])) / 2
+        assert m["cross_position_mean"][il] == pytest.approx(float(want), rel=1e-4) and want > 0
