@@ -351,16 +351,27 @@ def test_fetch_says_what_the_answer_was() -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.path == "/f/metrics":  # hangs up without an answer
+                self.close_connection = True
+                return
+            if self.path == "/g/metrics":  # answers too late
+                time.sleep(1.0)
             code = {"/a/metrics": 404, "/b/metrics": 500, "/c/metrics": 501}.get(self.path, 200)
             body = b"<html>hello</html>" if self.path == "/d/metrics" else b"llamacpp:x_total 1\n"
-            self.send_response(code)
-            self.end_headers()
-            self.wfile.write(body)
+            if self.path == "/e/metrics":  # a byte that is not UTF-8 in a comment
+                body += b"# caf\xe9\n"
+            try:
+                self.send_response(code)
+                self.end_headers()
+                self.wfile.write(body)
+            except BrokenPipeError:  # the client that timed out is gone
+                pass
 
         def log_message(self, *args: object) -> None:
             pass
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads, srv.block_on_close = True, False
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{srv.server_address[1]}"
     try:
@@ -376,8 +387,122 @@ def test_fetch_says_what_the_answer_was() -> None:
             stats.fetch(f"{base}/d")
         assert str(e.value) == f"{base}/d/metrics: no Prometheus metrics in the answer (is this a llama-server?)"
         assert stats.fetch(base).values == {"llamacpp:x_total": 1.0}
+        assert stats.fetch(f"{base}/e").values == {"llamacpp:x_total": 1.0}
+        with pytest.raises(MoetierError) as e:
+            stats.fetch(f"{base}/f")
+        assert (
+            str(e.value) == f"{base}/f/metrics: cannot reach the server (Remote end closed connection without response)"
+        )
+        with pytest.raises(MoetierError) as e:
+            stats.fetch(f"{base}/g", timeout=0.2)
+        assert str(e.value) == f"{base}/g/metrics: cannot reach the server (timed out)"
     finally:
         srv.shutdown()
         srv.server_close()
     with pytest.raises(MoetierError, match=r"^http://\[::1: not a server address \(.*\); give e\.g\. http://127"):
         stats.fetch("http://[::1")
+
+
+def test_a_sparse_scrape_shows_zeros_for_what_is_missing() -> None:
+    """Counters the server did not send count as 0 (never as 1); rows whose metrics are all absent
+    are left out; a mode or size the server does not report shows as '-' or nothing."""
+    m = parse_prometheus(
+        "llamacpp:expert_cache_lookups_total 10\n"
+        "llamacpp:expert_cache_vram_hits_total 0\n"
+        "llamacpp:expert_cache_prefetch_used_total 4\n"
+        "llamacpp:requests_processing 3\n"
+    )
+    rows = render("x", m).splitlines()[1:]
+    assert rows == [
+        "expert cache   -",
+        "hit rate       0.0%  (0 hits / 10 lookups, 0 misses)",
+        "misses         high 0 (-)  low 0 (-)  skipped 0 (-)",
+        "bytes read     0 B  rate: needs two refreshes",
+        "prefetch       used 4  wasted 0 (0.0% of the prefetched experts)",
+        "requests       3 processing, 0 deferred",
+    ]
+    m = parse_prometheus(
+        "llamacpp:expert_cache_lookups_total 10\nllamacpp:expert_cache_vram_hits_total 0\n"
+        "llamacpp:expert_cache_vram_copies_total 5\nllamacpp:expert_cache_prefetch_wasted_total 2\n"
+        "llamacpp:expert_cache_prefetch_on_steps_total 0\nllamacpp:expert_cache_prefetch_off_steps_total 0\n"
+        "llamacpp:requests_deferred 2\n"
+        'llamacpp:expert_cache_read_seconds_bucket{le="+Inf"} 0\nllamacpp:expert_cache_read_seconds_sum 0\n'
+        "llamacpp:expert_cache_read_seconds_count 0\n"
+    )
+    rows = render("x", m).splitlines()[1:]
+    assert "read latency   p50 -  p90 -  p99 -  mean -  (0 reads)" in rows
+    assert "VRAM tier      hit rate 0.0%  (0 hits, 5 copies from RAM, 0 B copied)" in rows
+    assert "prefetch       used 0  wasted 2 (100.0% of the prefetched experts)" in rows
+    assert "requests       0 processing, 2 deferred" in rows
+
+
+def test_small_numbers_and_boundaries() -> None:
+    from moetier.stats import Histogram, _num, _pct
+
+    assert _num(1e15) == "1e+15" and _num(999999999999999.0) == "999999999999999"
+    assert _pct(0.5, 0.5) == "100.0%"
+    # one observation is enough for a quantile
+    assert Histogram(((1.0, 1.0), (float("inf"), 1.0)), 0.5, 1.0).quantile(0.5) == 0.5
+    # a counter the new scrape lacks has no rate
+    before = parse_prometheus("llamacpp:expert_cache_lookups_total 1\nllamacpp:expert_cache_bytes_read_total 5\n")
+    now = parse_prometheus("llamacpp:expert_cache_lookups_total 1\n")
+    assert "rate: needs two refreshes" in render("x", now, before, 1.0)
+
+
+def test_histograms_and_labels_are_told_apart() -> None:
+    """A histogram's buckets are its own, not those of another of the same name length; a sample
+    named like a histogram part but typed otherwise is listed as it is; a label value may hold '{'."""
+    text = (
+        "# TYPE a_seconds histogram\n"
+        'a_seconds_bucket{le="1"} 1\na_seconds_bucket{le="+Inf"} 2\na_seconds_sum 3\na_seconds_count 2\n'
+        "# TYPE b_seconds histogram\n"
+        'b_seconds_bucket{le="5"} 7\nb_seconds_bucket{le="+Inf"} 7\nb_seconds_sum 9\nb_seconds_count 7\n'
+        "# TYPE c_total counter\nc_total_count 4\nd_sum 6\n"
+        'e_total{path="/x{y}"} 8\n'
+    )
+    m = parse_prometheus(text)
+    a = histogram(m, "a_seconds")
+    assert a is not None and a.buckets == ((1.0, 1.0), (float("inf"), 2.0))
+    other = " ".join(render("x", m).split("\nother", 1)[1].split())
+    assert other == ('a_seconds p50 1 s n 2 b_seconds p50 2.5 s n 7 c_total_count 4 d_sum 6 e_total{path="/x{y}"} 8')
+
+
+def test_watch_on_a_terminal_draws_each_view_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactly what a terminal receives: the screen cleared once, each view from the top left with
+    its lines erased to their end and the rest of the screen below it, rates over the time between
+    the two scrapes, and a newline after Ctrl-C; the clock in the header as hours:minutes:seconds."""
+    import datetime as dt
+
+    class Clock(dt.datetime):
+        @classmethod
+        def now(cls, tz: dt.tzinfo | None = None) -> Clock:
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    scrapes = iter([SAMPLE, SAMPLE.replace("_total 64", "_total 84")])
+    monkeypatch.setattr(stats, "fetch", lambda url: parse_prometheus(next(scrapes)))
+    monkeypatch.setattr(stats, "datetime", Clock)
+    ticks = iter([10.0, 14.0])
+    monkeypatch.setattr(stats.time, "monotonic", lambda: next(ticks))
+
+    def nap(seconds: float) -> None:
+        if next(naps) == 2:
+            raise KeyboardInterrupt
+
+    naps = iter([1, 2])
+    out = _Terminal()
+    assert stats.watch("h:1", out=out, sleep=nap) == 0
+    first = render("h:1", parse_prometheus(SAMPLE))
+    assert first.startswith("moetier stats  http://h:1/metrics  03:04:05\n")
+    second = render("h:1", parse_prometheus(SAMPLE.replace("_total 64", "_total 84")), parse_prometheus(SAMPLE), 4.0)
+    assert "5.0 tok/s since the last refresh" in second
+    frame = "\033[H{}\033[J"
+    want = "\033[2J" + frame.format(first.replace("\n", "\033[K\n")) + frame.format(second.replace("\n", "\033[K\n"))
+    assert out.getvalue() == want + "\n"
+
+
+def test_watch_once_writes_one_view_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stats, "fetch", lambda url: parse_prometheus(SAMPLE))
+    out = io.StringIO()
+    assert stats.watch("h:1", once=True, out=out) == 0
+    text = out.getvalue()
+    assert text.count("moetier stats  ") == 1 and text.endswith('value",pos="1"} 3\n')
