@@ -438,7 +438,8 @@ class Plan:
         if need is not None and self.chunk_sizes and self.total != need:
             msg = (
                 f"{self.spec.name}: the {len(self.dists)} published parts hold {self.total:,} bytes but the "
-                f"GGUF header needs {need:,}; the source is incomplete or wrong"
+                f"{'GGUF header needs' if self.layout else 'model is pinned at'} {need:,}; the source is incomplete "
+                "or wrong"
             )
             raise FetchError(msg)
         if self.spec.size is not None and self.layout and self.layout.size != self.spec.size:

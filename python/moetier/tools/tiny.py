@@ -171,8 +171,10 @@ def write_tiny_model(
     if expert_type not in EXPERT_TYPES:
         msg = f"expert_type must be one of {tuple(EXPERT_TYPES)}, got {expert_type!r}"
         raise ValueError(msg)
-    if n_embd % n_head or n_head % n_head_kv or (n_embd // n_head) % 2:
-        msg = "need n_embd % n_head == 0, n_head % n_head_kv == 0 and an even head size"
+    if arch == "olmoe":
+        n_head_kv = n_head  # its k norm weight is n_embd wide: the argument is ignored, not checked
+    if n_head < 1 or n_head_kv < 1 or n_embd % n_head or n_head % n_head_kv or (n_embd // n_head) % 2:
+        msg = "need n_head, n_head_kv >= 1, n_embd % n_head == 0, n_head % n_head_kv == 0 and an even head size"
         raise ValueError(msg)
     moe = arch != "qwen2"
     if moe and not 0 < n_expert_used <= n_expert:
@@ -187,8 +189,6 @@ def write_tiny_model(
     if arch in ("deepseek", "glm4moe") and n_layer < 2:
         msg = f"{arch} needs n_layer >= 2 (layer 0 is dense)"
         raise ValueError(msg)
-    if arch == "olmoe":
-        n_head_kv = n_head  # its k norm weight is n_embd wide
 
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
