@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -392,3 +393,289 @@ def test_routing_report_counts_every_prompts_predictions(tiny_model: ModelFactor
     one = routing_report(path, LONG_PROMPT, tokens=16, prompts=["hello world"], n_predict=5)
     both = routing_report(path, LONG_PROMPT, tokens=16, prompts=["abc", "hello world"], n_predict=5)
     assert both.n_pred == 2 * one.n_pred > 0
+
+
+def test_distill_config_defaults_and_every_bound() -> None:
+    """Distillation is off by default (0 epochs; 2 rounds, no residual target, Adam 1e-3 relative, 512-token
+    steps, 10% held out, seed 0); each knob is checked at its edges, with a message naming it and its value."""
+    assert dl.DistillConfig() == dl.DistillConfig(
+        epochs=0, rounds=2, residual=0.0, lr=1e-3, batch_tokens=512, holdout=0.1, seed=0
+    )
+    for ok in (
+        {"epochs": 0, "rounds": 1, "residual": 0.0, "batch_tokens": 1, "holdout": 1e-6, "lr": 1e-12},
+        {"residual": 1.0, "holdout": 0.499, "lr": 1},
+    ):
+        dl.DistillConfig(**ok)  # type: ignore[arg-type]
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"epochs": True}, "distill.epochs: True is not a number"),
+        ({"lr": "0.1"}, "distill.lr: '0.1' is not a number"),
+        ({"seed": None}, "distill.seed: None is not a number"),
+        ({"epochs": -1}, "distill.epochs: -1 must be >= 0"),
+        ({"rounds": 0}, "distill.rounds: 0 must be >= 1"),
+        ({"residual": -0.01}, "distill.residual: -0.01 must be in [0, 1]"),
+        ({"residual": 1.01}, "distill.residual: 1.01 must be in [0, 1]"),
+        ({"lr": 0}, "distill.lr: 0 must be > 0"),
+        ({"lr": float("nan")}, "distill.lr: nan must be > 0"),
+        ({"batch_tokens": 0}, "distill.batch_tokens: 0 must be >= 1"),
+        ({"holdout": 0.0}, "distill.holdout: 0.0 must be in (0, 0.5)"),
+        ({"holdout": 0.5}, "distill.holdout: 0.5 must be in (0, 0.5)"),
+    ]
+    for kw, says in bad:
+        with pytest.raises(ConfigError) as e:
+            dl.DistillConfig(**kw)  # type: ignore[arg-type]
+        assert str(e.value) == says
+
+
+def test_moe_layer_arrays_and_copy() -> None:
+    """arrays() gives the trained weights by name (the balancing bias apart); copy() copies every array and
+    the bias, so training the copy leaves the original as it was."""
+    rng = np.random.default_rng(3)
+    layer = _random_layer(rng)
+    assert list(layer.arrays()) == ["router", "gate_sh", "up_sh", "down_sh", "gate", "up", "down"]
+    assert all(a is getattr(layer, n) for n, a in layer.arrays().items())
+    twin = layer.copy()
+    assert twin.bias is None
+    for n, a in twin.arrays().items():
+        assert np.array_equal(a, getattr(layer, n)) and not np.shares_memory(a, getattr(layer, n)), n
+    layer.bias = np.array([0.5, -0.5, 0.0, 1.0])
+    twin = layer.copy()
+    assert twin.bias is not None and np.array_equal(twin.bias, layer.bias)
+    twin.bias[0] = 9.0
+    assert layer.bias[0] == 0.5
+
+
+def test_sigmoid_and_softmax_values() -> None:
+    """The logistic function (type kept) and llama.cpp's row-wise softmax, exact on small values and finite
+    for logits far beyond exp's range."""
+    a = np.array([-3.0, 0.0, 2.0], np.float32)
+    s = dl._sigmoid(a)
+    assert s.dtype == np.float32
+    np.testing.assert_allclose(s, 1 / (1 + np.exp(-a.astype(np.float64))), rtol=1e-6)
+    logits = np.array([[0.0, np.log(3.0)], [1.0, 1.0], [1000.0, 999.0]])
+    p = dl.softmax(logits[:, :2])
+    np.testing.assert_allclose(p, [[0.25, 0.75], [0.5, 0.5], [1 / (1 + np.exp(-1)), 1 / (1 + np.e)]], rtol=1e-12)
+    wide = dl.softmax(np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]))
+    np.testing.assert_allclose(wide[0], np.exp([1.0, 2.0, 3.0]) / np.exp([1.0, 2.0, 3.0]).sum(), rtol=1e-12)
+    np.testing.assert_allclose(wide[1], [1 / 3] * 3, rtol=1e-12)
+
+
+def _routed_layer() -> tuple[dl.MoeLayer, np.ndarray]:
+    """Four experts over three inputs: expert 1 never wins, expert 0 takes two tokens of four, 2 and 3 one
+    each (top-1); random SwiGLU weights."""
+    rng = np.random.default_rng(11)
+    layer = _random_layer(rng, e=4, d=3, ff=2, n_sh=2)
+    layer.router = np.array([[1.0, 0.0, 0.0], [-5.0, -5.0, -5.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    x = np.array([[3.0, 0.1, 0.2], [0.1, 3.0, 0.2], [0.2, 0.1, 3.0], [2.0, 0.3, 0.1]])
+    return layer, x
+
+
+def test_route_is_llama_cpp_top_k() -> None:
+    """Top-k of the router's logits (ties to the lower expert), their softmax weights, and the whole softmax;
+    with renorm the chosen weights sum to 1 and are all the scattered row has; the input's float type."""
+    layer, x = _routed_layer()
+    top, w, p = dl.route(layer, x, 2, False)
+    assert top.tolist() == [[0, 3], [2, 3], [3, 0], [0, 2]]
+    logits = x @ layer.router.T
+    np.testing.assert_allclose(p, dl.softmax(logits), rtol=1e-12)
+    np.testing.assert_allclose(w, np.take_along_axis(p, top, axis=1), rtol=1e-12)
+    top_r, w_r, p_r = dl.route(layer, x, 2, True)
+    assert np.array_equal(top_r, top)
+    np.testing.assert_allclose(w_r, w / w.sum(axis=1, keepdims=True), rtol=1e-12)
+    scattered = np.zeros_like(p)
+    np.put_along_axis(scattered, top, w_r, axis=1)
+    assert np.array_equal(p_r, scattered)
+    tie = dl.MoeLayer(**{**layer.arrays(), "router": np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [0.0, 0.0]])})
+    x2 = np.array([[1.0, 1.0], [-1.0, -1.0]], np.float32)
+    t, w32, p32 = dl.route(tie, x2, 3, False)
+    assert t.tolist() == [[0, 1, 2], [3, 0, 1]]
+    assert w32.dtype == np.float32 and p32.dtype == np.float32
+    # 64 experts with logits of three values: the order of the experts within a value is kept
+    logit = np.random.default_rng(0).integers(0, 3, size=64).astype(np.float64)
+    many = dl.MoeLayer(**{**layer.arrays(), "router": logit[:, None]})
+    want = sorted(range(64), key=lambda e: (-logit[e], e))[:40]
+    assert dl.route(many, np.ones((1, 1)), 40, False)[0].tolist() == [want]
+
+
+def test_route_bias_moves_the_choice_not_the_weights() -> None:
+    """A balancing bias is added to the softmax to choose the experts; the weights stay the softmax's."""
+    layer, x = _routed_layer()
+    x = x[:1]  # logits 3, -16.5, 0.1, 0.2
+    layer.bias = np.array([0.0, 0.0, 0.99, 0.0])
+    top, w, p = dl.route(layer, x, 2, False)
+    assert top.tolist() == [[2, 0]]
+    np.testing.assert_allclose(w, p[:, [2, 0]], rtol=1e-12)
+    np.testing.assert_allclose(p, dl.softmax(x @ layer.router.T), rtol=1e-12)
+    layer.bias = np.array([0.0, 0.0, -0.5, 0.2])
+    assert dl.route(layer, x, 2, False)[0].tolist() == [[0, 3]]
+
+
+def _forward_by_hand(layer: dl.MoeLayer, x: np.ndarray, k: int, renorm: bool, sh_gate: float) -> np.ndarray:
+    """The MoE layer token by token: shared expert x sh_gate plus each chosen expert x its routing weight."""
+
+    def swiglu(g: np.ndarray, u: np.ndarray, d: np.ndarray, v: np.ndarray) -> np.ndarray:
+        a = g @ v
+        return d @ (a / (1 + np.exp(-a)) * (u @ v))
+
+    top, w, _ = dl.route(layer, x, k, renorm)
+    out = np.zeros_like(x)
+    for t, v in enumerate(x):
+        out[t] = sh_gate * swiglu(layer.gate_sh, layer.up_sh, layer.down_sh, v)
+        for j, e in enumerate(top[t]):
+            out[t] += w[t, j] * swiglu(layer.gate[e], layer.up[e], layer.down[e], v)
+    return out
+
+
+@pytest.mark.parametrize(("k", "renorm"), [(1, False), (2, True)])
+def test_forward_adds_each_chosen_expert_to_the_shared_one(k: int, renorm: bool) -> None:
+    """forward: the shared expert (x sh_gate, 1 by default) plus every chosen expert's SwiGLU weighted by its
+    routing weight, experts no token chose skipped, experts of one token included."""
+    layer, x = _routed_layer()
+    np.testing.assert_allclose(dl.forward(layer, x, k, renorm), _forward_by_hand(layer, x, k, renorm, 1.0), rtol=1e-12)
+    np.testing.assert_allclose(
+        dl.forward(layer, x, k, renorm, 0.5), _forward_by_hand(layer, x, k, renorm, 0.5), rtol=1e-12
+    )
+
+
+def test_relative_error_and_its_chunks() -> None:
+    """relative_error: the mean over tokens of ||out - y|| / ||y|| (a zero target divides by 1e-8); rel_error
+    runs the layer over any number of tokens (in chunks) with sh_gate 1 by default."""
+    out = np.array([[3.0, 4.0], [1.0, 0.0], [2.0, 2.0]])
+    y = np.array([[0.0, 4.0], [0.0, 0.0], [2.0, 2.0]])
+    assert dl.relative_error(out, y) == pytest.approx((3 / 4 + 1 / 1e-8 + 0) / 3, rel=1e-12)
+    rng = np.random.default_rng(4)
+    layer = _random_layer(rng, e=4, d=3, ff=2, n_sh=2)
+    x = rng.normal(size=(4100, 3))
+    y = rng.normal(size=(4100, 3))
+    for gate in (1.0, 0.5):
+        want = dl.relative_error(dl.forward(layer, x, 2, True, gate), y)
+        assert dl.rel_error(layer, x, y, 2, True, gate) == pytest.approx(want, rel=1e-12)
+    assert dl.rel_error(layer, x, y, 2, True) == dl.rel_error(layer, x, y, 2, True, 1.0)
+    assert dl.rel_error(layer, x, y, 2, True, 0.5) != dl.rel_error(layer, x, y, 2, True)
+
+
+@pytest.mark.parametrize(("k", "renorm"), [(1, False), (2, True)])
+def test_every_gradient_with_an_expert_left_out(k: int, renorm: bool) -> None:
+    """With an expert no token chose (its gradients 0) and experts of one token, every element of every
+    gradient matches central differences (sh_gate 1 by default); a zero target row weighs 1/1e-6."""
+    layer, x = _routed_layer()
+    y = np.random.default_rng(5).normal(size=x.shape)
+    loss, grads = dl.loss_and_grads(layer, x, y, k, renorm)
+    assert not grads["gate"][1].any() and not grads["up"][1].any() and not grads["down"][1].any()
+    for name in dl.MoeLayer.NAMES:
+        a = getattr(layer, name)
+        num = np.zeros_like(a)
+        for i in np.ndindex(a.shape):
+            old = a[i]
+            a[i] = old + 1e-6
+            lp, _ = dl.loss_and_grads(layer, x, y, k, renorm)
+            a[i] = old - 1e-6
+            lm, _ = dl.loss_and_grads(layer, x, y, k, renorm)
+            a[i] = old
+            num[i] = (lp - lm) / 2e-6
+        np.testing.assert_allclose(grads[name], num, rtol=1e-5, atol=1e-8, err_msg=name)
+    assert loss == pytest.approx(dl.loss_and_grads(layer, x, y, k, renorm, 1.0)[0], rel=1e-15)
+    y[2] = 0.0
+    out = dl.forward(layer, x, k, renorm)
+    loss, _ = dl.loss_and_grads(layer, x, y, k, renorm)
+    want = np.mean(((out - y) ** 2).sum(1) / ((y**2).sum(1) + 1e-6))
+    assert loss == pytest.approx(want, rel=1e-12) and loss > 1e5
+
+
+def test_gradients_keep_the_float_type() -> None:
+    """float32 weights and activations give a float32 loss gradient for every weight (Adam updates in place)."""
+    layer, x = _routed_layer()
+    for n, a in layer.arrays().items():
+        setattr(layer, n, a.astype(np.float32))
+    y = np.random.default_rng(2).normal(size=x.shape).astype(np.float32)
+    for renorm in (True, False):
+        _, grads = dl.loss_and_grads(layer, x.astype(np.float32), y, 2, renorm)
+        assert {n: g.dtype for n, g in grads.items()} == dict.fromkeys(dl.MoeLayer.NAMES, np.dtype(np.float32))
+
+
+def _distill_by_hand(
+    start: dl.MoeLayer, x: np.ndarray, y: np.ndarray, k: int, renorm: bool, cfg: dl.DistillConfig, sh_gate: float
+) -> tuple[dl.MoeLayer, list[tuple[float, float]], int]:
+    """distill_layer as its docstring and comments describe it, written out: the last tokens held out, Adam
+    (0.9, 0.999) with a step per tensor of lr x its starting RMS (lr where it is all zeros), minibatches in a
+    seeded order, a 20-step warm-up then cosine decay to 10%, the best held-out epoch kept."""
+    n_hold = max(1, int(len(x) * cfg.holdout))
+    xt, yt, xh, yh = x[:-n_hold], y[:-n_hold], x[-n_hold:], y[-n_hold:]
+
+    def err(layer: dl.MoeLayer, x: np.ndarray, y: np.ndarray) -> float:
+        return dl.rel_error(layer, x, y, k, renorm, sh_gate)
+
+    layer = start.copy()
+    lr = {n: cfg.lr * (np.sqrt(np.mean(a**2)) or 1.0) for n, a in layer.arrays().items()}
+    m = {n: np.zeros_like(a) for n, a in layer.arrays().items()}
+    v = {n: np.zeros_like(a) for n, a in layer.arrays().items()}
+    rng = np.random.default_rng(cfg.seed)
+    n_steps = cfg.epochs * -(-len(xt) // cfg.batch_tokens)
+    best, best_err, best_epoch = start, err(start, xh, yh), 0
+    history = [(err(start, xt[:2048], yt[:2048]), best_err)]
+    step = 0
+    for epoch in range(1, cfg.epochs + 1):
+        order = rng.permutation(len(xt))
+        for i in range(0, len(xt), cfg.batch_tokens):
+            idx = np.sort(order[i : i + cfg.batch_tokens])
+            _, grads = dl.loss_and_grads(layer, xt[idx], yt[idx], k, renorm, sh_gate)
+            scale = min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 + np.cos(np.pi * step / n_steps)) / 2)
+            t = step + 1
+            for n, g in grads.items():
+                m[n] = 0.9 * m[n] + 0.1 * g
+                v[n] = 0.999 * v[n] + 0.001 * g * g
+                update = lr[n] * scale * (m[n] / (1 - 0.9**t)) / (np.sqrt(v[n] / (1 - 0.999**t)) + 1e-12)
+                setattr(layer, n, getattr(layer, n) - update)
+            step += 1
+        held = err(layer, xh, yh)
+        history.append((err(layer, xt[:2048], yt[:2048]), held))
+        if held < best_err:
+            best, best_err, best_epoch = layer.copy(), held, epoch
+    return best, history, best_epoch
+
+
+@pytest.mark.parametrize(("renorm", "sh_gate"), [(True, None), (False, 0.5)])
+def test_distill_layer_is_the_documented_schedule(renorm: bool, sh_gate: float | None) -> None:
+    """The fitted layer, its per-epoch history (error on the first 2048 training tokens, on the held-out
+    tail) and the best epoch are those of the schedule written out by hand, for either routing and a shared
+    expert gate (1 by default); seeds give other orders."""
+    rng = np.random.default_rng(6)
+    teacher = _random_layer(rng, e=3, d=4, ff=2, n_sh=2)
+    x = rng.normal(size=(2300, 4))  # 230 held out, 2070 trained on: 9 steps of 256 an epoch, 27 in all
+    gate = 1.0 if sh_gate is None else sh_gate
+    y = dl.forward(teacher, x, 2, renorm, gate)
+    start = teacher.copy()
+    start.gate = start.gate + 0.3 * rng.normal(size=start.gate.shape)
+    start.up = np.zeros_like(start.up)  # a tensor of zeros steps by lr itself
+    cfg = dl.DistillConfig(epochs=3, lr=2e-2, batch_tokens=256, seed=3)
+    if sh_gate is None:
+        res = dl.distill_layer(start, x, y, 2, renorm, cfg)
+    else:
+        res = dl.distill_layer(start, x, y, 2, renorm, cfg, sh_gate)
+    layer, history, best_epoch = _distill_by_hand(start, x, y, 2, renorm, cfg, gate)
+    for n, a in layer.arrays().items():
+        np.testing.assert_allclose(getattr(res.layer, n), a, rtol=1e-9, atol=1e-15, err_msg=n)
+    np.testing.assert_allclose(res.history, history, rtol=1e-9)
+    assert (res.epochs_run, res.best_epoch, len(res.history)) == (3, best_epoch, 4)
+    assert res.err_before == history[0][1] and res.err_after == pytest.approx(history[best_epoch][1], rel=1e-9)
+    assert best_epoch > 0 and res.err_after < res.err_before
+    other = dl.distill_layer(start, x, y, 2, renorm, replace(cfg, seed=4), gate)
+    assert not np.array_equal(other.layer.gate, res.layer.gate)
+
+
+def test_distill_layer_keeps_the_start_unless_an_epoch_is_better() -> None:
+    """A start that already reproduces its targets stays the answer (best epoch 0, errors 0) however many
+    epochs run; no epochs: the start back, judged on at least one held-out token."""
+    rng = np.random.default_rng(8)
+    start = _random_layer(rng, e=3, d=4, ff=2, n_sh=2)
+    x = rng.normal(size=(300, 4))
+    # the targets computed on the same rows as the fit sees them (270 trained on in one step, 30 held out)
+    y = np.concatenate([dl.forward(start, x[:270], 2, True), dl.forward(start, x[270:], 2, True)])
+    res = dl.distill_layer(start, x, y, 2, True, dl.DistillConfig(epochs=2))
+    assert (res.best_epoch, res.epochs_run, res.err_before, res.err_after) == (0, 2, 0.0, 0.0)
+    assert res.history == [(0.0, 0.0)] * 3
+    assert all(np.array_equal(a, getattr(start, n)) for n, a in res.layer.arrays().items())
+    y5 = rng.normal(size=(5, 4))
+    res = dl.distill_layer(start, x[:5], y5, 2, True, dl.DistillConfig())  # 10% of 5 tokens: 1 held out
+    assert (res.best_epoch, res.epochs_run) == (0, 0)
+    assert res.err_before == res.err_after == dl.rel_error(start, x[4:5], y5[4:], 2, True)
+    assert res.history == [(dl.rel_error(start, x[:4], y5[:4], 2, True), res.err_before)]
