@@ -476,7 +476,7 @@ def test_train_policy_with_the_layer_distance(traces: tuple[list[Path], list[Pat
     assert (r["driver"], r["decisions"], r["candidates"], r["loss"]) == ("multi", dec.n_decisions, len(dec.d), loss)
     assert rep["eval_agreement"] == tp.chosen_agreement(flash)
     assert rep["eval_agreement_lru"] == tp.chosen_agreement(lru)
-    assert rep["eval"] == [str(held[0])] and rep["rows"][0]["trace_label"] == "held-out (1 traces)"
+    assert rep["eval"] == [str(held[0])] and rep["rows"][0]["trace_label"] == "held-out (1 trace)"
 
 
 def test_train_policy_without_held_out_traces(traces: tuple[list[Path], list[Path]], tmp_path: Path) -> None:

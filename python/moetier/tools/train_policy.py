@@ -216,6 +216,10 @@ def _part(t: Trace, seqs: tuple[int, int | None] | None, path: str | Path) -> Tr
     return t if seqs is None else select_sequences(t, seqs[0], seqs[1], str(path))
 
 
+def _held_out_label(n: int) -> str:
+    return f"held-out ({n} trace{'' if n == 1 else 's'})"
+
+
 def train_policy(
     model: str | Path | None,
     train: Sequence[str | Path],
@@ -289,7 +293,7 @@ def train_policy(
             for p, row in at.items():
                 row["policy"] = p.split(":")[0]
                 row["gap_closed"] = (at["lru"]["n_bytes_read"] - row["n_bytes_read"]) / gap if gap > 0 else None
-                rows.append({"trace": str(path), "trace_label": f"held-out ({len(path.split(', '))} traces)", **row})
+                rows.append({"trace": str(path), "trace_label": _held_out_label(len(path.split(", "))), **row})
     ev = collect(ev_traces, geos, f"flashmoe:{out}", cfg.max_rows, rng, cfg.layer_distance)
     lru = collect(ev_traces, geos, "lru", cfg.max_rows, rng)
     report = {
