@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "cli.md"
@@ -30,16 +31,12 @@ def command_help(argv: list[str], entry: Callable[[list[str]], int] | None = Non
     from moetier import cli
 
     out = io.StringIO()
-    old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = WIDTH
-    try:
-        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-            (entry or cli.main)([*argv, "--help"])
-    finally:
-        if old is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = old
+    with (
+        mock.patch.dict(os.environ, {"COLUMNS": WIDTH}),
+        contextlib.redirect_stdout(out),
+        contextlib.suppress(SystemExit),
+    ):
+        (entry or cli.main)([*argv, "--help"])
     return out.getvalue().rstrip() + "\n"
 
 
@@ -48,7 +45,7 @@ def python_version() -> str:
 
 
 def page() -> str:
-    from moetier import cli
+    from moetier import cli, lcpp
 
     lines = [
         "# Command reference",
@@ -68,8 +65,6 @@ def page() -> str:
     for name, group, text in cli.COMMANDS:
         lines += ["", f"## moetier {name}", "", f"{group}: {text}.", "", "```text"]
         lines += [command_help([name]).rstrip(), "```"]
-    from moetier import lcpp
-
     lines += ["", "## python -m moetier.lcpp", "", "Installs llama-cpp-python for `moetier.Llama`.", "", "```text"]
     lines += [command_help([], lcpp.install).rstrip(), "```"]
     return "\n".join(lines) + "\n"

@@ -73,3 +73,27 @@ def fake_proc_tree(root: Path, cgroup: str, files: dict[str, str], meminfo_kb: i
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(text)
     return root
+
+
+def text_flag_refusals_and_help(
+    main: Callable[[list[str]], int],
+    model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> str:
+    """For a tool whose `main` takes MODEL --text FILE: an unreadable --text is refused naming the
+    flag and the file, a missing one by argparse (status 2); returns its --help at 200 columns."""
+    from moetier import ConfigError
+
+    missing = tmp_path / "none.txt"
+    with pytest.raises(ConfigError) as e:
+        main([str(model), "--text", str(missing)])
+    assert str(e.value) == f"--text {missing}: cannot read it (No such file or directory); give text files"
+    with pytest.raises(SystemExit) as ex:
+        main([str(model)])
+    assert ex.value.code == 2 and "the following arguments are required: --text" in capsys.readouterr().err
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    return capsys.readouterr().out

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import LONG_PROMPT, ModelFactory
+from conftest import LONG_PROMPT, ModelFactory, text_flag_refusals_and_help
 from moetier import ConfigError, Model, _core
 from moetier.tools import distill as dl
 from moetier.tools.moefy import MoefyConfig, moefy
@@ -347,17 +347,7 @@ def test_routing_cli_errors_and_help(
     from moetier.tools.routing import main
 
     path = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3)
-    missing = tmp_path / "none.txt"
-    with pytest.raises(ConfigError) as e:
-        main([str(path), "--text", str(missing)])
-    assert str(e.value) == f"--text {missing}: cannot read it (No such file or directory); give text files"
-    with pytest.raises(SystemExit) as ex:
-        main([str(path)])
-    assert ex.value.code == 2 and "the following arguments are required: --text" in capsys.readouterr().err
-    monkeypatch.setenv("COLUMNS", "200")
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    out = capsys.readouterr().out
+    out = text_flag_refusals_and_help(main, path, tmp_path, monkeypatch, capsys)
     assert "\n- per-layer expert selection frequency (the share of tokens that select each expert; top-k of E\n" in out
     helptext = " ".join(out.split())
     for s in (

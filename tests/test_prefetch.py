@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import LONG_PROMPT, ModelFactory
+from conftest import LONG_PROMPT, ModelFactory, text_flag_refusals_and_help
 from moetier import CacheConfig, ConfigError, Model, PackConfig, pack
 
 
@@ -588,17 +588,7 @@ def test_fit_predictor_cli_errors_and_help(
     the description and every flag's help, word for word."""
     from moetier.tools.predictor import main
 
-    missing = tmp_path / "none.txt"
-    with pytest.raises(ConfigError) as e:
-        main([str(deepseek), "--text", str(missing)])
-    assert str(e.value) == f"--text {missing}: cannot read it (No such file or directory); give text files"
-    with pytest.raises(SystemExit) as ex:
-        main([str(deepseek)])
-    assert ex.value.code == 2 and "the following arguments are required: --text" in capsys.readouterr().err
-    monkeypatch.setenv("COLUMNS", "200")
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    helptext = " ".join(capsys.readouterr().out.split())
+    helptext = " ".join(text_flag_refusals_and_help(main, deepseek, tmp_path, monkeypatch, capsys).split())
     for s in (
         "usage: moetier fit-predictor [-h] --text TEXT [TEXT ...] [--store STORE] [-o OUTPUT] [--depth DEPTH] "
         "[--tokens TOKENS] [--ridge RIDGE] [-t THREADS] model",
