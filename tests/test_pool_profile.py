@@ -86,6 +86,22 @@ def test_weights_mix_models_and_pipelines_and_zero_weights_are_allowed(tmp_path:
     assert prof.usage_probabilities(spec, {}) == {"a": 0.0, "b": 0.0}
 
 
+def test_a_model_counts_each_stage_and_weight_using_it_and_weights_below_one_still_share(tmp_path: Path) -> None:
+    """A model two stages use gets a job from each, its own weight adds to them in any order, and weights
+    summing below 1 still give shares."""
+    ms = {n: model(tmp_path, n) for n in ("a", "b")}
+    stages = {
+        "one": Stage("one", "a", default="two"),
+        "two": Stage("two", "a", default="three"),
+        "three": Stage("three", "b"),
+    }
+    spec = pool(tmp_path, ms, Pipeline("p", "one", stages))
+    assert prof.usage_probabilities(spec) == {"a": 2 / 3, "b": 1 / 3}  # a runs twice per request
+    assert prof.usage_probabilities(spec, {"a": 1.0, "p": 1.0}) == {"a": 0.75, "b": 0.25}
+    assert prof.usage_probabilities(spec, {"p": 0.25}) == pytest.approx({"a": 2 / 3, "b": 1 / 3})
+    assert prof.usage_probabilities(spec, {"a": 0.5, "b": 0.25}) == pytest.approx({"a": 2 / 3, "b": 1 / 3})
+
+
 def test_bad_usage_weights_say_which_name_is_wrong(tmp_path: Path) -> None:
     """A negative weight or an unknown name is refused with a message naming it."""
     spec = pool(tmp_path, {"a": model(tmp_path, "a")})
@@ -136,10 +152,19 @@ class Clock:
 
 class TimedModel:
     """A real model whose calls move the clock: the load by `load`, each generate by costs[i] for its
-    i-th call, then 0.3 s for the batches' first prompt and 0.1 s for any other."""
+    i-th call, then batch_costs: 0.3 s for the batches' first prompt and 0.1 s for any other by default."""
 
-    def __init__(self, m: Model, clock: Clock, load: float, costs: list[float], batch_first: str) -> None:
+    def __init__(
+        self,
+        m: Model,
+        clock: Clock,
+        load: float,
+        costs: list[float],
+        batch_first: str,
+        batch_costs: tuple[float, float] = (0.3, 0.1),
+    ) -> None:
         self.m, self.clock, self.costs, self.batch_first = m, clock, costs, batch_first
+        self.batch_costs = batch_costs  # (the batches' first prompt, any other)
         self.calls: list[tuple[str, int]] = []
         self.closed = False
         clock.t += load
@@ -148,7 +173,8 @@ class TimedModel:
         r = self.m.generate(prompt, max_tokens=max_tokens)
         i = len(self.calls)
         self.calls.append((prompt, max_tokens))
-        self.clock.t += self.costs[i] if i < len(self.costs) else (0.3 if prompt == self.batch_first else 0.1)
+        first, other = self.batch_costs
+        self.clock.t += self.costs[i] if i < len(self.costs) else (first if prompt == self.batch_first else other)
         return r
 
     def close(self) -> None:
@@ -278,3 +304,31 @@ def test_a_written_profile_is_json_the_pool_reads_back(profiled: SimpleNamespace
     ra = profiled.data["models"]["a"]
     assert costs["c"] == Cost(k=ra["k"], b=ra["b"], load=ra["load"], nbytes=3 << 20, max_batch=1, p=0.25)
     assert costs["b"].nbytes == profiled.data["models"]["b"]["nbytes"] and costs["b"].max_batch == 2
+
+
+def test_profile_skips_batches_above_max_batch_in_any_order_and_notes_k_and_b_in_ms(
+    tmp_path: Path, tiny_model: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch sizes above the model's max_batch are skipped wherever they stand in the list; the note gives
+    the load in seconds and k and b in milliseconds."""
+    m = ModelSpec("m", tiny_model("qwen2", seed=1), n_ctx=256, max_batch=2)
+    spec = pool(tmp_path, {"m": m})
+    clock = Clock()
+    monkeypatch.setattr(prof, "time", SimpleNamespace(perf_counter=clock.perf_counter, strftime=time.strftime))
+    opened: list[TimedModel] = []
+
+    def opener(ms: ModelSpec, n_threads: int) -> TimedModel:
+        # a batch of n takes 2n + 3 seconds: 5 s for its first job, 2 s for each other
+        opened.append(TimedModel(open_model(ms, n_threads), clock, 1.0, [1.0, 1.0], prof.PROMPTS[1], (5.0, 2.0)))
+        return opened[-1]
+
+    monkeypatch.setattr(prof, "open_model", opener)
+    monkeypatch.setattr(prof, "rss_bytes", lambda: 0)
+    notes: list[str] = []
+    data = prof.profile(spec, max_tokens=2, batches=(4, 2, 1), note=notes.append)
+    (timed,) = opened
+    assert [p for p, _ in timed.calls[2:]] == [prof.PROMPTS[1], prof.PROMPTS[2], prof.PROMPTS[1]]  # 2, then 1
+    row = data["models"]["m"]
+    assert (row["load"], row["k"], row["b"]) == pytest.approx((1.0, 2.0, 3.0))
+    estimate = estimate_cost(m).nbytes / 2**20
+    assert notes[1] == f"    load 1.00 s, 0 MiB measured ({estimate:.0f} estimated), k 2000 ms, b 3000 ms"

@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -38,9 +39,9 @@ from moetier.pool.executor import (
     read_profile,
     rss_bytes,
 )
-from moetier.pool.sched import Cost
+from moetier.pool.sched import Cost, Scheduler
 from moetier.pool.server import PoolService, make_server
-from moetier.pool.spec import ModelSpec, PoolSpec, load_spec
+from moetier.pool.spec import ModelSpec, Pipeline, PoolSpec, Stage, load_spec
 
 PROMPTS = ["hello there", "the cat sat", "one two three", "abc def"]
 
@@ -300,7 +301,9 @@ def test_close_answers_what_is_still_queued(tmp_path: Path, tiny_model: ModelFac
     done = {n: (a, e) for n, a, e in got}
     assert done["d1"][0] is not None, done  # the running batch finished
     for n in ("d2", "d3"):
-        assert isinstance(done[n][1], ModelError) and "shutting down" in str(done[n][1])
+        assert isinstance(done[n][1], ModelError)
+        assert str(done[n][1]) == "the pool is shutting down; the request was not run"
+    assert pool.queue_depths() == {}  # nothing shows as queued after close
 
 
 def test_a_field_inside_the_request_text_stays_text(served: tuple[OpenAI, Pool, Path]) -> None:
@@ -976,6 +979,8 @@ def test_a_pool_job_passes_chat_messages_sampling_and_an_empty_prompt_through(
         assert a is None and isinstance(e, ConfigError) and str(e) == "generate: empty prompt"
         c = pool.counters["d"]
         assert (c.jobs, c.failures) == (3, 1)
+        assert ask(pool, "d", None, 4)[0] is None
+        assert (c.jobs, c.failures) == (4, 2)  # failures add up
     finally:
         pool.close()
         m.close()
@@ -992,9 +997,10 @@ def test_pool_answers_name_the_executor_that_ran_them(tmp_path: Path, tiny_model
 
 
 def test_a_failed_load_fails_its_jobs_and_the_next_job_loads_again(tmp_path: Path, tiny_model: ModelFactory) -> None:
-    """A failed load fails only its batch, is counted, and leaves the model unloaded so the next job loads it."""
+    """A failed load fails only its batch, is counted each time, and leaves the model unloaded so the next job
+    loads it."""
     opener = Opener()
-    opener.fail = 1
+    opener.fail = 2
     pool = small_pool(tmp_path, tiny_model, opener=opener)
     try:
         a, e = ask(pool, "d", "hi", 2)
@@ -1002,10 +1008,12 @@ def test_a_failed_load_fails_its_jobs_and_the_next_job_loads_again(tmp_path: Pat
         c = pool.counters["d"]
         assert (c.loads, c.load_failures, c.jobs, c.failures) == (0, 1, 1, 1)
         assert pool.resident() == {}
+        assert ask(pool, "d", "hi", 2)[0] is None
+        assert (c.loads, c.load_failures, c.jobs, c.failures) == (0, 2, 2, 2)
         a, e = ask(pool, "d", "hi", 2)
         assert e is None and a.load_seconds > 0
-        assert (c.loads, c.load_failures, c.jobs, c.failures) == (1, 1, 2, 1)
-        assert opener.loads == [("d", 1), ("d", 1)]
+        assert (c.loads, c.load_failures, c.jobs, c.failures) == (1, 2, 3, 2)
+        assert opener.loads == [("d", 1)] * 3
     finally:
         pool.close()
 
@@ -1086,6 +1094,8 @@ def test_switching_models_unloads_the_evicted_one_even_if_its_pages_cannot_be_dr
         again, _ = ask(pool, "a", "hi", 2)  # a second load of a: its load times add up
         c = pool.counters["a"]
         assert (c.loads, c.load_seconds) == (2, first.load_seconds + again.load_seconds)
+        ask(pool, "b", "hi", 2)  # a leaves a second time: its unloads add up
+        assert (c.unloads, pool.counters["b"].unloads) == (2, 1)
     finally:
         pool.close()
 
@@ -1167,4 +1177,99 @@ def test_a_model_whose_gguf_cannot_be_read_is_sized_by_its_file(tmp_path: Path, 
         assert pool.costs["bad"] == Cost(0.05, 0.01, 4096 / 300e6, 4096, 2)
         assert pool.costs["ok"] == estimate_cost(models["ok"])
     finally:
+        pool.close()
+
+
+def test_a_single_head_models_kv_cache_is_its_full_width(tiny_model: ModelFactory) -> None:
+    """With one attention head, the head is the model's whole width (64): the KV cache holds all of it."""
+    m = ModelSpec("d", tiny_model("qwen2", n_head=1, n_head_kv=1, seed=1), n_ctx=256)
+    assert gguf_bytes(m)[2]["n_head"] == 1
+    assert footprint(m)[1] == 2 * 2 * 256 * 1 * 64 * 2  # K and V, 2 layers, 256 positions, 1 head of 64, f16
+
+
+def test_eviction_frees_a_later_stage_whose_earlier_stage_is_not_resident_first(
+    tmp_path: Path, tiny_model: ModelFactory
+) -> None:
+    """The pool's scheduler knows the pipelines: a later stage's model (z, after a) with a not resident is
+    evicted before a model of no pipeline, though usage and name order would evict that one (b) first."""
+    names = ("a", "z", "b", "c")
+    models = {n: ModelSpec(n, tiny_model("qwen2", seed=i + 1), n_ctx=256) for i, n in enumerate(names)}
+    p = Pipeline("p", "one", {"one": Stage("one", "a", default="two"), "two": Stage("two", "z")})
+    spec = PoolSpec(tmp_path / "pool.yaml", 200, models, {"p": p}, threads=1)
+    costs = {n: Cost(k=0.05, b=0.01, load=0.01, nbytes=100, max_batch=4) for n in names}
+    opener = Opener()
+    pool = Pool(spec, costs, opener)  # type: ignore[arg-type]
+    try:
+        for n in ("z", "b", "c"):
+            assert ask(pool, n, "hi", 2)[1] is None
+        assert pool.resident() == {"b": 0, "c": 0}
+        assert opener.models["z"][0].closed and not opener.models["b"][0].closed
+        assert (pool.counters["z"].unloads, pool.counters["b"].unloads) == (1, 0)
+    finally:
+        pool.close()
+
+
+def test_the_scheduler_and_busy_seconds_add_up_what_each_call_and_batch_took(
+    tmp_path: Path, tiny_model: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sched_seconds adds up every submit and next_batch from 0, busy_seconds each batch's time from 0 (on a
+    clock that moves 0.25 s per submit, 0.5 s per next_batch and 2 s per load)."""
+    clock = SimpleNamespace(t=1000.0)
+    calls = {"submit": 0, "next_batch": 0}
+
+    class Timed(Scheduler):
+        def submit(self, job: Any, now: float) -> int:
+            calls["submit"] += 1
+            clock.t += 0.25
+            return super().submit(job, now)
+
+        def next_batch(self, q: int, now: float) -> Any:
+            calls["next_batch"] += 1
+            clock.t += 0.5
+            return super().next_batch(q, now)
+
+    def opener(m: ModelSpec, threads: int) -> Model:
+        clock.t += 2.0
+        return open_model(m, threads)
+
+    monkeypatch.setattr(executor, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    monkeypatch.setattr(executor, "Scheduler", Timed)
+    models = {"d": ModelSpec("d", tiny_model("qwen2", seed=1), n_ctx=256)}
+    pool = Pool(PoolSpec(tmp_path / "pool.yaml", 1 << 30, models, threads=1), None, opener)
+
+    def idle() -> bool:  # its last batch finished and counted
+        return pool.sched.executors[0].running is None
+
+    try:
+        for _ in range(2):
+            wait_for(idle)  # the clock moves only for one thread at a time
+            assert ask(pool, "d", "hi", 2)[1] is None
+        wait_for(idle)
+        with pool._cv:
+            assert calls["submit"] == 2 and calls["next_batch"] >= 3
+            assert pool.sched_seconds == 0.25 * calls["submit"] + 0.5 * calls["next_batch"]
+            assert pool.busy_seconds == [2.0]  # the first batch's load; the second took no time
+    finally:
+        pool.close()
+
+
+def test_a_job_goes_to_the_idle_executor_while_the_other_runs_a_batch(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    """With two executors, a job submitted while executor 0 runs a batch goes to executor 1 (the makespan rule
+    sees 0's running batch); the executors are daemon threads named by their number."""
+    costs = {"d": Cost(k=10.0, b=10.0, load=1.0, nbytes=100, max_batch=1)}
+    opener = Opener()
+    opener.gate = threading.Event()
+    pool = small_pool(tmp_path, tiny_model, executors=2, costs=costs, opener=opener)
+    got: dict[int, Any] = {}
+    try:
+        names = [(t.name, t.daemon) for t in pool._threads]
+        assert names == [("moetier-executor-0", True), ("moetier-executor-1", True)]
+        pool.submit("d", Work("hi", None, 2, lambda a, e: got.__setitem__(0, a)))
+        assert opener.loading.wait(30)  # executor 0 runs the first batch, held in its load
+        pool.submit("d", Work("hi", None, 2, lambda a, e: got.__setitem__(1, a)))
+        opener.gate.set()
+        wait_for(lambda: len(got) == 2)
+        assert (got[0].executor, got[1].executor) == (0, 1)
+    finally:
+        opener.gate.set()
         pool.close()
