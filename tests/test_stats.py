@@ -15,7 +15,7 @@ import pytest
 from _server import free_port, serve
 from conftest import LONG_PROMPT, ModelFactory
 from moetier import CacheConfig, Model, format_size, stats
-from moetier.stats import histogram, metrics_url, parse_prometheus, render
+from moetier.stats import EC, histogram, metrics_url, parse_prometheus, render
 
 # llama-server's layout (HELP, TYPE, sample) with the metrics the C++ side adds: a read-latency
 # histogram, the cache size gauge, prefetch counters; plus a labeled series and one nobody knows yet
@@ -506,3 +506,78 @@ def test_watch_once_writes_one_view_and_nothing_else(monkeypatch: pytest.MonkeyP
     assert stats.watch("h:1", once=True, out=out) == 0
     text = out.getvalue()
     assert text.count("moetier stats  ") == 1 and text.endswith('value",pos="1"} 3\n')
+
+
+def test_an_unreachable_server_is_named_with_the_reason_alone() -> None:
+    """A refused connection: the reason urllib wraps, not its '<urlopen error ...>' wrapper."""
+    from moetier import MoetierError
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(MoetierError) as e:
+        stats.fetch(url)
+    assert str(e.value).startswith(f"{url}/metrics: cannot reach the server ([Errno ")
+    assert str(e.value).endswith("] Connection refused)") and "urlopen" not in str(e.value)
+
+
+def test_only_slashes_are_trimmed_from_the_address() -> None:
+    assert metrics_url("http://h:1/llamaX//") == "http://h:1/llamaX/metrics"
+    assert metrics_url("BOX") == "http://BOX/metrics"
+
+
+def test_vram_tier_and_prefetch_gate_at_their_edges() -> None:
+    """VRAM hits without a copies counter: 0 copies; a prefetch gate that read in no step of one is
+    still shown (0.0%), as is one that read in the one step there was, or in fewer steps than not."""
+    base = "llamacpp:expert_cache_lookups_total 10\nllamacpp:expert_cache_prefetch_used_total 1\n"
+    rows = render("x", parse_prometheus(base + "llamacpp:expert_cache_vram_hits_total 4\n")).splitlines()
+    assert "VRAM tier      hit rate 40.0%  (4 hits, 0 copies from RAM, 0 B copied)" in rows
+    for on, off, share in ((0, 1, "0.0%"), (1, 0, "100.0%"), (1, 3, "25.0%")):
+        steps = f"{EC}prefetch_on_steps_total {on}\n{EC}prefetch_off_steps_total {off}\n"
+        rows = render("x", parse_prometheus(base + steps)).splitlines()
+        assert (
+            f"prefetch       used 1  wasted 0 (0.0% of the prefetched experts)  reading in {share} of decode steps"
+            in rows
+        )
+
+
+def test_a_histogram_without_buckets_is_one_entry() -> None:
+    """Only _sum and _count (no buckets): one entry with no median, its samples not listed again."""
+    m = parse_prometheus("# TYPE llamacpp:x_seconds histogram\nllamacpp:x_seconds_sum 3\nllamacpp:x_seconds_count 2\n")
+    assert render("x", m).splitlines()[2:] == ["other          x_seconds p50 - n 2"]
+
+
+def test_other_metrics_fill_the_width_exactly() -> None:
+    """Two columns of 43 (entries of 41 characters and 2 spaces) fit the 86 after the label; 44 do not."""
+    for n, per_line in ((39, 2), (40, 1)):
+        entries = [f"{c * n} 1" for c in "abc"]
+        lines = render("x", parse_prometheus("".join(f"llamacpp:{e}\n" for e in entries))).splitlines()[2:]
+        col = n + 4
+        want = [
+            f"{'other' if i == 0 else '':<14} " + "".join(e.ljust(col) for e in entries[i : i + per_line]).rstrip()
+            for i in range(0, len(entries), per_line)
+        ]
+        assert lines == want and max(len(line) for line in lines) <= 100
+
+
+def test_a_histogram_the_view_cannot_sum_up_is_listed_as_it_is() -> None:
+    """Labelled series (no unlabelled _count) and a _sum without _count are listed sample by sample
+    under "other", not dropped; a histogram's summary hides only its own series, not a metric whose
+    name begins with the histogram's."""
+    text = (
+        "# TYPE llamacpp:slot_wait_seconds histogram\n"
+        'llamacpp:slot_wait_seconds_bucket{le="1",slot="0"} 2\n'
+        'llamacpp:slot_wait_seconds_bucket{le="+Inf",slot="0"} 3\n'
+        'llamacpp:slot_wait_seconds_sum{slot="0"} 2.5\n'
+        'llamacpp:slot_wait_seconds_count{slot="0"} 3\n'
+        "# TYPE llamacpp:h histogram\nllamacpp:h_sum 3\n"
+    )
+    other = " ".join(render("x", parse_prometheus(text)).splitlines()[2:])
+    for sample in (
+        'slot_wait_seconds_bucket{le="1",slot="0"} 2',
+        'slot_wait_seconds_bucket{le="+Inf",slot="0"} 3',
+        'slot_wait_seconds_count{slot="0"} 3',
+        'slot_wait_seconds_sum{slot="0"} 2.5',
+        "h_sum 3",
+    ):
+        assert sample in other, sample
+    text = "# TYPE llamacpp:x histogram\nllamacpp:x_sum 3\nllamacpp:x_count 2\nllamacpp:x_other_total 7\n"
+    assert render("x", parse_prometheus(text)).splitlines()[2:] == ["other          x p50 - n 2      x_other_total 7"]

@@ -201,7 +201,8 @@ class _View:
     def hist(self, name: str) -> Histogram | None:
         h = histogram(self.m, name)
         if h is not None:
-            self.shown.update(k for k in self.m.values if k.startswith(name + "_"))
+            parts = tuple(name + s for s in ("_bucket", "_sum", "_count"))
+            self.shown.update(k for k in self.m.values if k.split("{", 1)[0] in parts)
         return h
 
     def row(self, label: str, text: str) -> None:
@@ -307,6 +308,8 @@ def _other_rows(w: _View, width: int = 100) -> None:
         h = w.hist(name)
         if h is not None:
             rest.append(f"{name.removeprefix(P)} p50 {_seconds(h.quantile(0.5))} n {_num(h.count)}")
+        else:  # labelled series, or no _count: no summary to give, so the samples as they are
+            rest.append(f"{key.removeprefix(P)} {_num(w.m.values[key])}")
     col = max((len(r) for r in rest), default=0) + 2
     per_line = max(1, (width - 14) // col) if col else 1
     for i in range(0, len(rest), per_line):
