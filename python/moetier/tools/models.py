@@ -307,6 +307,9 @@ class GGUFLayout:
         return dict(Counter(GGMLQuantizationType(t).name for _, t, _, _ in self.tensors))
 
 
+# no header field is near this: the largest are the vocabulary's arrays, a few MiB
+_HEADER_ITEM_MAX = 1 << 30
+
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
@@ -321,6 +324,9 @@ def read_gguf_layout(f: IO[bytes]) -> GGUFLayout:
 
     def take(n: int) -> bytes:
         nonlocal pos
+        if n > _HEADER_ITEM_MAX:  # a damaged length: read it and the stream fails, or asks for exabytes
+            msg = f"GGUF header damaged: a field of {n} bytes at byte {pos}"
+            raise FetchError(msg)
         b = f.read(n)
         if len(b) != n:
             msg = f"GGUF header truncated at byte {pos}"
@@ -362,11 +368,18 @@ def read_gguf_layout(f: IO[bytes]) -> GGUFLayout:
         name = string()
         shape = tuple(unpack("Q") for _ in range(unpack("I")))
         tensors.append((name, unpack("I"), shape, unpack("Q")))
-    align = int(kv.get("general.alignment", 32))
+    align = kv.get("general.alignment", 32)
+    if not isinstance(align, int) or isinstance(align, bool) or align <= 0:
+        msg = f"GGUF header damaged: general.alignment is {align!r}"
+        raise FetchError(msg)
     data_offset = (pos + align - 1) // align * align
     end = 0
-    for _, t, shape, off in tensors:
-        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+    for name, t, shape, off in tensors:
+        try:
+            block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+        except (ValueError, KeyError):
+            msg = f"GGUF header damaged: tensor {name} has type {t}, which gguf does not know"
+            raise FetchError(msg) from None
         n = 1
         for d in shape:
             n *= d
