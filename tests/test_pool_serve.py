@@ -1100,20 +1100,49 @@ def test_switching_models_unloads_the_evicted_one_even_if_its_pages_cannot_be_dr
         pool.close()
 
 
-def test_an_error_while_switching_fails_the_batch_and_the_executor_goes_on(
-    tmp_path: Path, tiny_model: ModelFactory
+def test_an_error_closing_the_evicted_model_is_reported_and_the_switch_goes_on(
+    tmp_path: Path, tiny_model: ModelFactory, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """An error freeing the evicted model fails that batch's jobs, and the executor keeps answering others."""
+    """An error freeing the evicted model is said on stderr and counted as its unload; the request that
+    evicted it is answered, and so are the next ones of both models."""
     costs = {m: Cost(k=0.05, b=0.01, load=0.01, nbytes=100, max_batch=4) for m in ("a", "b")}
     opener = Opener()
     pool = small_pool(tmp_path, tiny_model, ("a", "b"), budget=100, costs=costs, opener=opener)
     try:
         assert ask(pool, "a", "hi", 2)[1] is None
         opener.models["a"][0].close_error = RuntimeError("close failed")
+        for name in ("b", "b", "a"):
+            a, e = ask(pool, name, "hi", 2)
+            assert e is None and a.text == alone(pool.spec.models[name].path, "hi", 2)
+        assert "moetier pool: closing a failed (close failed); it left the pool\n" in capfd.readouterr().err
+        assert pool.counters["a"].unloads == 1 and pool.resident() == {"a": 0}
+    finally:
+        pool.close()
+
+
+def test_a_switch_that_fails_leaves_no_model_counted_as_resident(
+    tmp_path: Path, tiny_model: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error while freeing the evicted model fails that batch's jobs; the model it was to load is not
+    taken for resident, so its next request loads it and is answered."""
+    costs = {m: Cost(k=0.05, b=0.01, load=0.01, nbytes=100, max_batch=4) for m in ("a", "b")}
+    opener = Opener()
+    pool = small_pool(tmp_path, tiny_model, ("a", "b"), budget=100, costs=costs, opener=opener)
+    try:
+        assert ask(pool, "a", "hi", 2)[1] is None
+        real = executor.drop_page_cache
+
+        def drop(p: Path) -> None:
+            monkeypatch.setattr(executor, "drop_page_cache", real)  # once
+            msg = "drop failed"
+            raise RuntimeError(msg)
+
+        monkeypatch.setattr(executor, "drop_page_cache", drop)
         a, e = ask(pool, "b", "hi", 2)
-        assert a is None and isinstance(e, RuntimeError) and str(e) == "close failed"
-        a, e = ask(pool, "a", "hi", 2)
-        assert e is None and a.text == alone(pool.spec.models["a"].path, "hi", 2)
+        assert a is None and isinstance(e, RuntimeError) and str(e) == "drop failed"
+        assert "b" not in pool.resident()
+        a, e = ask(pool, "b", "hi", 2)
+        assert e is None and a.text == alone(pool.spec.models["b"].path, "hi", 2) and a.load_seconds > 0
     finally:
         pool.close()
 

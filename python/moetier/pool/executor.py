@@ -331,7 +331,10 @@ class Pool:
     def _unload(self, q: int, model: str) -> None:
         m = self._loaded[q].pop(model, None)
         if m is not None:
-            m.close()
+            try:
+                m.close()
+            except Exception as e:  # it is out of the pool either way; the batch that evicted it goes on
+                sys.stderr.write(f"moetier pool: closing {model} failed ({e}); it left the pool\n")
             del m
             self.counters[model].unloads += 1
         try:
@@ -367,6 +370,9 @@ class Pool:
             except Exception as e:  # never leave a request waiting, never lose the executor
                 for job in batch.jobs[answered:]:
                     _deliver(job.payload, None, e)
+                if batch.model not in self._loaded[q]:  # the scheduler must not count on a model never loaded
+                    with self._cv:
+                        self.sched.unloaded(q, batch.model)
             self.busy_seconds[q] += time.perf_counter() - started
             with self._cv:
                 self.sched.finish(batch)
