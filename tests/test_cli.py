@@ -260,6 +260,52 @@ USER_ERRORS = [
     (["run", "-m", "{moe}", "-p", "hi", "--store", "{text}"], "{text}: is a file, not an expert store"),
     (["run", "-m", "{moe}", "-p", "hi", "--no-cache", "--store", "{other_store}"], "drop --no-cache or --store"),
     (["run", "-m", "{dense}", "-p", "hi", "--cache", "1M"], "the expert cache needs a MoE model"),
+    (["run", "-m", "{dense}", "-p", "hi"], "the expert cache needs a MoE model; run it with --no-cache"),
+    (["run", "-m", "{moe}", "-p", "hi", "--n-threads", "100000"], "--n-threads: 100000 must be at most 512"),
+    (["run", "-m", "{moe}", "-p", "hi", "--n-ctx", "99999999999"], "--n-ctx: 99999999999 must be at most 2147483647"),
+    (
+        ["run", "-m", "{moe}", "-p", "hi", "-n", "2147483648"],
+        "'2147483648' is not a number of tokens (0 to 2147483647)",
+    ),
+    (["run", "-m", "{moe}", "-p", "hi", "--seed=-1"], "--seed -1 must be an integer in [0, 4294967295]"),
+    (["run", "-m", "{moe}", "-p", "hi", "--seed", "4294967296"], "--seed 4294967296 must be an integer in"),
+    (["run", "-m", "{moe}", "-p", "hi", "--temperature", "nan"], "--temperature nan must be a finite number"),
+    (["run", "-m", "{moe}", "-p", "hi", "--temperature", "inf"], "--temperature inf must be a finite number"),
+    (["run", "-m", "{moe}", "-p", "hi", "--temperature=-1"], "--temperature -1.0 must be a finite number, 0"),
+    (["run", "-m", "{moe}", "-p", "hi", "-ngl", "9999999999999"], "-ngl 9999999999999 must be a non-negative"),
+    (["run", "-m", "{moe}", "-p", ""], "-p: empty prompt"),
+    (
+        ["run", "-m", "{moe}", "-p", "hi", "--no-cache", "--cache", "1M", "--cache-t1", "0.5"],
+        "--cache, --cache-t1: no effect with --no-cache",
+    ),
+    (
+        ["run", "-m", "{moe}", "-p", "hi", "--no-cache", "--cache-config", "{bad_json}"],
+        "--cache-config {bad_json}: no effect with",
+    ),
+    (["calibrate", "{moe}", "--corpus", "{text}", "--show", "-3"], "argument --show: '-3' is not a number of rows"),
+    (["stats", "127.0.0.1:9", "--interval", "inf"], "--interval: inf is not a number of seconds in (0, 86400]"),
+    (["serve-pool", "{text}", "--port", "65536"], "argument --port: '65536' is not a TCP port (0 to 65535"),
+    (
+        ["serve-variants", "{moe}", "{moe}", "--stores", "{dir}", "{dir}", "--names", "a,", "--cache", "1M"],
+        "--names a,: each variant needs its own non-empty name",
+    ),
+    (
+        ["serve-variants", "{moe}", "{moe}", "--stores", "{dir}", "{dir}", "--names", "a, a", "--cache", "1M"],
+        "--names a, a: each variant needs its own",
+    ),
+    (
+        ["moefy", "{dense}", "-o", "{missing}", "--calib", "{text}", "--calib-tokens=-5"],
+        "--calib-tokens: -5 must be a positive integer",
+    ),
+    (
+        ["moefy", "{dense}", "-o", "{missing}", "--calib", "{text}", "--router-ridge", "nan"],
+        "--router-ridge: nan must be a finite number",
+    ),
+    (
+        ["moefy", "{dense}", "-o", "{missing}", "--calib", "{text}", "--distill-epochs=-3"],
+        "--distill-epochs: -3 must be >= 0",
+    ),
+    (["demo", "--calib-tokens", "0"], "--calib-tokens: 0 must be a positive integer"),
     (["pack", "{moe}", "-o", "{full}", "-q"], "{full}: holds notes.txt, so it is not a store directory"),
     (["pack", "{moe}", "-o", "{text}", "-q"], "{text}: is a file, not a directory"),
     (["pack", "{text}", "-q"], "{text}: not a GGUF file"),
@@ -403,3 +449,65 @@ def test_pack_takes_its_flags(tiny_model: ModelFactory, tmp_path: Path, capsys: 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["low_type"] == "q8_0"
     assert {p["type_low"] for layer in manifest["layers"] for p in layer["projections"]} == {"q8_0"}
+
+
+def test_serve_passes_llama_servers_m_flags_through(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """llama-server's -md, -mg, -mm, -mmu, -mmdev and -mu reach it whole, not read as `-m` with a value
+    (`-md X` was `-m d`); the model stays the one -m names."""
+    from moetier import server
+
+    got: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(server, "exec_tool", lambda tool, args: got.append((tool, list(args))))
+    moe, dense = str(files["moe"]), str(files["dense"])
+    extra = ["-md", dense, "-mg", "0", "-mmdev=none", "-mu", "http://x/m.gguf"]
+    assert main(["serve", "-mm", "proj.gguf", "-m", moe, *extra, "--port", "0"]) == 0
+    ((tool, args),) = got
+    assert tool == "llama-server" and args[:2] == ["-m", moe]
+    rest = args[2:]
+    for flag, value in (("-md", dense), ("-mg", "0"), ("-mu", "http://x/m.gguf"), ("-mm", "proj.gguf")):
+        assert rest[rest.index(flag) + 1] == value
+    assert "-mmdev=none" in rest and rest.count("-m") == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("command", ["serve-pool", "serve-variants"])
+def test_a_server_that_cannot_listen_says_which_flag_and_frees_its_models(
+    files: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    """An address in use or a host that does not resolve: one line naming --port or --host, after the
+    models loaded for the server were freed."""
+    import moetier.pool.executor as executor
+    import moetier.variants as variants
+
+    closed: list[str] = []
+    for cls in (executor.Pool, variants.Variants):
+        real = cls.close
+        monkeypatch.setattr(
+            cls, "close", lambda self, real=real, name=cls.__name__: (closed.append(name), real(self))[1]
+        )
+    if command == "serve-pool":
+        cfg = tmp_path / "pool.yaml"
+        cfg.write_text(f"budget: 1G\nmodels:\n  a: {{path: {files['dense']}}}\n")
+        args = ["serve-pool", str(cfg), "--no-profile"]
+    else:
+        store = tmp_path / "moe.experts"
+        assert main(["pack", str(files["moe"]), "-o", str(store), "-q"]) == 0
+        capsys.readouterr()
+        moe = str(files["moe"])
+        args = ["serve-variants", moe, moe, "--stores", str(store), str(store), "--names", "a,b", "--cache", "1M"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, err = cli(capsys, *args, "--port", str(port))
+    assert rc == 1 and err.startswith(f"moetier: error: --port {port}: cannot listen on 127.0.0.1:{port} (")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    rc, err = cli(capsys, *args, "--host", "no-such-host.invalid", "--port", "0")
+    assert rc == 1 and err.startswith("moetier: error: --host no-such-host.invalid: cannot resolve it (")
+    assert closed == ["Pool" if command == "serve-pool" else "Variants"] * 2

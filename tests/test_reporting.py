@@ -144,7 +144,10 @@ def test_budget_auto_and_sizes_normalised() -> None:
     assert CacheConfig(budget="auto").budget_text == "auto"
     c = CacheConfig(budget="2M", reserve="4K")
     assert (c.budget_bytes, c.reserve, c.budget_text) == (2 << 20, 4096, str(2 << 20))
-    off = r"^cache\.budget: 0 turns the cache off; pass cache=None instead \(on the command line: --no-cache\)$"
+    off = (
+        r"^cache\.budget: 0 turns the cache off; pass cache=None instead "
+        r"\(moetier run: --no-cache; moetier serve: leave out --cache\)$"
+    )
     with pytest.raises(ConfigError, match=off):
         CacheConfig(budget=0)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import _log
 from .config import AUTO, CacheConfig, ContextConfig, PackConfig, format_size
-from .errors import ConfigError, MoetierError
+from .errors import ConfigError, ModelError, MoetierError
 from .tools.moefy import MoefyConfig
 
 if TYPE_CHECKING:
@@ -142,36 +142,105 @@ def _context_config(ns: argparse.Namespace) -> ContextConfig:
         raise _flag_error(e, ContextConfig, "context", "") from None
 
 
+def _port(value: str) -> int:
+    """argparse type of a TCP port: 0 to 65535."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        msg = f"{value!r} is not a TCP port (0 to 65535; 0 picks a free one)"
+        raise argparse.ArgumentTypeError(msg)
+    return n
+
+
+def _rows(value: str) -> int:
+    """argparse type of a number of table rows: 0 or more."""
+    if not value.isdigit():
+        msg = f"{value!r} is not a number of rows (0 or more)"
+        raise argparse.ArgumentTypeError(msg)
+    return int(value)
+
+
 def _tokens(value: str) -> int:
     """argparse type of a token count: an integer, 0 or more."""
     try:
         n = int(value)
     except ValueError:
         n = -1
-    if n < 0:
-        msg = f"{value!r} is not a number of tokens (0 or more)"
+    if not 0 <= n <= 2**31 - 1:
+        msg = f"{value!r} is not a number of tokens (0 to {2**31 - 1})"
         raise argparse.ArgumentTypeError(msg)
     return n
 
 
+# what Model and generate name in their errors -> the flag of `moetier run` that set it
+_RUN_FLAGS = {
+    "n_gpu_layers: ": "-ngl ",
+    "rpc: ": "--rpc ",
+    "tensor_overrides: ": "-ot ",
+    "generate: max_tokens ": "-n ",
+    "generate: temperature ": "--temperature ",
+    "generate: seed ": "--seed ",
+    "generate: empty prompt": "-p: empty prompt",
+}
+
+
+def _run_flag_error(e: MoetierError) -> MoetierError:
+    """e with the flag of `moetier run` named where it names an argument of Model or generate."""
+    text = str(e)
+    if not isinstance(e, (ConfigError, ModelError)):  # a StoreError carries more than its text
+        return e
+    for name, flag in _RUN_FLAGS.items():
+        if text.startswith(name):
+            return type(e)(flag + text[len(name) :])
+    if text.endswith("drop the expert cache option for dense models"):
+        return type(e)(text.removesuffix("drop the expert cache option for dense models") + "run it with --no-cache")
+    return e
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
-    from .model import Model
+    from .model import Model, check_sampling
+
+    try:  # before the model loads
+        check_sampling(ns.n_predict, ns.temperature, ns.seed)
+    except ConfigError as e:
+        raise _run_flag_error(e) from None
+    if not ns.prompt:
+        msg = "-p: empty prompt"
+        raise ConfigError(msg)
 
     if ns.no_cache and ns.store:
         msg = f"--store {ns.store}: an expert store is read through the expert cache; drop --no-cache or --store"
         raise ConfigError(msg)
+    if ns.no_cache:
+        # without a cache these would be dropped: say so rather than run without them
+        defaults = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+        values = _fields_of(ns, CacheConfig, "cache-")
+        given = [
+            "--cache" if k == "budget" else f"--cache-{k.replace('_', '-')}"
+            for k, v in values.items()
+            if v != defaults[k]
+        ]
+        given += [f"--cache-config {ns.cache_config}"] if ns.cache_config else []
+        if given:
+            msg = f"{', '.join(given)}: no effect with --no-cache (the expert cache is off); drop one or the other"
+            raise ConfigError(msg)
     cache = None if ns.no_cache else _cache_config(ns)
     ctx = _context_config(ns)
     overrides = [o for arg in ns.override_tensor for o in arg.split(",") if o]  # as -ot: comma-separated too
-    m = Model(
-        ns.model,
-        store=ns.store,
-        cache=cache,
-        context=ctx,
-        n_gpu_layers=ns.n_gpu_layers,
-        rpc=ns.rpc,
-        tensor_overrides=overrides,
-    )
+    try:
+        m = Model(
+            ns.model,
+            store=ns.store,
+            cache=cache,
+            context=ctx,
+            n_gpu_layers=ns.n_gpu_layers,
+            rpc=ns.rpc,
+            tensor_overrides=overrides,
+        )
+    except MoetierError as e:
+        raise _run_flag_error(e) from None
     for w in m.warnings:
         sys.stderr.write(f"moetier: warning: {w}\n")
     if cache is not None and cache.budget_bytes == AUTO:
@@ -186,7 +255,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
                 f"moetier: note: experts are read from the GGUF; `moetier pack {ns.model}` writes an expert "
                 "store: one read per expert with no copy, checksums, low-precision copies (--store)\n"
             )
-    r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
+    try:
+        r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
+    except MoetierError as e:
+        raise _run_flag_error(e) from None
     sys.stdout.write(r.text + "\n")
     sys.stderr.write(_stats_line(m, r) + "\n")
     return 0
@@ -289,15 +361,27 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _moefy_configs(ns: argparse.Namespace) -> tuple[MoefyConfig, Any]:
+    """The moefy and distillation configs from the flags; a bad value's error names its flag."""
+    from .tools.distill import DistillConfig
+
+    try:
+        cfg = MoefyConfig(**_fields_of(ns, MoefyConfig))
+    except ConfigError as e:
+        raise _flag_error(e, MoefyConfig, "moefy", "") from None
+    try:
+        return cfg, DistillConfig(**_fields_of(ns, DistillConfig, "distill-"))
+    except ConfigError as e:
+        raise _flag_error(e, DistillConfig, "distill", "distill-") from None
+
+
 def cmd_moefy(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .calibrate import read_texts
-    from .tools.distill import DistillConfig
     from .tools.moefy import moefy
 
-    cfg = MoefyConfig(**_fields_of(ns, MoefyConfig))
-    dcfg = DistillConfig(**_fields_of(ns, DistillConfig, "distill-"))
+    cfg, dcfg = _moefy_configs(ns)
     texts = read_texts(ns.calib, "--calib")
     text = "".join(texts)
     res = moefy(
@@ -403,6 +487,23 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _listen(make: Callable[[], Any], host: str, port: int, close: Callable[[], None]) -> Any:
+    """make()'s server listening on host:port; a host that does not resolve or an address in use is a
+    ConfigError naming the flag, after close() freed what was loaded for it."""
+    import socket
+
+    try:
+        return make()
+    except socket.gaierror as e:
+        close()
+        msg = f"--host {host}: cannot resolve it ({e.strerror or e})"
+        raise ConfigError(msg) from None
+    except OSError as e:
+        close()
+        msg = f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); pick another with --port N"
+        raise ConfigError(msg) from None
+
+
 def cmd_serve_pool(ns: argparse.Namespace) -> int:
     from .pool.executor import Pool
     from .pool.sched import Mechanisms
@@ -426,7 +527,7 @@ def cmd_serve_pool(ns: argparse.Namespace) -> int:
     pool = Pool(spec)
     for w in pool.warnings:
         sys.stderr.write(f"moetier serve-pool: warning: {w}\n")
-    server = make_server(PoolService(spec, pool), ns.host, ns.port)
+    server = _listen(lambda: make_server(PoolService(spec, pool), ns.host, ns.port), ns.host, ns.port, pool.close)
     names = ", ".join([*spec.models, *spec.pipelines])
     sys.stderr.write(
         f"moetier serve-pool: {len(spec.models)} models, {len(spec.pipelines)} pipelines, budget "
@@ -454,9 +555,12 @@ def cmd_serve_variants(ns: argparse.Namespace) -> int:
     if len(ns.stores) != len(ns.models):
         msg = f"--stores: {len(ns.stores)} stores for {len(ns.models)} variants; give one store per variant, in order"
         raise ConfigError(msg)
-    names = ns.names.split(",") if ns.names else [Path(m).stem for m in ns.models]
+    names = [n.strip() for n in ns.names.split(",")] if ns.names else [Path(m).stem for m in ns.models]
     if len(names) != len(ns.models):
         msg = f"--names: {len(names)} names for {len(ns.models)} variants"
+        raise ConfigError(msg)
+    if not all(names) or len(set(names)) != len(names):
+        msg = f"--names {ns.names}: each variant needs its own non-empty name"
         raise ConfigError(msg)
     if ns.cache is None:
         msg = "--cache: give the expert cache budget the variants share (e.g. 1GiB)"
@@ -464,7 +568,7 @@ def cmd_serve_variants(ns: argparse.Namespace) -> int:
     cache = CacheConfig.exact(budget=ns.cache, prefetch=0, warm=False)
     specs = [VariantSpec(n, Path(m), Path(st)) for n, m, st in zip(names, ns.models, ns.stores, strict=True)]
     vs = Variants(specs, cache, consolidation=ns.consolidate, n_ctx=ns.ctx_size, n_threads=ns.threads)
-    server = make_server(VariantService(vs, ns.ctx_size), ns.host, ns.port)
+    server = _listen(lambda: make_server(VariantService(vs, ns.ctx_size), ns.host, ns.port), ns.host, ns.port, vs.close)
     info = vs.cache_info()
     lossy = (
         f"consolidated by {ns.consolidate} ({vs.map['capacity'] if vs.map else 0} shared positions; lossy)"
@@ -517,8 +621,8 @@ def cmd_profile(ns: argparse.Namespace) -> int:
 def cmd_stats(ns: argparse.Namespace) -> int:
     from .stats import watch
 
-    if not ns.interval > 0:
-        msg = f"--interval: {ns.interval} is not a positive number of seconds"
+    if not 0 < ns.interval <= 86400:
+        msg = f"--interval: {ns.interval} is not a number of seconds in (0, 86400]"
         raise MoetierError(msg)
     return watch(ns.url, ns.interval, ns.once)
 
@@ -606,14 +710,20 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     def note(s: str) -> None:
         sys.stderr.write(s + "\n")
 
+    # the flags are checked before the download. The demo's recipe keeps the fits of
+    # bench/results/demo-0.5b.md (16384 tokens, ridge 0.1): 3 of 4 first answers as the dense model's,
+    # where moefy's defaults (32768, ridge 1.0) gave 1 of 4 (all four correct) at held-out perplexity
+    # 1.27x / 1.34x / 1.11x against 1.31x / 1.29x / 1.15x
+    try:
+        cfg = MoefyConfig(calib_tokens=ns.calib_tokens, router_ridge=0.1, refit_ridge=0.1)
+    except ConfigError as e:
+        raise _flag_error(e, MoefyConfig, "moefy", "") from None
+    try:
+        dcfg = DistillConfig(epochs=ns.distill_epochs)
+    except ConfigError as e:
+        raise _flag_error(e, DistillConfig, "distill", "distill-") from None
     quiet = not sys.stderr.isatty()
     src = models.fetch("qwen2.5-coder-0.5b", quiet=quiet, log=note)
-    # named by what the conversion depends on, so a changed conversion is made again, not reused
-    # the demo's recipe keeps the fits of bench/results/demo-0.5b.md (16384 tokens, ridge 0.1): 3 of
-    # 4 first answers as the dense model's, where moefy's defaults (32768, ridge 1.0) gave 1 of 4 (all
-    # four correct) at held-out perplexity 1.27x / 1.34x / 1.11x against 1.31x / 1.29x / 1.15x
-    cfg = MoefyConfig(calib_tokens=ns.calib_tokens, router_ridge=0.1, refit_ridge=0.1)
-    dcfg = DistillConfig(epochs=ns.distill_epochs)
     # named by what the conversion depends on (its configs and this recipe: generated prose beside the
     # built-in text), so a changed conversion is made again, not reused
     key = cache_key("generated prose + builtin text", key_fields(cfg), dataclasses.asdict(dcfg))[:8]
@@ -949,7 +1059,7 @@ def build_parser() -> argparse.ArgumentParser:
         "low copies the thresholds use)",
     )
     c.add_argument("-o", "--output", default=None, help="config file to write (default: MODEL.cache.json)")
-    c.add_argument("--show", type=int, default=12, help="policy table rows to print (default: 12)")
+    c.add_argument("--show", type=_rows, default=12, help="policy table rows to print (default: 12)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     from .calibrate import CalibrateConfig
 
@@ -966,7 +1076,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("config", help="pool configuration file (models, pipelines, budget, executors)")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    sp.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
+    sp.add_argument("--port", type=_port, default=8080, help="port (default: 8080; 0 picks a free one)")
     sp.add_argument(
         "--scheduler",
         default="",
@@ -999,9 +1109,11 @@ def build_parser() -> argparse.ArgumentParser:
         "copy for every variant: fewer reads, lower quality",
     )
     sv.add_argument("-c", "--ctx-size", type=int, default=2048, help="context tokens per variant (default: 2048)")
-    sv.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: llama.cpp's)")
+    sv.add_argument(
+        "-t", "--threads", type=int, default=None, help="compute threads (default: the machine's cores, at most 8)"
+    )
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    sv.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
+    sv.add_argument("--port", type=_port, default=8080, help="port (default: 8080; 0 picks a free one)")
     sv.set_defaults(func=cmd_serve_variants)
 
     pr = _command(
@@ -1077,7 +1189,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args[i] in SIZE_FLAGS and re.match(r"-[0-9.]", args[i + 1]):
             args[i : i + 2] = [f"{args[i]}={args[i + 1]}"]
         i += 1
+    # llama-server's -md, -mg, -mm, -mmu, -mmdev, -mu: argparse would read `-md X` as `-m d`
+    passed: list[str] = []
+    if first == "serve":
+        i = 0
+        while i < len(args):
+            if re.fullmatch(r"-m[a-z]+(=.*)?", args[i]):
+                n = 1 if "=" in args[i] or i + 1 == len(args) else 2
+                passed += args[i : i + n]
+                del args[i : i + n]
+            else:
+                i += 1
     ns, extra = parser.parse_known_args(args)
+    extra += passed
     if extra and not getattr(ns, "passthrough", False):
         ns.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _log.set_level("info" if ns.debug else "error")

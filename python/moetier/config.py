@@ -96,7 +96,10 @@ class CacheConfig:
         object.__setattr__(self, "reserve", parse_size(self.reserve, "cache.reserve"))
         object.__setattr__(self, "vram", parse_size(self.vram, "cache.vram", auto=True))
         if self.budget == 0:
-            msg = "cache.budget: 0 turns the cache off; pass cache=None instead (on the command line: --no-cache)"
+            msg = (
+                "cache.budget: 0 turns the cache off; pass cache=None instead (moetier run: --no-cache; "
+                "moetier serve: leave out --cache)"
+            )
             raise ConfigError(msg)
         for f in fields(self):
             row = PARAM_TABLE[FIELD_ROWS.get(f.name, f.name)]
@@ -195,6 +198,9 @@ class CacheConfig:
         return "auto" if self.budget_bytes == AUTO else str(self.budget_bytes)
 
 
+INT32_MAX = 2**31 - 1
+MAX_THREADS = 512  # GGML_MAX_N_THREADS: ggml's thread pool holds no more
+
 # ContextConfig.flash_attn -> llama_flash_attn_type
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 
@@ -232,6 +238,12 @@ class ContextConfig:
             elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 msg = f"context.{f.name}: {v!r} must be a positive integer"
                 raise ConfigError(msg)
+            elif v > INT32_MAX:  # llama.cpp's fields are 32-bit
+                msg = f"context.{f.name}: {v} must be at most {INT32_MAX}"
+                raise ConfigError(msg)
+        if self.n_threads > MAX_THREADS:
+            msg = f"context.n_threads: {self.n_threads} must be at most {MAX_THREADS} (ggml's limit)"
+            raise ConfigError(msg)
         if self.flash_attn not in FLASH_ATTN:
             msg = f"context.flash_attn: {self.flash_attn!r} must be one of {', '.join(FLASH_ATTN)}"
             raise ConfigError(msg)

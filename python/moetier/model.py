@@ -83,6 +83,19 @@ class GenerateResult:
         return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
 
+def check_sampling(max_tokens: int, temperature: float, seed: int) -> None:
+    """ConfigError naming the argument for a token count, temperature or seed the sampler cannot take."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 0 <= max_tokens <= 2**31 - 1:
+        msg = f"generate: max_tokens {max_tokens!r} must be an integer in [0, {2**31 - 1}]"
+        raise ConfigError(msg)
+    if not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
+        msg = f"generate: temperature {temperature!r} must be a finite number, 0 (greedy) or more"
+        raise ConfigError(msg)
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= 2**32 - 1:
+        msg = f"generate: seed {seed!r} must be an integer in [0, {2**32 - 1}]"
+        raise ConfigError(msg)
+
+
 def check_gguf(path: str | os.PathLike[str]) -> Path:
     """path as a Path if it names a GGUF file; ModelError saying what it names instead (nothing, a
     directory, a file of another format), before llama.cpp's loader would say only that it failed."""
@@ -150,7 +163,7 @@ class Model:
         self.store = Path(store) if store is not None else None
         params = cache.params(self.store, n_ctx=ctx.n_ctx) if cache else _core.Params()
         # errors come typed from the core: ConfigError, StoreError (at load and at decode alike), ModelError
-        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or n_gpu_layers < 0:
+        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not 0 <= n_gpu_layers <= 2**31 - 1:
             msg = f"n_gpu_layers: {n_gpu_layers!r} must be a non-negative integer (layers offloaded to a GPU)"
             raise ConfigError(msg)
         if not isinstance(rpc, str):
@@ -256,6 +269,7 @@ class Model:
         context fills up (as llama.cpp's tools stop); a prompt longer than the context is a ConfigError.
         on_first_token is called once the first token is sampled, before decode starts and outside
         both timings (so a benchmark can split its counters into prefill and decode there)."""
+        check_sampling(max_tokens, temperature, seed)
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.reset_stats()
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ every stage's model and timing under the response's `moetier` key."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -75,14 +76,16 @@ def parse_request(body: dict[str, Any], chat: bool, known: list[str], served: st
     if not isinstance(name, str) or name not in known:
         raise RequestError(404, f"unknown model {name!r}; {served}: {', '.join(known)}")
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 2**31 - 1
+    ):
         raise RequestError(400, f"max_tokens: {max_tokens!r} must be a positive integer")
     temperature = body.get("temperature", 0.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
         raise RequestError(400, f"temperature: {temperature!r} must be a number >= 0")
     seed = body.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise RequestError(400, f"seed: {seed!r} must be an integer")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**32 - 1:
+        raise RequestError(400, f"seed: {seed!r} must be an integer in [0, {2**32 - 1}]")
     messages: list[tuple[str, str]] | None = None
     if chat:
         raw = body.get("messages")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -200,6 +201,14 @@ class MoefyConfig:
         if not 0.0 <= self.shared_frac < 1.0:
             msg = f"moefy.shared_frac: {self.shared_frac} must be in [0, 1)"
             raise ConfigError(msg)
+        if isinstance(self.calib_tokens, bool) or not isinstance(self.calib_tokens, int) or self.calib_tokens < 1:
+            msg = f"moefy.calib_tokens: {self.calib_tokens!r} must be a positive integer"
+            raise ConfigError(msg)
+        for name in ("router_ridge", "refit_ridge", "router_scale"):
+            v = getattr(self, name)
+            if not 0.0 <= v < math.inf:  # NaN too: it would only surface as non-finite logits at the end
+                msg = f"moefy.{name}: {v} must be a finite number, 0 or more"
+                raise ConfigError(msg)
         if self.arch not in ARCHS:
             msg = f"moefy.arch: {self.arch!r} must be one of {', '.join(ARCHS)}"
             raise ConfigError(msg)
