@@ -579,5 +579,6 @@ def test_a_histogram_the_view_cannot_sum_up_is_listed_as_it_is() -> None:
         "h_sum 3",
     ):
         assert sample in other, sample
+    assert "llamacpp:" not in other  # listed without the prefix, as every other sample
     text = "# TYPE llamacpp:x histogram\nllamacpp:x_sum 3\nllamacpp:x_count 2\nllamacpp:x_other_total 7\n"
     assert render("x", parse_prometheus(text)).splitlines()[2:] == ["other          x p50 - n 2      x_other_total 7"]
