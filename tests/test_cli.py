@@ -232,6 +232,8 @@ def files(tiny_model: ModelFactory, tmp_path: Path) -> Iterator[dict[str, Path]]
     f["bad_json"].write_text('{"policy": "lru",\n')
     f["bad_value"] = tmp_path / "value.json"
     f["bad_value"].write_text(json.dumps({"t1": 5}))
+    f["odd_result"] = tmp_path / "odd.json"
+    f["odd_result"].write_text(json.dumps({"runs": {"moetier-25": 5}, "expert_bytes": 1}))
     f["npz"] = tmp_path / "other.npz"
     np.savez(f["npz"], x=np.zeros(3))
     yield f
@@ -327,6 +329,11 @@ USER_ERRORS = [
     (["moefy", "{dense}", "-o", "{missing}", "--calib", "{missing}"], "--calib {missing}: cannot read it"),
     (["stats", "host:port", "--once"], "host:port: not a server address"),
     (["bench-plot", "{bad_json}"], "{bad_json}: not a bench result: not JSON"),
+    (["bench-plot", "{odd_result}"], "{odd_result}: not a bench result (AttributeError: "),
+    (["replay", "{npz}", "--budgets", "25", "--t1", "5"], "--t1: 5.0 must lie in [0, 1]"),
+    (["replay", "{npz}", "--budgets", "25", "--weights=-1,0,0,0"], "--weights: '-1,0,0,0' needs 4 finite numbers"),
+    (["replay", "{npz}", "--budgets", "25", "--tokens=-5"], "--tokens: -5 must be 0 (every token) or more"),
+    (["replay", "{npz}", "--budgets", "25", "--policies", ","], "--policies: ',' names no policy"),
     (["sever"], "'sever' is not a command; did you mean serve?"),
     (["tool"], "name the tool to run"),
 ]

@@ -760,7 +760,7 @@ def test_replay_command_files_and_checks(tmp_path: Path, capsys: pytest.CaptureF
         (["--budgets", "101"], "--budgets: '101': each budget is a share of the experts in (0, 100]"),
         (["--budgets", ","], "--budgets: ',': each budget is a share of the experts in (0, 100]"),
         (["--budgets", "x"], "--budgets: 'x' is not a comma-separated list of numbers"),
-        (["--weights", "1,2"], "--weights: '1,2' needs 4 numbers (w_lru,w_lfu,w_lhu,w_fld)"),
+        (["--weights", "1,2"], "--weights: '1,2' needs 4 finite numbers, 0 or more (w_lru,w_lfu,w_lhu,w_fld)"),
         (["--weights", "a,b,c,d"], "--weights: 'a,b,c,d' is not a comma-separated list of numbers"),
         (["--expert-bytes", "0"], "--expert-bytes: '0' is not a size of at least 1 byte"),
         (["--expert-bytes", "lots"], "--expert-bytes: 'lots' is not a size of at least 1 byte"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -451,8 +452,19 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     w = _floats(a.weights, "--weights")
-    if len(w) != 4:
-        msg = f"--weights: {a.weights!r} needs 4 numbers (w_lru,w_lfu,w_lhu,w_fld)"
+    if len(w) != 4 or not all(0 <= x < math.inf for x in w):
+        msg = f"--weights: {a.weights!r} needs 4 finite numbers, 0 or more (w_lru,w_lfu,w_lhu,w_fld)"
+        raise ConfigError(msg)
+    for flag, t in (("--t1", a.t1), ("--t2", a.t2)):
+        if not 0 <= t <= 1:
+            msg = f"{flag}: {t} must lie in [0, 1]"
+            raise ConfigError(msg)
+    if a.tokens < 0:
+        msg = f"--tokens: {a.tokens} must be 0 (every token) or more"
+        raise ConfigError(msg)
+    policies = [x.strip() for x in a.policies.split(",") if x.strip()]
+    if not policies:
+        msg = f"--policies: {a.policies!r} names no policy"
         raise ConfigError(msg)
     budgets = _floats(a.budgets, "--budgets")
     if not budgets or any(not 0 < b <= 100 for b in budgets):
@@ -462,7 +474,7 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         a.trace,
         a.model,
         budgets,
-        [x.strip() for x in a.policies.split(",") if x.strip()],
+        policies,
         a.store,
         a.t1,
         a.t2,
