@@ -308,6 +308,18 @@ USER_ERRORS = [
         "--distill-epochs: -3 must be >= 0",
     ),
     (["demo", "--calib-tokens", "0"], "--calib-tokens: 0 must be a positive integer"),
+    (
+        ["serve-variants", "{moe}", "{dense}", "--stores", "{dir}", "{dir}", "--cache", "1M", "-t", "0"],
+        "--threads: 0 must be a positive integer",
+    ),
+    (
+        ["serve-variants", "{moe}", "{dense}", "--stores", "{dir}", "{dir}", "--cache", "1M", "-c", "0"],
+        "--ctx-size: 0 must be a positive integer",
+    ),
+    (
+        ["serve-variants", "{moe}", "{moe}", "--stores", "{dir}", "{dir}", "--cache", "1M"],
+        "--names (default: the files' stems, ",
+    ),
     (["pack", "{moe}", "-o", "{full}", "-q"], "{full}: holds notes.txt, so it is not a store directory"),
     (["pack", "{moe}", "-o", "{text}", "-q"], "{text}: is a file, not a directory"),
     (["pack", "{text}", "-q"], "{text}: not a GGUF file"),
@@ -380,6 +392,8 @@ def test_serve_refuses_what_llama_server_would_log_pages_about(files: dict[str, 
             (["-m", moe, "--store", str(files["other_store"])], "add --cache SIZE (or auto)"),
             (["-m", moe, "--cache", "1M", "--expert-opt", "t1=0.5"], "--expert-opt: moetier serve writes it"),
             (["-m", moe, "--cache", "12Q"], "--cache: '12Q' is not a size"),
+            (["-m", moe, "--cache-budget", "2M"], "--cache-budget: a flag of moetier run; moetier serve takes --cache"),
+            (["-m", moe, "--n-ctx=512"], "--n-ctx: a flag of moetier run"),
         ]
         for args, says in cases:
             r = moetier("serve", *args)
@@ -518,3 +532,26 @@ def test_a_server_that_cannot_listen_says_which_flag_and_frees_its_models(
     rc, err = cli(capsys, *args, "--host", "no-such-host.invalid", "--port", "0")
     assert rc == 1 and err.startswith("moetier: error: --host no-such-host.invalid: cannot resolve it (")
     assert closed == ["Pool" if command == "serve-pool" else "Variants"] * 2
+
+
+def test_run_says_which_flags_cannot_act(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """Flags given that this combination leaves without effect are each a warning, not silently dropped;
+    without them, no warning."""
+    moe = str(files["moe"])
+    assert main(["run", "-m", moe, "-p", "hi", "-n", "2", "--cache", "1M"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    args = ["--seed", "5", "--cache-reserve", "1M", "--cache-low-frac", "0.3", "--cache-prefetch", "0"]
+    assert main(["run", "-m", moe, "-p", "hi", "-n", "2", "--cache", "1M", *args, "--cache-prefetch-waste", "5"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moetier: warning: ")]
+    assert [w.removeprefix("moetier: warning: ").split(":")[0] for w in warnings] == [
+        "--seed 5",
+        "--cache-reserve",
+        "--cache-low-frac",
+        "--cache-prefetch-waste",
+    ]
+    from moetier.cli import _gpu_backends
+
+    assert main(["run", "-m", moe, "-p", "hi", "-n", "2", "-ngl", "1"]) == 0
+    err = capsys.readouterr().err
+    said = "moetier: warning: -ngl 1: this build has no GPU backend (CPU only); every layer runs on the CPU"
+    assert (said in err) == (not _gpu_backends())

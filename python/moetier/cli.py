@@ -199,6 +199,32 @@ def _run_flag_error(e: MoetierError) -> MoetierError:
     return e
 
 
+def _gpu_backends() -> list[str]:
+    """The GPU backends this build ships (libggml-cuda.so and alike beside the core)."""
+    here = Path(__file__).parent
+    cpu_only = {"base", "cpu", "rpc"}
+    names = (f.name.removeprefix("libggml-").split(".so")[0] for f in here.glob("libggml-*.so*"))
+    return sorted({n for n in names if n not in cpu_only})
+
+
+def _idle_flags(ns: argparse.Namespace, cache: CacheConfig | None) -> list[str]:
+    """`moetier run` flags given that cannot act in this combination: said, not silently dropped."""
+    out = []
+    if ns.n_gpu_layers > 0 and not ns.rpc and not _gpu_backends():
+        out.append(f"-ngl {ns.n_gpu_layers}: this build has no GPU backend (CPU only); every layer runs on the CPU")
+    if ns.temperature == 0 and ns.seed != 0:
+        out.append(f"--seed {ns.seed}: greedy decoding (--temperature 0) draws no random numbers")
+    if cache is not None:
+        if cache.reserve and cache.budget_bytes != AUTO:
+            out.append("--cache-reserve: it shapes the auto budget only; --cache gives the size")
+        low = ns.store is not None and cache.t1 < cache.t2
+        if cache.low_frac != CacheConfig.low_frac and not low:
+            out.append("--cache-low-frac: low-precision slots need a store (--store) and --cache-t1 below --cache-t2")
+        if cache.prefetch_waste != CacheConfig.prefetch_waste and cache.prefetch == 0:
+            out.append("--cache-prefetch-waste: prefetch is off (--cache-prefetch 0)")
+    return out
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
     from .model import Model, check_sampling
 
@@ -241,7 +267,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         )
     except MoetierError as e:
         raise _run_flag_error(e) from None
-    for w in m.warnings:
+    for w in [*m.warnings, *_idle_flags(ns, cache)]:
         sys.stderr.write(f"moetier: warning: {w}\n")
     if cache is not None and cache.budget_bytes == AUTO:
         sys.stderr.write(f"moetier: {m.budget_note}\n")
@@ -481,6 +507,10 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
         if given:
             msg = f"{', '.join(given)}: the expert cache is off; add --cache SIZE (or auto)"
             raise ConfigError(msg)
+    run_only = [a.split("=")[0] for a in extra if a.split("=")[0] in ("--cache-budget", "--n-ctx", "--n-threads")]
+    if run_only:
+        msg = f"{run_only[0]}: a flag of moetier run; moetier serve takes --cache SIZE and llama-server's -c and -t"
+        raise ConfigError(msg)
     args = _tool_args(ns, extra)
     check_port(extra)
     exec_tool("llama-server", args)
@@ -560,7 +590,8 @@ def cmd_serve_variants(ns: argparse.Namespace) -> int:
         msg = f"--names: {len(names)} names for {len(ns.models)} variants"
         raise ConfigError(msg)
     if not all(names) or len(set(names)) != len(names):
-        msg = f"--names {ns.names}: each variant needs its own non-empty name"
+        given = f"--names {ns.names}" if ns.names else f"--names (default: the files' stems, {', '.join(names)})"
+        msg = f"{given}: each variant needs its own non-empty name"
         raise ConfigError(msg)
     if ns.cache is None:
         msg = "--cache: give the expert cache budget the variants share (e.g. 1GiB)"
@@ -907,7 +938,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=CacheConfig.budget,
         help="alias of --cache-budget: expert cache size, e.g. 256M, or auto (from the memory limit; the default)",
     )
-    rc.add_argument("--cache-config", metavar="FILE", default=None, help="JSON cache config (from `moetier calibrate`)")
+    rc.add_argument(
+        "--cache-config",
+        metavar="FILE",
+        default=None,
+        help="JSON cache config (from `moetier calibrate`); a --cache-* flag given with a value other than its "
+        "default wins over the file's",
+    )
     _add_dataclass_args(rc, CacheConfig, "cache-")
     _add_dataclass_args(r.add_argument_group("llama.cpp context"), ContextConfig)
     r.set_defaults(func=cmd_run)
@@ -1176,6 +1213,17 @@ def build_parser() -> argparse.ArgumentParser:
 SIZE_FLAGS = ("--cache", "--cache-budget", "--cache-reserve", "--cache-vram", "--budget")
 
 
+def _context_flag(parser: argparse.ArgumentParser, text: str) -> str:
+    """text, where it names a context field a command sets from its own flag (`context.n_threads: 0 ...`
+    from `-t 0`), naming that flag instead."""
+    flags = parser._option_string_actions
+    for name, options in (("n_threads", ("--threads", "--n-threads")), ("n_ctx", ("--ctx-size", "--n-ctx"))):
+        flag = next((o for o in options if o in flags), None)
+        if flag is not None and text.startswith(f"context.{name}: "):
+            return f"{flag}: {text.removeprefix(f'context.{name}: ')}"
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
@@ -1218,7 +1266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MoetierError as e:
         if ns.debug:
             raise
-        sys.stderr.write(f"moetier: error: {e}\n")
+        sys.stderr.write(f"moetier: error: {_context_flag(ns.parser, str(e))}\n")
         return 1
     except OSError as e:
         # a file the command reads or writes: its name and the reason (missing, a directory, no permission)
