@@ -371,11 +371,19 @@ def test_calibrate_config_bounds() -> None:
     for kw in ({"tokens": 0}, {"seq_len": 0}, {"grid": 0}):
         with pytest.raises(ConfigError) as e:
             CalibrateConfig(**kw)  # type: ignore[arg-type]
-        assert str(e.value) == "calibrate: tokens, seq_len and grid must be positive"
-    for kw2 in ({"target_low": 1.1}, {"target_skip": -0.1}, {"target_low": 0.6, "target_skip": 0.5}):
+        ((name, value),) = kw.items()
+        assert str(e.value) == f"calibrate.{name}: {value} must be positive"
+    for kw2, says in (
+        ({"target_low": 1.1}, "calibrate.target_low: 1.1 must lie in [0, 1]"),
+        ({"target_skip": -0.1}, "calibrate.target_skip: -0.1 must lie in [0, 1]"),
+        (
+            {"target_low": 0.6, "target_skip": 0.5},
+            "calibrate.target_skip: 0.5 and target_low 0.6 must sum to at most 1",
+        ),
+    ):
         with pytest.raises(ConfigError) as e:
             CalibrateConfig(**kw2)  # type: ignore[arg-type]
-        assert str(e.value) == "calibrate: target_low and target_skip must lie in [0, 1] and sum to at most 1"
+        assert str(e.value) == says
 
 
 def test_trace_load_checks_what_it_reads(tmp_path: Path) -> None:

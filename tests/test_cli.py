@@ -232,6 +232,8 @@ def files(tiny_model: ModelFactory, tmp_path: Path) -> Iterator[dict[str, Path]]
     f["bad_json"].write_text('{"policy": "lru",\n')
     f["bad_value"] = tmp_path / "value.json"
     f["bad_value"].write_text(json.dumps({"t1": 5}))
+    f["text_named_model"] = tmp_path / "context.model"  # a file name that looks like a config field
+    f["text_named_model"].write_text("not a model\n")
     f["odd_result"] = tmp_path / "odd.json"
     f["odd_result"].write_text(json.dumps({"runs": {"moetier-25": 5}, "expert_bytes": 1}))
     f["npz"] = tmp_path / "other.npz"
@@ -308,6 +310,13 @@ USER_ERRORS = [
         "--distill-epochs: -3 must be >= 0",
     ),
     (["demo", "--calib-tokens", "0"], "--calib-tokens: 0 must be a positive integer"),
+    (["calibrate", "{moe}", "--corpus", "{text}", "--budget", "1M", "--tokens", "0"], "--tokens: 0 must be positive"),
+    (
+        ["calibrate", "{moe}", "--corpus", "{text}", "--budget", "1M", "--target-low", "2"],
+        "--target-low: 2.0 must lie in [0, 1]",
+    ),
+    (["calibrate", "{moe}", "--corpus", "{text}", "--budget", "0"], "--budget: 0 turns the cache off"),
+    (["run", "-m", "{text_named_model}", "-p", "hi"], "{text_named_model}: not a GGUF file"),
     (
         ["serve-variants", "{moe}", "{dense}", "--stores", "{dir}", "{dir}", "--cache", "1M", "-t", "0"],
         "--threads: 0 must be a positive integer",

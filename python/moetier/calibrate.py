@@ -63,11 +63,16 @@ class CalibrateConfig:
     grid: int = field(default=4, metadata={"help": "policy weights are multiples of 1/GRID summing to 1"})
 
     def __post_init__(self) -> None:
-        if self.tokens < 1 or self.seq_len < 1 or self.grid < 1:
-            msg = "calibrate: tokens, seq_len and grid must be positive"
-            raise ConfigError(msg)
-        if not (0 <= self.target_low <= 1 and 0 <= self.target_skip <= 1 and self.target_low + self.target_skip <= 1):
-            msg = "calibrate: target_low and target_skip must lie in [0, 1] and sum to at most 1"
+        for name in ("tokens", "seq_len", "grid"):
+            if getattr(self, name) < 1:
+                msg = f"calibrate.{name}: {getattr(self, name)} must be positive"
+                raise ConfigError(msg)
+        for name in ("target_low", "target_skip"):
+            if not 0 <= getattr(self, name) <= 1:
+                msg = f"calibrate.{name}: {getattr(self, name)} must lie in [0, 1]"
+                raise ConfigError(msg)
+        if self.target_low + self.target_skip > 1:
+            msg = f"calibrate.target_skip: {self.target_skip} and target_low {self.target_low} must sum to at most 1"
             raise ConfigError(msg)
 
 

@@ -1213,15 +1213,18 @@ def build_parser() -> argparse.ArgumentParser:
 SIZE_FLAGS = ("--cache", "--cache-budget", "--cache-reserve", "--cache-vram", "--budget")
 
 
-def _context_flag(parser: argparse.ArgumentParser, text: str) -> str:
-    """text, where it names a context field a command sets from its own flag (`context.n_threads: 0 ...`
-    from `-t 0`), naming that flag instead."""
+def _named_flag(parser: argparse.ArgumentParser, text: str) -> str:
+    """text, where it names a config field that the command sets from a flag (`calibrate.tokens: 0 ...`
+    from `--tokens 0`, `context.n_threads: ...` from `-t`), naming that flag instead."""
+    m = re.match(r"(context|calibrate|moefy|distill|cache|pack)\.(\w+): ", text)  # not a file name
+    if m is None:
+        return text
+    section, name = m.groups()
+    dashed = name.replace("_", "-")
+    own = {"n_threads": ("--threads", "--n-threads"), "n_ctx": ("--ctx-size", "--n-ctx")}.get(name, ())
     flags = parser._option_string_actions
-    for name, options in (("n_threads", ("--threads", "--n-threads")), ("n_ctx", ("--ctx-size", "--n-ctx"))):
-        flag = next((o for o in options if o in flags), None)
-        if flag is not None and text.startswith(f"context.{name}: "):
-            return f"{flag}: {text.removeprefix(f'context.{name}: ')}"
-    return text
+    flag = next((f for f in (*own, f"--{dashed}", f"--{section}-{dashed}") if f in flags), None)
+    return text if flag is None else f"{flag}: {text[m.end() :]}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1266,7 +1269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MoetierError as e:
         if ns.debug:
             raise
-        sys.stderr.write(f"moetier: error: {_context_flag(ns.parser, str(e))}\n")
+        sys.stderr.write(f"moetier: error: {_named_flag(ns.parser, str(e))}\n")
         return 1
     except OSError as e:
         # a file the command reads or writes: its name and the reason (missing, a directory, no permission)
