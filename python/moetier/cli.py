@@ -910,7 +910,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="layers offloaded to a GPU (a CUDA build; with --cache-vram their experts are cached in its memory) "
-        "or to the --rpc servers",
+        "or to the --rpc servers (default: 0, every layer on the CPU)",
     )
     r.add_argument(
         "--rpc",
@@ -926,7 +926,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="put the tensors matching PATTERN in buffer type TYPE (CPU, RPC0[HOST:PORT], CUDA0), as llama.cpp's -ot; "
-        "repeatable",
+        "repeatable (default: none, llama.cpp's placement)",
     )
     r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
@@ -957,7 +957,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cache's counters. Every llama-server option passes through (see `moetier tool llama-server --help`).",
     )
     s.add_argument("-m", "--model", required=True, help="GGUF model file")
-    s.add_argument("--store", metavar="DIR", default=None, help="expert store written by `moetier pack`")
+    s.add_argument(
+        "--store", metavar="DIR", default=None, help="expert store written by `moetier pack` (default: read the GGUF)"
+    )
     sc = s.add_argument_group("expert cache")
     sc.add_argument(
         "--cache",
@@ -1033,7 +1035,13 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="calibration text file(s): real text, not the eval set",
     )
-    f.add_argument("-t", "--threads", type=int, default=None, help="threads for the calibration run")
+    f.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for the calibration run (default: the machine's cores, at most 8)",
+    )
     f.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     f.add_argument(
         "--report",
@@ -1123,10 +1131,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--scheduler",
         default="",
-        help="override the file's scheduler: coserve, none, +evict, +arrange, fcfs-lru, fifo, round-robin",
+        help="override the file's scheduler: coserve, none, +evict, +arrange, fcfs-lru, fifo, round-robin "
+        "(default: the file's)",
     )
-    sp.add_argument("--executors", type=int, default=0, help="override the file's number of executors")
-    sp.add_argument("--threads", type=int, default=0, help="override the file's compute threads per executor")
+    sp.add_argument(
+        "--executors", type=int, default=0, help="override the file's number of executors (default 0: the file's)"
+    )
+    sp.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="override the file's compute threads per executor (default 0: the file's)",
+    )
     sp.add_argument("--no-profile", action="store_true", help="ignore the file's profile: estimate the costs")
     sp.set_defaults(func=cmd_serve_pool)
 

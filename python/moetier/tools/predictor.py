@@ -127,7 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--ridge", type=float, default=1e-3, help="ridge strength, times x^T x's mean diagonal (default: %(default)s)"
     )
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads")
+    p.add_argument(
+        "-t", "--threads", type=int, default=None, help="compute threads (default: the machine's cores, at most 8)"
+    )
     a = p.parse_args(argv)
     t0 = time.monotonic()
     text = "\n\n".join(read_texts(a.text, "--text"))

@@ -352,7 +352,9 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--seq-len", type=int, default=512, help="tokens per sequence; each starts from an empty context (default: 512)"
     )
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads")
+    p.add_argument(
+        "-t", "--threads", type=int, default=None, help="compute threads (default: the machine's cores, at most 8)"
+    )
     a = p.parse_args(argv)
     text = "\n\n".join(read_texts(a.text, "--text"))
     tr = record_trace(a.model, text, CalibrateConfig(tokens=a.tokens, seq_len=a.seq_len), a.threads)

@@ -117,7 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--text", required=True, help="text file to route (held-out text, not calibration text)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the trace (default: 4096)")
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens per generation (default: 64)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads")
+    p.add_argument(
+        "-t", "--threads", type=int, default=None, help="compute threads (default: the machine's cores, at most 8)"
+    )
     p.add_argument("--json", default=None, help="write the report as JSON here")
     a = p.parse_args(argv)
     r = routing_report(a.model, read_texts([a.text], "--text")[0], a.tokens, (), a.n_predict, a.threads)
