@@ -234,6 +234,10 @@ def files(tiny_model: ModelFactory, tmp_path: Path) -> Iterator[dict[str, Path]]
     f["bad_value"].write_text(json.dumps({"t1": 5}))
     f["text_named_model"] = tmp_path / "context.model"  # a file name that looks like a config field
     f["text_named_model"].write_text("not a model\n")
+    f["pool"] = tmp_path / "pool.yaml"
+    f["pool"].write_text(f"budget: 1G\nmodels:\n  a: {{path: {f['dense']}}}\n")
+    f["neg_usage"] = tmp_path / "usage.json"
+    f["neg_usage"].write_text('{"a": -1}')
     f["odd_result"] = tmp_path / "odd.json"
     f["odd_result"].write_text(json.dumps({"runs": {"moetier-25": 5}, "expert_bytes": 1}))
     f["npz"] = tmp_path / "other.npz"
@@ -310,6 +314,13 @@ USER_ERRORS = [
         "--distill-epochs: -3 must be >= 0",
     ),
     (["demo", "--calib-tokens", "0"], "--calib-tokens: 0 must be a positive integer"),
+    (["pack", "{moe}", "-o", "{missing}", "--low-type", "foo"], "--low-type: unknown low-precision type 'foo'"),
+    (["serve-pool", "{pool}", "--scheduler", "foo"], "--scheduler: unknown scheduler 'foo'; one of coserve"),
+    (["profile", "{pool}", "-o", "{missing}/p.json"], "-o {missing}/p.json: {missing} is not a directory"),
+    (
+        ["profile", "{pool}", "--usage", "{neg_usage}", "-o", "{dir}/p.json"],
+        "--usage {neg_usage}: a: weight -1.0 is negative",
+    ),
     (["calibrate", "{moe}", "--corpus", "{text}", "--budget", "1M", "--tokens", "0"], "--tokens: 0 must be positive"),
     (
         ["calibrate", "{moe}", "--corpus", "{text}", "--budget", "1M", "--target-low", "2"],

@@ -329,7 +329,14 @@ def _stats_line(m: Any, r: Any) -> str:
 def cmd_pack(ns: argparse.Namespace) -> int:
     from .pack import pack
 
-    out = pack(ns.model, ns.output, PackConfig(**_fields_of(ns, PackConfig)), progress=False if ns.quiet else None)
+    try:
+        cfg = PackConfig(**_fields_of(ns, PackConfig))
+        out = pack(ns.model, ns.output, cfg, progress=False if ns.quiet else None)
+    except MoetierError as e:  # the core checks the type when the store is written
+        if str(e).startswith("unknown low-precision type"):
+            msg = f"--low-type: {e}"
+            raise ConfigError(msg) from None
+        raise
     sys.stderr.write(f"moetier: store written to {out}\n")
     return 0
 
@@ -542,7 +549,11 @@ def cmd_serve_pool(ns: argparse.Namespace) -> int:
 
     spec = load_spec(ns.config)
     if ns.scheduler:
-        Mechanisms.baseline(ns.scheduler)
+        try:
+            Mechanisms.baseline(ns.scheduler)
+        except ConfigError as e:
+            msg = f"--scheduler: {e}"
+            raise ConfigError(msg) from None
         spec = dataclasses.replace(spec, scheduler=ns.scheduler)
     for flag, v in (("--executors", ns.executors), ("--threads", ns.threads)):
         if v < 0:
@@ -639,11 +650,20 @@ def cmd_profile(ns: argparse.Namespace) -> int:
             msg = f"{ns.usage}: expected a JSON object of model or pipeline name -> request weight ({e})"
             raise ConfigError(msg) from None
     out = Path(ns.output) if ns.output else (spec.profile or spec.path.with_suffix(".profile.json"))
+    if not out.parent.is_dir():  # before minutes of measuring
+        msg = f"-o {out}: {out.parent} is not a directory; create it first"
+        raise ConfigError(msg)
 
     def note(line: str) -> None:
         sys.stderr.write(line + "\n")
 
-    data = profile(spec, ns.max_tokens, weights, note=note)
+    try:
+        data = profile(spec, ns.max_tokens, weights, note=note)
+    except ConfigError as e:
+        if ns.usage and str(e).startswith("usage: "):
+            msg = f"--usage {ns.usage}: {str(e).removeprefix('usage: ')}"
+            raise ConfigError(msg) from None
+        raise
     write_profile(data, out)
     sys.stderr.write(f"wrote {out}; name it as `profile:` in {spec.path} for serve-pool to use it\n")
     return 0
