@@ -315,6 +315,10 @@ USER_ERRORS = [
     ),
     (["demo", "--calib-tokens", "0"], "--calib-tokens: 0 must be a positive integer"),
     (["pack", "{moe}", "-o", "{missing}", "--low-type", "foo"], "--low-type: unknown low-precision type 'foo'"),
+    (
+        ["trace", "{moe}", "--text", "{text}", "-o", "{missing}/t.npz"],
+        "-o {missing}/t.npz: {missing} is not a directory",
+    ),
     (["serve-pool", "{pool}", "--scheduler", "foo"], "--scheduler: unknown scheduler 'foo'; one of coserve"),
     (["profile", "{pool}", "-o", "{missing}/p.json"], "-o {missing}/p.json: {missing} is not a directory"),
     (

@@ -356,6 +356,9 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
         "-t", "--threads", type=int, default=None, help="compute threads (default: the machine's cores, at most 8)"
     )
     a = p.parse_args(argv)
+    if not Path(a.output).absolute().parent.is_dir():  # before the recording
+        msg = f"-o {a.output}: {Path(a.output).absolute().parent} is not a directory; create it first"
+        raise ConfigError(msg)
     text = "\n\n".join(read_texts(a.text, "--text"))
     tr = record_trace(a.model, text, CalibrateConfig(tokens=a.tokens, seq_len=a.seq_len), a.threads)
     out = tr.save(a.output)
