@@ -356,7 +356,7 @@ def test_routing_cli_errors_and_help(
         "--text TEXT text file to route (held-out text, not calibration text)",
         "--tokens TOKENS tokens of the trace (default: 4096)",
         "-n N_PREDICT, --n-predict N_PREDICT tokens per generation (default: 64)",
-        "-t THREADS, --threads THREADS threads",
+        "-t THREADS, --threads THREADS compute threads (default: the machine's cores, at most 8)",
         "--json JSON write the report as JSON here",
     ):
         assert s in helptext, s

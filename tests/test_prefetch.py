@@ -603,6 +603,6 @@ def test_fit_predictor_cli_errors_and_help(
         "--depth DEPTH distances fitted, 1..depth (prefetch=N uses N; default: 1)",
         "--tokens TOKENS calibration tokens (default: 8192)",
         "--ridge RIDGE ridge strength, times x^T x's mean diagonal (default: 0.001)",
-        "-t THREADS, --threads THREADS threads",
+        "-t THREADS, --threads THREADS compute threads (default: the machine's cores, at most 8)",
     ):
         assert s in helptext, s

@@ -840,7 +840,7 @@ def test_trace_command_defaults_flags_and_help(
         "-o OUTPUT, --output OUTPUT trace to write (.npz)",
         "--tokens TOKENS tokens to record (default: 4096)",
         "--seq-len SEQ_LEN tokens per sequence; each starts from an empty context (default: 512)",
-        "-t THREADS, --threads THREADS threads",
+        "-t THREADS, --threads THREADS compute threads (default: the machine's cores, at most 8)",
     ):
         assert s in helptext, s
 
