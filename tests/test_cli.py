@@ -303,7 +303,7 @@ USER_ERRORS = [
     ),
     (
         ["moefy", "{dense}", "-o", "{missing}", "--calib", "{text}", "--calib-tokens=-5"],
-        "--calib-tokens: -5 must be a positive integer",
+        "--calib-tokens: -5 must be an integer of at least 512",
     ),
     (
         ["moefy", "{dense}", "-o", "{missing}", "--calib", "{text}", "--router-ridge", "nan"],
@@ -313,7 +313,7 @@ USER_ERRORS = [
         ["moefy", "{dense}", "-o", "{missing}", "--calib", "{text}", "--distill-epochs=-3"],
         "--distill-epochs: -3 must be >= 0",
     ),
-    (["demo", "--calib-tokens", "0"], "--calib-tokens: 0 must be a positive integer"),
+    (["demo", "--calib-tokens", "0"], "--calib-tokens: 0 must be an integer of at least 512"),
     (["pack", "{moe}", "-o", "{missing}", "--low-type", "foo"], "--low-type: unknown low-precision type 'foo'"),
     (
         ["trace", "{moe}", "--text", "{text}", "-o", "{missing}/t.npz"],

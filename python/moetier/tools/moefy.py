@@ -201,8 +201,10 @@ class MoefyConfig:
         if not 0.0 <= self.shared_frac < 1.0:
             msg = f"moefy.shared_frac: {self.shared_frac} must be in [0, 1)"
             raise ConfigError(msg)
-        if isinstance(self.calib_tokens, bool) or not isinstance(self.calib_tokens, int) or self.calib_tokens < 1:
-            msg = f"moefy.calib_tokens: {self.calib_tokens!r} must be a positive integer"
+        if isinstance(self.calib_tokens, bool) or not isinstance(self.calib_tokens, int) or self.calib_tokens < 512:
+            msg = (
+                f"moefy.calib_tokens: {self.calib_tokens!r} must be an integer of at least 512 (one collection window)"
+            )
             raise ConfigError(msg)
         for name in ("router_ridge", "refit_ridge", "router_scale"):
             v = getattr(self, name)
