@@ -179,3 +179,70 @@ def test_low_type_a_shape_cannot_take(tiny_model: ModelFactory, tmp_path: Path) 
     ):
         pack(path, tmp_path / "s", PackConfig(low_type="q4_K"), progress=False)
     assert not (tmp_path / "s").exists() and not (tmp_path / "s.pack-tmp").exists()
+
+
+def test_one_model_decodes_for_one_thread_at_a_time(tiny_model: ModelFactory) -> None:
+    """Threads sharing a Model take turns in its context: each answer equals the same call alone (the core
+    releases the GIL while it decodes; two decodes in one context at once crashed the process)."""
+    import threading
+
+    m = Model(tiny_model("qwen2moe"), cache=CacheConfig(budget="1M"), n_threads=1)
+    alone = m.generate("hello there", max_tokens=24).tokens
+    got: list[list[int]] = []
+
+    def work() -> None:
+        for _ in range(3):
+            got.append(m.generate("hello there", max_tokens=24).tokens)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [alone] * 12
+
+
+def test_text_and_arguments_the_model_cannot_take_are_config_errors(tiny_model: ModelFactory) -> None:
+    """Not text, a lone surrogate or a NUL; a chat message that is not a (role, content) pair; a prompt of
+    bytes; a temperature that is a bool or too large for a float: each a ConfigError naming it."""
+    m = Model(tiny_model("qwen2"))
+    cases = [
+        (lambda: m.tokenize(None), "tokenize: NoneType is not text (a str)"),  # type: ignore[arg-type]
+        (lambda: m.tokenize("a\ud800"), "tokenize: character 1 is a lone surrogate ('\\ud800')"),
+        (lambda: m.tokenize("ab\x00c"), "tokenize: a NUL character at 2; the text would end there"),
+        (lambda: m.generate("a\ud800"), "tokenize: character 1 is a lone surrogate"),
+        (lambda: m.chat_prompt([("user", "a\x00b")]), "chat_prompt: message 0's content: a NUL character at 1"),
+        (lambda: m.chat_prompt([{"role": "user", "content": "hi"}]), "chat_prompt: message 0 is {'role'"),  # type: ignore[list-item]
+        (lambda: m.chat_prompt([(None, None)]), "chat_prompt: message 0's role: NoneType is not text"),  # type: ignore[list-item]
+        (lambda: m.chat_prompt("hi"), "chat_prompt: messages must be a sequence of (role, content) pairs"),  # type: ignore[arg-type]
+        (lambda: m.generate(b"abc"), "generate: the prompt is bytes; give text"),  # type: ignore[arg-type]
+        (lambda: m.generate("hi", temperature=True), "generate: temperature True must be a finite number"),
+        (lambda: m.generate("hi", temperature=10**400), "generate: temperature 1000"),
+    ]
+    for call, says in cases:
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert str(e.value).startswith(says), (says, str(e.value))
+    assert m.generate("hi", max_tokens=2).tokens  # the model is fine after all of them
+
+
+def test_a_closed_model_says_so(tiny_model: ModelFactory) -> None:
+    """Every use of a closed model is a ModelError naming its file, not an AttributeError on None."""
+    path = tiny_model("qwen2")
+    m = Model(path)
+    m.close()
+    for call in (lambda: m.generate("hi"), lambda: m.tokenize("hi"), lambda: m.n_vocab, m.cache_info, m.stats):
+        with pytest.raises(ModelError) as e:
+            call()
+        assert str(e.value) == f"{path}: the model is closed"
+
+
+def test_a_star_import_leaves_llama_cpp_python_alone() -> None:
+    """`from moetier import *` gives the API without building moetier.Llama (which imports the optional
+    llama-cpp-python and takes llama.cpp's log); moetier.Llama stays there when asked for."""
+    import subprocess
+    import sys
+
+    code = "from moetier import *; import sys; print('llama_cpp' in sys.modules, 'Llama' in dir())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

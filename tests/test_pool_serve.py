@@ -580,7 +580,9 @@ def test_the_http_surface_answers_every_path_and_error_as_openai_does(served: tu
     status, _, bad = call("POST", "/v1/completions", b"{x")
     assert status == 400 and bad["error"]["message"].startswith("the request body is not JSON: ")
     headers = {"Content-Type": "application/json", "Content-Length": "lots"}
-    assert call("POST", "/v1/completions", b"", headers) == error(400, "Content-Length: not a number")
+    assert call("POST", "/v1/completions", b"", headers) == error(
+        400, "Content-Length: 'lots' is not a number of bytes"
+    )
     failed = call("POST", "/completions", b'{"model": "broken", "prompt": "x", "max_tokens": 2}')
     assert failed[0] == 500 and failed[2]["error"]["type"] == "server_error" and failed[2]["error"]["code"] == 500
     # the endpoints' short names: a completion and a chat
@@ -1315,3 +1317,74 @@ def test_a_job_goes_to_the_idle_executor_while_the_other_runs_a_batch(tmp_path: 
     finally:
         opener.gate.set()
         pool.close()
+
+
+def _exchange(base: str, raw: bytes) -> bytes:
+    """raw bytes sent on one connection; everything the server answers until it closes it."""
+    import socket as sk
+
+    host, port = base.removeprefix("http://").split(":")
+    with sk.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(raw)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_a_body_the_server_does_not_read_never_becomes_a_request(served: tuple[OpenAI, Pool, Path]) -> None:
+    """A bad or huge Content-Length, or a chunked body: one JSON error and the connection closed, so the
+    bytes behind it are not taken for a next request (one status line in all); other methods get a JSON
+    405."""
+    client, _, _ = served
+    base = str(client.base_url).removesuffix("/v1/")
+    smuggled = b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n"
+    for head, status, message in (
+        (b"Content-Length: x", 400, "Content-Length: 'x' is not a number of bytes"),
+        (b"Content-Length: -5", 400, "Content-Length: '-5' is not a number of bytes"),
+        (b"Content-Length: 1000000000000", 413, "Content-Length: 1000000000000 bytes; a request body holds at most"),
+        (b"Transfer-Encoding: chunked", 411, "Transfer-Encoding: send the body with a Content-Length instead"),
+    ):
+        out = _exchange(base, b"POST /v1/completions HTTP/1.1\r\n" + head + b"\r\n\r\n" + smuggled)
+        assert out.count(b"HTTP/1.1 ") == 1 and out.startswith(f"HTTP/1.1 {status} ".encode()), out
+        assert json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["message"].startswith(message)
+    out = _exchange(base, b"PUT /v1/models HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 405 ") and b"PUT: this server answers GET and POST" in out
+
+
+def test_requests_the_model_cannot_take_are_400s(served: tuple[OpenAI, Pool, Path]) -> None:
+    """JSON nested too deep, a number of thousands of digits, a temperature too large for a float, a
+    lone surrogate or a NUL in the text, a prompt longer than the context, and OpenAI fields this server
+    does not implement: each a 400 naming the problem. null fields take their defaults."""
+    client, _, _ = served
+    base = str(client.base_url).removesuffix("/v1/")
+
+    def call(body: bytes, path: str = "/v1/completions") -> tuple[int, str]:
+        status, _, raw = _raw(base, "POST", path, body, {"Content-Type": "application/json"})
+        got = json.loads(raw)
+        return status, got["error"]["message"] if status != 200 else got["choices"][0]["text"]
+
+    for body, message in (
+        (b"[" * 100000, "the request body is JSON this server cannot read: RecursionError"),
+        (b'{"model": "d1", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "the request body is JSON"),
+        (b'{"model": "d1", "prompt": "x", "temperature": ' + b"9" * 400 + b"}", "temperature: 999"),
+        (b'{"model": "d1", "prompt": "a\\ud800"}', "prompt: character 1 is a lone surrogate"),
+        (b'{"model": "d1", "prompt": "a\\u0000b"}', "prompt: a NUL character at 1"),
+        (b'{"model": "d1", "prompt": "x", "stop": ["a"]}', "stop: not supported by this server; leave it out"),
+        (b'{"model": "d1", "prompt": "x", "n": 3}', "n: not supported by this server"),
+        (b'{"model": "d1", "prompt": "x", "logprobs": 5}', "logprobs: not supported by this server"),
+        (b'{"model": "d1", "prompt": "' + b"hello world " * 300 + b'"}', "generate: the prompt of "),
+    ):
+        status, message_got = call(body)
+        assert status == 400 and message in message_got, (body[:60], status, message_got)
+    chat = b'{"model": "d1", "messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}'
+    assert call(chat, "/v1/chat/completions") == (
+        400,
+        "messages: a content: character 1 is a lone surrogate ('\\ud800'), not text UTF-8 can encode",
+    )
+    nulls = b'{"model": "d1", "prompt": "x", "temperature": null, "seed": null, "stop": null, "n": 1, "max_tokens": 2}'
+    plain = b'{"model": "d1", "prompt": "x", "max_tokens": 2}'
+    assert call(nulls)[0] == 200 and call(nulls) == call(plain)
+    both = b'{"model": "d1", "prompt": "x", "max_tokens": null, "max_completion_tokens": 2}'
+    status, _, raw = _raw(base, "POST", "/v1/completions", both, {"Content-Type": "application/json"})
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] <= 2

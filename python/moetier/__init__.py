@@ -36,6 +36,8 @@ def __getattr__(name: str) -> object:
 # the one version source: pyproject.toml reads it (scikit-build-core regex metadata provider)
 __version__ = "0.1.0"
 
+# Llama is left out: `from moetier import *` would build it, which imports llama-cpp-python (an
+# optional package that also takes llama.cpp's log); `moetier.Llama` is there when asked for
 __all__ = [
     "CacheConfig",
     "CacheStats",
@@ -43,7 +45,6 @@ __all__ = [
     "ContextConfig",
     "GenerateResult",
     "LayerStats",
-    "Llama",
     "Model",
     "ModelError",
     "MoetierError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -88,12 +89,44 @@ def check_sampling(max_tokens: int, temperature: float, seed: int) -> None:
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 0 <= max_tokens <= 2**31 - 1:
         msg = f"generate: max_tokens {max_tokens!r} must be an integer in [0, {2**31 - 1}]"
         raise ConfigError(msg)
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
+    try:
+        finite = not isinstance(temperature, bool) and 0 <= float(temperature) < float("inf")
+    except (TypeError, ValueError, OverflowError):
+        finite = False
+    if not finite:
         msg = f"generate: temperature {temperature!r} must be a finite number, 0 (greedy) or more"
         raise ConfigError(msg)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= 2**32 - 1:
         msg = f"generate: seed {seed!r} must be an integer in [0, {2**32 - 1}]"
         raise ConfigError(msg)
+
+
+def check_text(text: object, what: str) -> str:
+    """text, if it is a str that UTF-8 can encode (no lone surrogate) and holds no NUL (which would end
+    it in the core); else a ConfigError naming what."""
+    if not isinstance(text, str):
+        msg = f"{what}: {type(text).__name__} is not text (a str)"
+        raise ConfigError(msg)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        msg = f"{what}: character {e.start} is a lone surrogate ({text[e.start]!r}), not text UTF-8 can encode"
+        raise ConfigError(msg) from None
+    if "\x00" in text:
+        msg = f"{what}: a NUL character at {text.index(chr(0))}; the text would end there"
+        raise ConfigError(msg)
+    return text
+
+
+class _Closed:
+    """What a closed Model holds instead of its core: every use says so."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __getattr__(self, name: str) -> object:
+        msg = f"{self.path}: the model is closed"
+        raise ModelError(msg)
 
 
 def check_gguf(path: str | os.PathLike[str]) -> Path:
@@ -172,6 +205,7 @@ class Model:
         if isinstance(tensor_overrides, str) or not all(isinstance(o, str) for o in tensor_overrides):
             msg = f"tensor_overrides: {tensor_overrides!r} must be a sequence of PATTERN=BUFFER_TYPE strings"
             raise ConfigError(msg)
+        self._lock = threading.Lock()
         self._m = _core.Model(str(self.path), params, ctx.params(), repack, n_gpu_layers, rpc, list(tensor_overrides))
 
     @property
@@ -231,29 +265,47 @@ class Model:
         return dict(h) if h is not None else None
 
     def close(self) -> None:
-        """Frees the model now (the sidecar is written then) instead of at garbage collection."""
-        self._m = None  # type: ignore[assignment]
+        """Frees the model now (the sidecar is written then) instead of at garbage collection; a later
+        use is a ModelError."""
+        with self._lock:
+            self._m = _Closed(self.path)  # type: ignore[assignment]
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return list(self._m.tokenize(text, add_special))
+        return list(self._m.tokenize(check_text(text, "tokenize"), bool(add_special)))
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> str:
         """(role, content) messages as the model's chat template renders them, the assistant's turn
         opened (llama.cpp's built-in renderers, as llama-server without --jinja); ModelError if the
         model has no template or llama.cpp cannot render it."""
-        return str(self._m.chat_prompt([(str(r), str(c)) for r, c in messages]))
+        if isinstance(messages, (str, bytes)):
+            msg = "chat_prompt: messages must be a sequence of (role, content) pairs, not one string"
+            raise ConfigError(msg)
+        pairs = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, (tuple, list)) or len(m) != 2:
+                msg = f"chat_prompt: message {i} is {m!r}, not a (role, content) pair"
+                raise ConfigError(msg)
+            pairs.append(
+                (
+                    check_text(m[0], f"chat_prompt: message {i}'s role"),
+                    check_text(m[1], f"chat_prompt: message {i}'s content"),
+                )
+            )
+        return str(self._m.chat_prompt(pairs))
 
     def detokenize(self, tokens: list[int]) -> str:
         return bytes(self._m.detokenize(tokens)).decode("utf-8", errors="replace")
 
     def logits(self, tokens: list[int]) -> npt.NDArray[np.float32]:
         """Logits at the last position of tokens, evaluated from an empty context."""
-        return np.asarray(self._m.logits(tokens), dtype=np.float32)
+        with self._lock:
+            return np.asarray(self._m.logits(tokens), dtype=np.float32)
 
     def graph_nodes(self, tokens: list[int]) -> list[str]:
         """Names of the compute graph's nodes in the order one decode of tokens runs them."""
         try:
-            return list(_core.trace.node_order(self._m, tokens))
+            with self._lock:
+                return list(_core.trace.node_order(self._m, tokens))
         except RuntimeError as e:
             raise ModelError(str(e)) from None
 
@@ -270,16 +322,21 @@ class Model:
         on_first_token is called once the first token is sampled, before decode starts and outside
         both timings (so a benchmark can split its counters into prefill and decode there)."""
         check_sampling(max_tokens, temperature, seed)
+        if isinstance(prompt, (bytes, bytearray)):
+            msg = "generate: the prompt is bytes; give text (a str) or token ids (a list of int)"
+            raise ConfigError(msg)
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.reset_stats()
-        t0 = time.perf_counter()
-        res = self._m.generate(tokens, max_tokens, temperature, seed, on_first_token)
-        dt = time.perf_counter() - t0
+        with self._lock:  # one context: two threads decoding in it at once would corrupt it
+            self.reset_stats()
+            t0 = time.perf_counter()
+            res = self._m.generate(tokens, max_tokens, temperature, seed, on_first_token)
+            dt = time.perf_counter() - t0
+            stats = self.stats()
         out = [int(t) for t in res["tokens"]]
         return GenerateResult(
             text=self.detokenize(out),
             tokens=out,
-            stats=self.stats(),
+            stats=stats,
             prompt_tokens=len(tokens),
             seconds=dt,
             prefill_seconds=float(res["prefill_s"]),

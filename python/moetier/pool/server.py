@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
-from ..errors import MoetierError
+from ..errors import ConfigError, MoetierError
+from ..model import check_text
 from .executor import Answer, ModelCounters, Pool, Work, rss_bytes
 from .spec import Pipeline, PoolSpec
 
@@ -69,21 +70,69 @@ class Request:
     seed: int
 
 
+# OpenAI request fields this server does not implement -> the values that ask for nothing (accepted)
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "stop": (None, [], ""),
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "top_p": (None, 1, 1.0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def prompt_refused(e: ConfigError) -> bool:
+    """A model's generate refused the request's own input (`MODEL: generate: the prompt of N tokens does
+    not fit ...`, an empty prompt): the client's error, not the server's."""
+    return re.match(r"(?:.*?: )?generate: ", str(e)) is not None
+
+
+def _text(value: str, what: str) -> str:
+    """value, if the model can take it as text; a 400 naming what otherwise."""
+    try:
+        return check_text(value, what)
+    except ConfigError as e:
+        raise RequestError(400, str(e)) from None
+
+
 def parse_request(body: dict[str, Any], chat: bool, known: list[str], served: str) -> Request:
     """The fields of a completion (chat: chat completion) request; RequestError for bad ones.
     known: the names `model` may take ("unknown model ...; {served}: ...")."""
     name = body.get("model")
     if not isinstance(name, str) or name not in known:
         raise RequestError(404, f"unknown model {name!r}; {served}: {', '.join(known)}")
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    for key, neutral in _UNSUPPORTED.items():
+        if key in body and body[key] not in neutral:
+            raise RequestError(400, f"{key}: not supported by this server; leave it out")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_completion_tokens")
     if max_tokens is not None and (
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 2**31 - 1
     ):
         raise RequestError(400, f"max_tokens: {max_tokens!r} must be a positive integer")
-    temperature = body.get("temperature", 0.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+    temperature = body.get("temperature")
+    temperature = 0.0 if temperature is None else temperature  # null: the default, as OpenAI takes it
+    try:
+        number = (
+            isinstance(temperature, (int, float))
+            and not isinstance(temperature, bool)
+            and 0 <= float(temperature) < math.inf
+        )
+    except (TypeError, ValueError, OverflowError):
+        number = False
+    if not number:
         raise RequestError(400, f"temperature: {temperature!r} must be a number >= 0")
-    seed = body.get("seed", 0)
+    seed = body.get("seed")
+    seed = 0 if seed is None else seed
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**32 - 1:
         raise RequestError(400, f"seed: {seed!r} must be an integer in [0, {2**32 - 1}]")
     messages: list[tuple[str, str]] | None = None
@@ -95,7 +144,7 @@ def parse_request(body: dict[str, Any], chat: bool, known: list[str], served: st
         for m in raw:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RequestError(400, "messages: each message needs a string role and a string content")
-            messages.append((m["role"], m["content"]))
+            messages.append((_text(m["role"], "messages: a role"), _text(m["content"], "messages: a content")))
         users = [c for r, c in messages if r == "user"]
         text = users[-1] if users else messages[-1][1]
     else:
@@ -107,7 +156,7 @@ def parse_request(body: dict[str, Any], chat: bool, known: list[str], served: st
         if not prompt:
             # refused whatever the model: one that adds no BOS token would have nothing to continue from
             raise RequestError(400, "prompt: an empty prompt has no tokens to continue")
-        text = prompt
+        text = _text(prompt, "prompt")
     return Request(name, text, messages, max_tokens, float(temperature), seed)
 
 
@@ -177,7 +226,10 @@ class PoolService:
         if run.error is not None:
             with self._lock:
                 self.failed += 1
-            # the request itself was checked above: what fails now (a load, a model) is the server's
+            # the request was checked above, but only the model knows that its prompt does not fit
+            if isinstance(run.error, ConfigError) and prompt_refused(run.error):
+                raise RequestError(400, str(run.error))
+            # what fails now (a load, a model) is the server's
             if isinstance(run.error, MoetierError):
                 raise RequestError(500, str(run.error))
             raise RequestError(500, f"{type(run.error).__name__}: {run.error}")
@@ -279,6 +331,9 @@ class PoolService:
         return "\n".join(lines) + "\n"
 
 
+MAX_BODY = 64 << 20  # bytes of one request body: prompts, not uploads
+
+
 def make_server(service: Service, host: str, port: int) -> ThreadingHTTPServer:
     """A threaded HTTP server (one thread per connection) over the service; serve_forever() runs it."""
 
@@ -313,12 +368,23 @@ def make_server(service: Service, host: str, port: int) -> ThreadingHTTPServer:
             else:
                 self._error(404, f"no such endpoint: {path}")
 
+        def _refuse(self, status: int, message: str) -> None:
+            """An error after which the connection's bytes cannot be trusted (a body not read): closed."""
+            self.close_connection = True
+            self._error(status, message)
+
         def do_POST(self) -> None:
             path = self.path.split("?")[0]
-            try:
-                n = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                self._error(400, "Content-Length: not a number")
+            if self.headers.get("Transfer-Encoding"):
+                self._refuse(411, "Transfer-Encoding: send the body with a Content-Length instead")
+                return
+            text = self.headers.get("Content-Length") or "0"
+            if not text.isdigit():
+                self._refuse(400, f"Content-Length: {text!r} is not a number of bytes")
+                return
+            n = int(text)
+            if n > MAX_BODY:
+                self._refuse(413, f"Content-Length: {n} bytes; a request body holds at most {MAX_BODY}")
                 return
             raw = self.rfile.read(n) if n > 0 else b""
             if path not in ("/v1/completions", "/completions", "/v1/chat/completions", "/chat/completions"):
@@ -333,9 +399,16 @@ def make_server(service: Service, host: str, port: int) -> ThreadingHTTPServer:
                 self._json(200, service.run(body, chat="chat" in path))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 self._error(400, f"the request body is not JSON: {e}")
+            except (RecursionError, ValueError) as e:  # nested too deep, a number of too many digits
+                self._error(400, f"the request body is JSON this server cannot read: {type(e).__name__}: {e}")
             except RequestError as e:
                 self._error(e.status, str(e))
             except MoetierError as e:  # the pool refused the request (it is shutting down)
                 self._error(503, str(e))
+
+        def _no_method(self) -> None:
+            self._refuse(405, f"{self.command}: this server answers GET and POST")
+
+        do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _no_method
 
     return ThreadingHTTPServer((host, port), Handler)

@@ -10,10 +10,10 @@ import threading
 import time
 from typing import Any
 
-from ..errors import MoetierError
+from ..errors import ConfigError, MoetierError
 from ..variants import Variants
 from .executor import Answer
-from .server import RequestError, completion, parse_request
+from .server import RequestError, completion, parse_request, prompt_refused
 
 
 class VariantService:
@@ -40,10 +40,13 @@ class VariantService:
         try:
             prompt = self.variants.chat_prompt(req.name, req.messages) if req.messages is not None else req.text
             r = self.variants.generate(req.name, prompt, max_tokens, req.temperature, req.seed)
-        except MoetierError as e:
+        except Exception as e:  # counted and answered, whatever it is
             with self._lock:
                 self.failed += 1
-            raise RequestError(500, str(e)) from None
+            if isinstance(e, ConfigError) and prompt_refused(e):  # the prompt: the request's
+                raise RequestError(400, str(e)) from None
+            why = str(e) if isinstance(e, MoetierError) else f"{type(e).__name__}: {e}"
+            raise RequestError(500, why) from None
         with self._lock:
             self.lookups += r.stats.n_lookups
             self.hits += r.stats.n_hits
