@@ -246,3 +246,34 @@ def test_a_star_import_leaves_llama_cpp_python_alone() -> None:
     code = "from moetier import *; import sys; print('llama_cpp' in sys.modules, 'Llama' in dir())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_config_values_no_64_bit_field_holds_are_config_errors(tiny_model: ModelFactory, tmp_path: Path) -> None:
+    """Sizes of 2^64 or more, a float size, a threshold too large for a float, a policy that is not a
+    name, unknown overrides, a lossy exact config, and a pack config that is not one: ConfigErrors."""
+    import dataclasses
+
+    from moetier import parse_size
+
+    cases = [
+        (lambda: CacheConfig(budget=2**70), "cache.budget: 1180591620717411303424 bytes is more than a 64-bit size"),
+        (lambda: CacheConfig(reserve=2**64 - 1), "cache.reserve: 18446744073709551615 bytes is more than"),
+        (lambda: CacheConfig(budget=1.5), "cache.budget: 1.5 is not a size; give bytes (an int) or a string"),  # type: ignore[arg-type]
+        (lambda: CacheConfig(t1=10**400), "cache.t1: 1000"),
+        (lambda: CacheConfig(policy=None), "cache.policy: None must be a policy name (a str)"),  # type: ignore[arg-type]
+        (lambda: CacheConfig.exact("64M", t1=0.5), "CacheConfig.exact: t1 would make it lossy"),
+        (lambda: parse_size(2**64, "x"), "x: 18446744073709551616 bytes is more than a 64-bit size holds"),
+        (lambda: PackConfig(low_type=None), "pack.low_type: None must be a ggml type name"),  # type: ignore[arg-type]
+        (lambda: pack(tiny_model("qwen2moe"), tmp_path / "s", "q4_0"), "pack: config 'q4_0' must be a PackConfig"),  # type: ignore[arg-type]
+    ]
+    for call, says in cases:
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert str(e.value).startswith(says), (says, str(e.value))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"policy": "lru"}))
+    with pytest.raises(ConfigError, match=r"^cache config overrides: unknown field\(s\) nope; known: "):
+        CacheConfig.from_file(cfg, nope=1)
+    # the normalised auto budget survives a replace, and the largest size below it is one
+    assert dataclasses.replace(CacheConfig(), t1=0.5).budget_text == "auto"
+    assert CacheConfig(budget=2**64 - 2).budget_bytes == 2**64 - 2

@@ -3,6 +3,7 @@ shipped llama.cpp binaries accept exactly the same sizes) and validated with cle
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from collections.abc import Callable
@@ -43,7 +44,14 @@ def parse_size(value: int | str, what: str, auto: bool = False) -> int:
         if value < 0:
             msg = f"{what}: {value} is negative"
             raise ConfigError(msg)
+        # 2^64 - 1 is the core's "auto" (a budget keeps it so, normalised); above it no 64-bit size holds it
+        if value > AUTO or (value == AUTO and not auto):
+            msg = f"{what}: {value} bytes is more than a 64-bit size holds"
+            raise ConfigError(msg)
         return value
+    if not isinstance(value, str):
+        msg = f"{what}: {value!r} is not a size; give bytes (an int) or a string such as 512M"
+        raise ConfigError(msg)
     parsed = _core.parse_cache_size(str(value)) if auto else _core.parse_size(str(value))
     if parsed is None:
         msg = f"{what}: {value!r} is not a size{' or auto' if auto else ''}; use e.g. 512M"
@@ -114,11 +122,20 @@ class CacheConfig:
                 if not isinstance(v, kind) or isinstance(v, bool):
                     msg = f"cache.{f.name}: {v!r} must be {what}"
                     raise ConfigError(msg)
-                n = cast(v)
+                try:
+                    n = cast(v)
+                except OverflowError:
+                    n = math.inf
+                if isinstance(n, float) and not math.isfinite(n):
+                    msg = f"cache.{f.name}: {v!r} must be a finite number"
+                    raise ConfigError(msg)
                 if isinstance(n, int) and not -(2**31) <= n < 2**31:  # int32: the core's check names the range
                     msg = f"cache.{f.name}: {v} must lie in [{row['min']:g}, {row['max']:g}]"
                     raise ConfigError(msg)
                 object.__setattr__(self, f.name, n)
+        if not isinstance(self.policy, str):
+            msg = f"cache.policy: {self.policy!r} must be a policy name (a str)"
+            raise ConfigError(msg)
         why = _core.policy_error(self.policy)
         if why is not None:
             msg = f"cache.policy: {why}"
@@ -180,11 +197,19 @@ class CacheConfig:
         except ConfigError as e:
             msg = f"{path}: {e}"  # a bad value in the file names the file; a bad override, its field only
             raise ConfigError(msg) from None
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            msg = f"cache config overrides: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}"
+            raise ConfigError(msg)
         return replace(base, **overrides) if overrides else base
 
     @classmethod
     def exact(cls, budget: int | str, **kw: Any) -> CacheConfig:
         """Every expert in high precision, none skipped: the output equals stock llama.cpp's."""
+        given = sorted({"t1", "t2"} & set(kw))
+        if given:
+            msg = f"CacheConfig.exact: {', '.join(given)} would make it lossy; use CacheConfig(...) for mixed precision"
+            raise ConfigError(msg)
         return cls(budget=budget, t1=1.0, t2=1.0, **kw)
 
     @property
@@ -274,3 +299,8 @@ class PackConfig:
             "bits per weight or fewer, such as Q4_K, whose q4_0 copy would be no smaller"
         },
     )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.low_type, str) or not self.low_type.strip():
+            msg = f"pack.low_type: {self.low_type!r} must be a ggml type name (a str) such as q4_0, or auto"
+            raise ConfigError(msg)

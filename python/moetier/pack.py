@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from . import _core
 from .config import PackConfig
-from .errors import StoreError
+from .errors import ConfigError, StoreError
 from .model import check_gguf
 
 
@@ -24,6 +24,9 @@ def pack(
     """Packs the experts of `model` into `out_dir` (default: MODEL.experts next to the model).
     progress: show a bar (default: when stderr is a terminal)."""
     cfg = config or PackConfig()
+    if not isinstance(cfg, PackConfig):
+        msg = f"pack: config {cfg!r} must be a PackConfig (e.g. PackConfig(low_type='q4_0'))"
+        raise ConfigError(msg)
     src = check_gguf(model)
     dst = Path(out_dir) if out_dir is not None else src.with_suffix(".experts")
     if not dst.absolute().parent.is_dir():
