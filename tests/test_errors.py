@@ -277,3 +277,42 @@ def test_config_values_no_64_bit_field_holds_are_config_errors(tiny_model: Model
     # the normalised auto budget survives a replace, and the largest size below it is one
     assert dataclasses.replace(CacheConfig(), t1=0.5).budget_text == "auto"
     assert CacheConfig(budget=2**64 - 2).budget_bytes == 2**64 - 2
+
+
+def test_model_arguments_and_token_ids_of_the_wrong_kind_are_config_errors(tiny_model: ModelFactory) -> None:
+    """A path, cache, context, store, repack or override of the wrong type, and token ids that are not ids
+    of the vocabulary: ConfigErrors naming them. Arrays, tuples and numpy ints of valid ids are taken."""
+    import numpy as np
+
+    from moetier import ContextConfig
+
+    path = tiny_model("qwen2")
+    for kw, says in (
+        ({"path": None}, "Model: path None must be a file name"),
+        ({"cache": "64M"}, "Model: cache '64M' must be a CacheConfig or None"),
+        ({"context": "x"}, "Model: context 'x' must be a ContextConfig or None"),
+        ({"store": 123, "cache": CacheConfig()}, "Model: store 123 must be a directory name"),
+        ({"repack": None}, "Model: repack None must be True or False"),
+        ({"tensor_overrides": None}, "tensor_overrides: None must be a sequence"),
+    ):
+        args = {"path": path, **kw}
+        with pytest.raises(ConfigError) as e:
+            Model(**args)  # type: ignore[arg-type]
+        assert str(e.value).startswith(says), (says, str(e.value))
+    m = Model(path, context=ContextConfig(n_ctx=256))
+    n = m.n_vocab
+    for call, says in (
+        (lambda: m.detokenize([-1]), f"detokenize: token 0 is -1, not an id of the vocabulary (0 to {n - 1})"),
+        (lambda: m.detokenize([1, 1.5]), "detokenize: token 1 is 1.5, not an id"),
+        (lambda: m.detokenize("ab"), "detokenize: the tokens must be a list of token ids (int), not str"),
+        (lambda: m.logits([n]), f"logits: token 0 is {n}, not an id"),
+        (lambda: m.logits([]), "logits: no tokens to evaluate"),
+        (lambda: m.generate([5, -5]), "generate: token 1 is -5, not an id"),
+        (lambda: m.generate([1], on_first_token=5), "generate: on_first_token 5 must be callable or None"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert str(e.value).startswith(says), (says, str(e.value))
+    ids = m.tokenize("hello there")
+    assert m.generate(np.array(ids), max_tokens=3).tokens == m.generate(tuple(ids), max_tokens=3).tokens
+    assert np.array_equal(m.logits([np.int64(i) for i in ids]), m.logits(ids))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import threading
 import time
@@ -118,6 +119,23 @@ def check_text(text: object, what: str) -> str:
     return text
 
 
+def _token_ids(tokens: object, what: str, n_vocab: int) -> list[int]:
+    """tokens (a list, tuple, array or other iterable of ints) as a list of the vocabulary's ids; a
+    ConfigError naming what otherwise."""
+    try:
+        if isinstance(tokens, (str, bytes, bytearray)):
+            raise TypeError
+        ids = list(tokens)  # type: ignore[call-overload]
+    except TypeError:
+        msg = f"{what}: the tokens must be a list of token ids (int), not {type(tokens).__name__}"
+        raise ConfigError(msg) from None
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < n_vocab:
+            msg = f"{what}: token {i} is {t!r}, not an id of the vocabulary (0 to {n_vocab - 1})"
+            raise ConfigError(msg)
+    return [int(t) for t in ids]
+
+
 class _Closed:
     """What a closed Model holds instead of its core: every use says so."""
 
@@ -180,6 +198,19 @@ class Model:
         rpc: str = "",
         tensor_overrides: Sequence[str] = (),
     ) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            msg = f"Model: path {path!r} must be a file name (str or os.PathLike)"
+            raise ConfigError(msg)
+        for name, value, cls in (("cache", cache, CacheConfig), ("context", context, ContextConfig)):
+            if value is not None and not isinstance(value, cls):
+                msg = f"Model: {name} {value!r} must be a {cls.__name__} or None"
+                raise ConfigError(msg)
+        if store is not None and not isinstance(store, (str, os.PathLike)):
+            msg = f"Model: store {store!r} must be a directory name (str or os.PathLike) or None"
+            raise ConfigError(msg)
+        if not isinstance(repack, bool):
+            msg = f"Model: repack {repack!r} must be True or False"
+            raise ConfigError(msg)
         self.path = check_gguf(path)
         if store is not None and cache is None:
             msg = f"{store}: an expert store needs an expert cache; pass cache=CacheConfig(...)"
@@ -202,7 +233,11 @@ class Model:
         if not isinstance(rpc, str):
             msg = f"rpc: {rpc!r} must be a string of HOST:PORT, comma-separated"
             raise ConfigError(msg)
-        if isinstance(tensor_overrides, str) or not all(isinstance(o, str) for o in tensor_overrides):
+        if (
+            not isinstance(tensor_overrides, Sequence)
+            or isinstance(tensor_overrides, str)
+            or not all(isinstance(o, str) for o in tensor_overrides)
+        ):
             msg = f"tensor_overrides: {tensor_overrides!r} must be a sequence of PATTERN=BUFFER_TYPE strings"
             raise ConfigError(msg)
         self._lock = threading.Lock()
@@ -294,12 +329,18 @@ class Model:
         return str(self._m.chat_prompt(pairs))
 
     def detokenize(self, tokens: list[int]) -> str:
-        return bytes(self._m.detokenize(tokens)).decode("utf-8", errors="replace")
+        return bytes(self._m.detokenize(_token_ids(tokens, "detokenize", self.n_vocab))).decode(
+            "utf-8", errors="replace"
+        )
 
     def logits(self, tokens: list[int]) -> npt.NDArray[np.float32]:
         """Logits at the last position of tokens, evaluated from an empty context."""
+        ids = _token_ids(tokens, "logits", self.n_vocab)
+        if not ids:
+            msg = "logits: no tokens to evaluate"
+            raise ConfigError(msg)
         with self._lock:
-            return np.asarray(self._m.logits(tokens), dtype=np.float32)
+            return np.asarray(self._m.logits(ids), dtype=np.float32)
 
     def graph_nodes(self, tokens: list[int]) -> list[str]:
         """Names of the compute graph's nodes in the order one decode of tokens runs them."""
@@ -325,7 +366,10 @@ class Model:
         if isinstance(prompt, (bytes, bytearray)):
             msg = "generate: the prompt is bytes; give text (a str) or token ids (a list of int)"
             raise ConfigError(msg)
-        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt, "generate", self.n_vocab)
+        if on_first_token is not None and not callable(on_first_token):
+            msg = f"generate: on_first_token {on_first_token!r} must be callable or None"
+            raise ConfigError(msg)
         with self._lock:  # one context: two threads decoding in it at once would corrupt it
             self.reset_stats()
             t0 = time.perf_counter()
