@@ -491,6 +491,9 @@ void moetier_model::finish_load(const llama_model & model) {
                     !store           ? "no expert store is given (the low copies live in one)" :
                     low_frac <= 0.0f ? "low_frac=0 leaves no low-precision slots" :
                                        "the store has no low copies"));
+    } else if (!use_low && low_frac != moetier_default_params().low_frac) {
+        warn(format("low_frac=%g has no effect: no miss is read in low precision (t1=%g is not below t2=%g)", low_frac,
+                    precision.t1, precision.t2));
     }
     uint64_t budget[2];
     budget[MOETIER_PRECISION_LOW] =
@@ -778,6 +781,13 @@ void moetier_model::finish_load(const llama_model & model) {
     if (huge_pages) {
         log_huge_pages();
     }
+    if (reserve > 0 && !budget_auto && !elastic) {
+        // the reserve is what an auto or elastic budget leaves free; a fixed size given is the cache's size
+        warn(
+            format("reserve=%s has no effect: the budget is given and fixed (it shapes an auto budget, or one "
+                   "that grows: grow=1)",
+                   moetier_format_bytes(reserve).c_str()));
+    }
     if (elastic) {
         int64_t n_max = 0;
         for (auto & c : caches) {
@@ -916,6 +926,9 @@ void moetier_model::init_prefetch(const llama_model & model) {
     }
     if (prefetch <= 0 && !prefetch_gate) {
         warn("prefetch_gate=0 has no effect: prefetch is off");
+    }
+    if (prefetch <= 0 && prefetch_waste != moetier_default_params().prefetch_waste) {
+        warn(format("prefetch_waste=%g has no effect: prefetch is off", prefetch_waste));
     }
     if (prefetch <= 0 || io == nullptr) {
         return;

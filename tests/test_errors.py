@@ -316,3 +316,20 @@ def test_model_arguments_and_token_ids_of_the_wrong_kind_are_config_errors(tiny_
     ids = m.tokenize("hello there")
     assert m.generate(np.array(ids), max_tokens=3).tokens == m.generate(tuple(ids), max_tokens=3).tokens
     assert np.array_equal(m.logits([np.int64(i) for i in ids]), m.logits(ids))
+
+
+def test_cache_settings_that_cannot_act_are_in_the_warnings(tiny_model: ModelFactory) -> None:
+    """A reserve beside a fixed budget, low_frac with no low-precision reads, prefetch_waste with prefetch
+    off: each a warning of the model (the API's and every tool's); where they act, none."""
+    path = tiny_model("qwen2moe")
+    idle = CacheConfig(budget="1M", reserve="1M", low_frac=0.3, prefetch=0, prefetch_waste=5, warm=False)
+    assert [w.split(" has no effect")[0] for w in Model(path, cache=idle).warnings] == [
+        "low_frac=0.3",
+        "reserve=1.00 MiB",
+        "prefetch_waste=5",
+    ]
+    acting = CacheConfig(budget="auto", reserve="1M", prefetch=1, prefetch_waste=5, warm=False)
+    assert not [w for w in Model(path, cache=acting).warnings if "has no effect" in w]
+    lo = int(Model(path, cache=CacheConfig(warm=False)).cache_info()["min_cache_bytes"])  # room left to grow into
+    grows = CacheConfig(budget=lo, reserve="1M", grow=1, warm=False)
+    assert not [w for w in Model(path, cache=grows).warnings if w.startswith("reserve=")]

@@ -207,21 +207,14 @@ def _gpu_backends() -> list[str]:
     return sorted({n for n in names if n not in cpu_only})
 
 
-def _idle_flags(ns: argparse.Namespace, cache: CacheConfig | None) -> list[str]:
-    """`moetier run` flags given that cannot act in this combination: said, not silently dropped."""
+def _idle_flags(ns: argparse.Namespace) -> list[str]:
+    """`moetier run` flags given that cannot act in this combination: said, not silently dropped (the
+    cache's own, such as --cache-reserve with a fixed size, the core says in the model's warnings)."""
     out = []
     if ns.n_gpu_layers > 0 and not ns.rpc and not _gpu_backends():
         out.append(f"-ngl {ns.n_gpu_layers}: this build has no GPU backend (CPU only); every layer runs on the CPU")
     if ns.temperature == 0 and ns.seed != 0:
         out.append(f"--seed {ns.seed}: greedy decoding (--temperature 0) draws no random numbers")
-    if cache is not None:
-        if cache.reserve and cache.budget_bytes != AUTO:
-            out.append("--cache-reserve: it shapes the auto budget only; --cache gives the size")
-        low = ns.store is not None and cache.t1 < cache.t2
-        if cache.low_frac != CacheConfig.low_frac and not low:
-            out.append("--cache-low-frac: low-precision slots need a store (--store) and --cache-t1 below --cache-t2")
-        if cache.prefetch_waste != CacheConfig.prefetch_waste and cache.prefetch == 0:
-            out.append("--cache-prefetch-waste: prefetch is off (--cache-prefetch 0)")
     return out
 
 
@@ -267,7 +260,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         )
     except MoetierError as e:
         raise _run_flag_error(e) from None
-    for w in [*m.warnings, *_idle_flags(ns, cache)]:
+    for w in [*m.warnings, *_idle_flags(ns)]:
         sys.stderr.write(f"moetier: warning: {w}\n")
     if cache is not None and cache.budget_bytes == AUTO:
         sys.stderr.write(f"moetier: {m.budget_note}\n")
