@@ -579,3 +579,34 @@ def test_run_says_which_flags_cannot_act(files: dict[str, Path], capsys: pytest.
     err = capsys.readouterr().err
     said = "moetier: warning: -ngl 1: this build has no GPU backend (CPU only); every layer runs on the CPU"
     assert (said in err) == (not _gpu_backends())
+
+
+def test_demo_converts_once_compares_and_generates_with_a_quarter_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`moetier demo` on a tiny dense model standing in for the download (no network here): it converts
+    the model once (named by its recipe, next to the download), prints the dense model's answer beside
+    the MoE's for each prompt, packs the store and generates with a quarter of the experts cached,
+    token for token as stock with every expert in RAM (status 0); the next run reuses the conversion."""
+    from moetier.tools import models
+    from moetier.tools.tiny import write_tiny_model
+
+    src = write_tiny_model(tmp_path / "qwen.gguf", "qwen2", n_layer=2, seed=3, n_ff_exp=1024, n_ff_shexp=1024)
+    asked: list[str] = []
+    monkeypatch.setattr(models, "fetch", lambda name, **kw: (asked.append(name), src)[1])
+    assert main(["demo", "--calib-tokens", "1024", "-n", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert asked == ["qwen2.5-coder-0.5b"]
+    (moe,) = tmp_path.glob("qwen-moe-demo-*.gguf")
+    assert "moetier demo: converting qwen.gguf into a MoE (16 experts, top-8): several minutes, once" in err
+    assert out.count("--- ") == 4 and out.count("\n  dense: ") == 4 and out.count("\n  MoE:   ") == 4
+    assert "first sentence or line as the dense model's: " in out and " of 4 prompts\n" in out
+    last = out.splitlines()[-1]
+    assert last.startswith("moetier: 8 tokens, ") and last.endswith("same tokens as stock: True")
+    assert (moe.with_suffix(".experts") / "manifest.json").is_file()
+    # again: the conversion is reused, one prompt when --prompt names it
+    assert main(["demo", "--calib-tokens", "1024", "-n", "8", "--prompt", "def f(x):"]) == 0
+    out2, err2 = capsys.readouterr()
+    assert "converting" not in err2 and list(tmp_path.glob("qwen-moe-demo-*.gguf")) == [moe]
+    assert out2.count("--- ") == 1 and out2.startswith("--- 'def f(x):'\n")
+    assert " of 1 prompts\n" in out2 and out2.splitlines()[-1].endswith("same tokens as stock: True")
