@@ -129,7 +129,7 @@ def test_close_frees_the_model_now(model_path: Path, capfd: pytest.CaptureFixtur
     finally:
         _log.set_level("warn")  # the library's default
     assert "moetier: expert cache totals:" in capfd.readouterr().err
-    with pytest.raises(ValueError, match="null pointer"):
+    with pytest.raises(moetier.ModelError, match="the model is closed$"):
         llm.cache_info()
 
 
@@ -261,7 +261,7 @@ def test_bad_cache_config_is_a_clear_error(model_path: Path) -> None:
     llm = _llama(model_path)
     assert not llm.has_expert_cache
     llm.close()
-    with pytest.raises(ValueError, match="null pointer"):
+    with pytest.raises(moetier.ModelError, match="the model is closed$"):
         llm.cache_stats()
 
 
@@ -396,3 +396,28 @@ def test_point_llama_cpp_here_only_without_a_library_of_its_own(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     lcpp.point_llama_cpp_here()
     assert "LLAMA_CPP_LIB_PATH" not in os.environ
+
+
+def test_a_closed_llama_says_so_and_bad_arguments_are_config_errors(model_path: Path) -> None:
+    """After close() every call that would reach the freed model is a ModelError (llama.cpp would read
+    freed memory); a cache that is not a CacheConfig and an n_ctx that is not a count are ConfigErrors."""
+    llm = _llama(model_path, CacheConfig.exact(budget=_min_budget(model_path), warm=False))
+    assert llm.tokenize(b"hi") and llm.cache_stats().n_lookups == 0
+    llm.close()
+    for call in (
+        lambda: llm.tokenize(b"hi"),
+        lambda: llm.detokenize([1]),
+        lambda: llm("hi", max_tokens=2),
+        lambda: llm.eval([1]),
+        llm.cache_stats,
+        llm.cache_info,
+        lambda: llm.has_expert_cache,
+        lambda: llm.budget_note,
+    ):
+        with pytest.raises(moetier.ModelError) as e:
+            call()
+        assert str(e.value) == f"{model_path}: the model is closed"
+    with pytest.raises(moetier.ConfigError, match=r"^moetier.Llama: cache '64M' must be a CacheConfig or None$"):
+        moetier.Llama(str(model_path), cache="64M", verbose=False)
+    with pytest.raises(moetier.ConfigError, match=r"^moetier.Llama: n_ctx None must be a number of tokens"):
+        moetier.Llama(str(model_path), n_ctx=None, verbose=False)

@@ -92,12 +92,20 @@ def _llama_init(
     if store is not None and cache is None:
         msg = f"{store}: an expert store needs an expert cache; pass cache=CacheConfig(...)"
         raise ConfigError(msg)
+    if cache is not None and not isinstance(cache, CacheConfig):
+        msg = f"moetier.Llama: cache {cache!r} must be a CacheConfig or None"
+        raise ConfigError(msg)
+    n_ctx = kwargs.get("n_ctx", 512)
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0:
+        msg = f"moetier.Llama: n_ctx {n_ctx!r} must be a number of tokens (0: the model's training context)"
+        raise ConfigError(msg)
+    self._moetier_closed = False
     self.expert_cache_config = cache
     path = str(model_path)
     with _load_lock:
         # a configuration left pending for this path (by a load that never ran) must not
         # reach this one: None is stock
-        params = cache.params(store, n_ctx=int(kwargs.get("n_ctx", 512))) if cache is not None else None
+        params = cache.params(store, n_ctx=n_ctx) if cache is not None else None
         _core.configure_load(path, params)
         try:
             llama_cpp.Llama.__init__(self, path, *args, **kwargs)
@@ -132,6 +140,7 @@ def _llama_decode(self: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
     """run(*args, **kwargs), a llama_cpp.Llama method that decodes (eval, embed): when a failed expert
     read stopped the graph (llama_cpp says only "llama_decode returned 2"), the error names the
     file, layer and expert instead (a StoreError for a checksum mismatch)."""
+    _open(self)
     try:
         return run(self, *args, **kwargs)
     except RuntimeError:
@@ -140,7 +149,16 @@ def _llama_decode(self: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
+def _open(self: Any) -> int:
+    """The core model's address; a ModelError once close() freed it (llama.cpp would read freed memory)."""
+    if getattr(self, "_moetier_closed", False):
+        msg = f"{self.model_path}: the model is closed"
+        raise ModelError(msg)
+    return int(self._moetier_model)
+
+
 def _llama_close(self: Any, llama_cpp: Any) -> None:
+    self._moetier_closed = True
     self._moetier_model = 0  # the model is freed: its address must not be used again
     if hasattr(self, "_stack"):  # not when __init__ refused the arguments before llama_cpp's own ran
         llama_cpp.Llama.close(self)
@@ -174,23 +192,31 @@ def _llama_class() -> type:
         def embed(self, *args: Any, **kwargs: Any) -> Any:
             return _llama_decode(self, llama_cpp.Llama.embed, *args, **kwargs)
 
+        def tokenize(self, *args: Any, **kwargs: Any) -> Any:
+            _open(self)
+            return llama_cpp.Llama.tokenize(self, *args, **kwargs)
+
+        def detokenize(self, *args: Any, **kwargs: Any) -> Any:
+            _open(self)
+            return llama_cpp.Llama.detokenize(self, *args, **kwargs)
+
         @property
         def has_expert_cache(self) -> bool:
-            return bool(_core.has_cache_at(self._moetier_model))
+            return bool(_core.has_cache_at(_open(self)))
 
         def cache_stats(self) -> CacheStats:
             """The expert cache's counters (all zero without a cache)."""
-            total, layers = _core.stats_at(self._moetier_model)
+            total, layers = _core.stats_at(_open(self))
             return CacheStats(total=total, layers=tuple(layers))
 
         def cache_info(self) -> dict[str, int | bool]:
-            return dict(_core.cache_info_at(self._moetier_model))
+            return dict(_core.cache_info_at(_open(self)))
 
         @property
         def budget_note(self) -> str:
             """How the cache's size was chosen (with cache=CacheConfig() or budget "auto": from the
             memory limit, less what the model and the context need)."""
-            return _core.budget_note_at(self._moetier_model)
+            return _core.budget_note_at(_open(self))
 
     Llama.__module__ = "moetier"
     Llama.__qualname__ = "Llama"
