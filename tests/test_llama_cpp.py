@@ -129,7 +129,7 @@ def test_close_frees_the_model_now(model_path: Path, capfd: pytest.CaptureFixtur
     finally:
         _log.set_level("warn")  # the library's default
     assert "moetier: expert cache totals:" in capfd.readouterr().err
-    with pytest.raises(moetier.ModelError, match="the model is closed$"):
+    with pytest.raises(moetier.ModelError, match=r"the model is closed$"):
         llm.cache_info()
 
 
@@ -261,7 +261,7 @@ def test_bad_cache_config_is_a_clear_error(model_path: Path) -> None:
     llm = _llama(model_path)
     assert not llm.has_expert_cache
     llm.close()
-    with pytest.raises(moetier.ModelError, match="the model is closed$"):
+    with pytest.raises(moetier.ModelError, match=r"the model is closed$"):
         llm.cache_stats()
 
 
