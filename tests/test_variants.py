@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -282,6 +283,44 @@ def test_consolidation_map_errors_name_the_file(seeded: list[VariantSpec], tmp_p
     short.write_text(json.dumps(m))
     with pytest.raises(ConfigError, match=rf"^{short}: the map is of another shape than the variants' 3 MoE layers"):
         Variants(seeded, CFG, consolidation=short, n_ctx=256)
+
+
+def test_a_malformed_map_is_refused_and_sharing_rows_are_lossy_whatever_the_capacity(
+    seeded: list[VariantSpec], tmp_path: Path
+) -> None:
+    """Variants that are not entries, a capacity that is not a count, a row of strings or a position naming
+    no variant: ConfigErrors naming the file. A map whose capacity says 0 but whose rows share a copy is
+    consolidated (lossy), as its answers show; paths given as str work with a map."""
+    from moetier.variants import read_map
+
+    good = consolidate([v.model for v in seeded], 4)
+    for change, says in (
+        ({"variants": 5}, "variants must be a list of the variants' entries"),
+        ({"variants": [1, 2, 3]}, "variants must be a list of the variants' entries"),
+        ({"capacity": "lots"}, "capacity 'lots' must be a number of shared positions"),
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**good, **change}))
+        with pytest.raises(ConfigError, match=rf"^{bad}: {re.escape(says)}"):
+            read_map(bad, seeded)
+    n_layers, n_expert = len(good["map"]), len(good["map"][0])
+    for value, shown in (("x", "'x'"), (-7, "-7"), (3, "3")):
+        rows = [[-1] * n_expert for _ in range(n_layers)]
+        rows[1][2] = value
+        bad = tmp_path / "rows.json"
+        bad.write_text(json.dumps({**good, "map": rows}))
+        with pytest.raises(ConfigError, match=rf"^{bad}: layer 1, expert 2: {re.escape(shown)} is neither -1"):
+            Variants(seeded, CFG, consolidation=bad, n_ctx=256)
+    shared = tmp_path / "shared.json"
+    shared.write_text(json.dumps({**good, "capacity": 0, "map": [[0] * n_expert for _ in range(n_layers)]}))
+    as_str = [VariantSpec(v.name, str(v.model), str(v.store)) for v in seeded]  # type: ignore[arg-type]
+    vs = Variants(as_str, CFG, consolidation=shared, n_ctx=256)
+    try:
+        assert vs.consolidated
+    finally:
+        vs.close()
+    with pytest.raises(ConfigError, match=r"^VariantSpec v0: model None must be a path$"):
+        VariantSpec("v0", None, seeded[0].store)  # type: ignore[arg-type]
 
 
 def test_variants_take_the_default_prefetch_and_the_context(seeded: list[VariantSpec]) -> None:

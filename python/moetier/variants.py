@@ -41,6 +41,17 @@ class VariantSpec:
     model: Path
     store: Path
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            msg = f"VariantSpec: name {self.name!r} must be a non-empty str"
+            raise ConfigError(msg)
+        for f in ("model", "store"):  # a str is taken as the path it names
+            v = getattr(self, f)
+            if not isinstance(v, (str, os.PathLike)):
+                msg = f"VariantSpec {self.name}: {f} {v!r} must be a path"
+                raise ConfigError(msg)
+            object.__setattr__(self, f, Path(v))
+
 
 def read_map(path: str | os.PathLike[str], variants: Sequence[VariantSpec]) -> dict[str, Any]:
     """A consolidation map, checked against the variants it is applied to (same files, same order)."""
@@ -57,6 +68,13 @@ def read_map(path: str | os.PathLike[str], variants: Sequence[VariantSpec]) -> d
         msg = f"{p}: not a consolidation map (no format moetier-consolidation-1); write it with `moetier consolidate`"
         raise ConfigError(msg)
     mv = m.get("variants", [])
+    if not isinstance(mv, list) or not all(isinstance(e, dict) for e in mv):
+        msg = f"{p}: variants must be a list of the variants' entries; write the map again with `moetier consolidate`"
+        raise ConfigError(msg)
+    cap = m.get("capacity", 0)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        msg = f"{p}: capacity {cap!r} must be a number of shared positions (0 or more)"
+        raise ConfigError(msg)
     if len(mv) != len(variants):
         msg = f"{p}: the map is of {len(mv)} variants, {len(variants)} are served"
         raise ConfigError(msg)
@@ -122,9 +140,22 @@ class Variants:
     def _apply(self, m: dict[str, Any], where: str) -> None:
         rows = m.get("map")
         E = self.n_expert
-        if not isinstance(rows, list) or len(rows) != self.n_layers or any(len(r) != E for r in rows):
+        if (
+            not isinstance(rows, list)
+            or len(rows) != self.n_layers
+            or any(not isinstance(r, list) or len(r) != E for r in rows)
+        ):
             msg = f"{where}: the map is of another shape than the variants' {self.n_layers} MoE layers x {E} experts"
             raise ConfigError(msg)
+        n = len(self._models)
+        for il, row in enumerate(rows):
+            for e, o in enumerate(row):
+                if isinstance(o, bool) or not isinstance(o, int) or not -1 <= o < n:
+                    msg = (
+                        f"{where}: layer {il}, expert {e}: {o!r} is neither -1 (each variant's own) nor a variant "
+                        f"(0 to {n - 1})"
+                    )
+                    raise ConfigError(msg)
         for v, model in enumerate(self._models):
             keys = [(o if o >= 0 else v) * E + e for row in rows for e, o in enumerate(row)]
             model._m.set_expert_keys(keys)
@@ -136,7 +167,8 @@ class Variants:
     @property
     def consolidated(self) -> bool:
         """Whether some expert positions are served by another variant's copy (lossy)."""
-        return self.map is not None and int(self.map.get("capacity", 0)) > 0
+        # from the positions themselves: a map whose capacity says 0 but whose rows share a copy is lossy too
+        return self.map is not None and any(o >= 0 for row in self.map["map"] for o in row)
 
     def _model(self, name: str) -> Model:
         """The variant's model; call with the lock held (the models share one cache)."""
