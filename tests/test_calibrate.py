@@ -388,7 +388,8 @@ def test_calibrate_config_bounds() -> None:
 
 def test_trace_load_checks_what_it_reads(tmp_path: Path) -> None:
     good = _trace(5, ubatch_starts=(0, 4))
-    assert Trace.load(good.save(tmp_path / "good")).ubatch_starts == (0, 4)
+    good_path = good.save(tmp_path / "good")
+    assert Trace.load(good_path).ubatch_starts == (0, 4)
     bad = [
         ({"seq_starts": (0, 5)}, "seq_starts must rise strictly from 0 and stay below 5 tokens"),
         ({"seq_starts": (1, 3)}, "seq_starts must rise strictly from 0 and stay below 5 tokens"),
@@ -402,9 +403,50 @@ def test_trace_load_checks_what_it_reads(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as e:
             Trace.load(p)
         assert str(e.value) == f"{p}: {says}"
-    # the last expert id is in range
-    top = Trace(**{**fields, "ids": np.full_like(good.ids, 7)}).save(tmp_path / "top")  # type: ignore[arg-type]
+    # the last expert id is in range (each token's top-k distinct, ending at it)
+    k = good.ids.shape[2]
+    ids = np.broadcast_to(np.arange(8 - k, 8, dtype=np.int32), good.ids.shape).copy()
+    top = Trace(**{**fields, "ids": ids}).save(tmp_path / "top")  # type: ignore[arg-type]
     assert int(Trace.load(top).ids.max()) == 7
+    # an expert twice in one token, a weight that is not a finite number 0 or more, no tokens, float ids
+    twice = Trace(**{**fields, "ids": np.full_like(good.ids, 7)}).save(tmp_path / "twice")  # type: ignore[arg-type]
+    nan = good.weights.copy()
+    nan[0, 0, 0] = np.nan
+    for path, says in (
+        (twice, "a token selects the same expert twice in one layer"),
+        (Trace(**{**fields, "weights": nan}).save(tmp_path / "nan"), "gate weights must be finite and 0 or more"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ConfigError) as e:
+            Trace.load(path)
+        assert str(e.value) == f"{path}: {says}"
+    raw = dict(np.load(good_path))
+    for change, says in (
+        ({"ids": raw["ids"].astype(np.float32) + 0.7}, "ids are float32; expert ids are integers"),
+        ({"ids": raw["ids"].astype(np.int64) + 2**32}, "expert ids must lie in [0, n_expert)"),
+        ({"n_expert": np.array([8, 8])}, "n_expert must be one integer in [1, 65536], not [8, 8]"),
+        ({"n_expert": np.float64(np.inf)}, "n_expert must be one integer in [1, 65536], not inf"),
+        ({"seq_starts": np.int64(0)}, "seq_starts must be a 1-d array of integers, not int64 of shape ()"),
+        (
+            {
+                "ids": raw["ids"][:0],
+                "weights": raw["weights"][:0],
+                "seq_starts": np.zeros(0, np.int64),
+                "ubatch_starts": np.zeros(0, np.int64),
+            },
+            "0 tokens of top-",
+        ),
+    ):
+        forged = tmp_path / "forged.npz"
+        np.savez(forged, **{**raw, **change})
+        with pytest.raises(ConfigError) as e:
+            Trace.load(forged)
+        assert str(e.value).startswith(f"{forged}: {says}"), str(e.value)
+    damaged = tmp_path / "damaged.npz"
+    data = bytearray(good_path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=rf"^{damaged}: not a moetier routing trace \("):
+        Trace.load(damaged)
 
 
 def test_record_trace_sequences_and_ubatches(moe: Path, tiny_model: ModelFactory) -> None:

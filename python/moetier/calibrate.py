@@ -133,25 +133,28 @@ class Trace:
                 if "seq_offsets" in z.files and "seq_starts" not in z.files:
                     tr = _shared_trace(z, path)
                 else:
-                    seq = tuple(int(x) for x in z["seq_starts"])
+                    seq = _int_list(z["seq_starts"], "seq_starts", path)
                     tr = cls(
-                        ids=z["ids"].astype(np.int32),
-                        weights=z["weights"].astype(np.float32),
-                        layers=tuple(int(x) for x in z["layers"]),
-                        n_expert=int(z["n_expert"]),
-                        seq_starts=seq,
-                        ubatch_starts=tuple(int(x) for x in z["ubatch_starts"]) if "ubatch_starts" in z else seq,
+                        ids=_ids(z["ids"], path),
+                        weights=np.asarray(z["weights"]).astype(np.float32),
+                        layers=tuple(_int_list(z["layers"], "layers", path)),
+                        n_expert=_count(z["n_expert"], "n_expert", path),
+                        seq_starts=tuple(seq),
+                        ubatch_starts=tuple(_int_list(z["ubatch_starts"], "ubatch_starts", path))
+                        if "ubatch_starts" in z
+                        else tuple(seq),
                     )
         except OSError as e:
             msg = f"{path}: cannot read the routing trace ({e.strerror or e})"
             raise ConfigError(msg) from None
         except ConfigError:
-            raise  # the shared format's own checks, which name the file already
-        except (KeyError, ValueError) as e:
-            msg = f"{path}: not a moetier routing trace ({e}); record one with `moetier trace`"
+            raise  # the checks below, which name the file already
+        except (KeyError, ValueError, TypeError, AttributeError, EOFError, zipfile.BadZipFile) as e:
+            # a missing or damaged member, one of the wrong kind: what np.load or the casts say
+            msg = f"{path}: not a moetier routing trace ({type(e).__name__}: {e}); record one with `moetier trace`"
             raise ConfigError(msg) from None
         n_layers = len(tr.layers)
-        if tr.ids.ndim != 3 or tr.weights.shape != tr.ids.shape or tr.ids.shape[1] != n_layers:
+        if tr.ids.ndim != 3 or tr.weights.shape != tr.ids.shape or tr.ids.shape[1] != n_layers or not n_layers:
             msg = (
                 f"{path}: ids {tr.ids.shape} and weights {tr.weights.shape} must both be [n_tokens, {n_layers}, n_used]"
             )
@@ -164,16 +167,59 @@ class Trace:
             if list(starts) != sorted(set(starts)) or (starts and (starts[0] != 0 or starts[-1] >= n)):
                 msg = f"{path}: {name} must rise strictly from 0 and stay below {n} tokens"
                 raise ConfigError(msg)
+        k = tr.ids.shape[2]
+        if not n or not 1 <= k <= tr.n_expert:
+            msg = f"{path}: {n} tokens of top-{k} of {tr.n_expert} experts; a trace needs tokens, 1 <= top-k <= experts"
+            raise ConfigError(msg)
+        if k > 1 and (np.diff(np.sort(tr.ids, axis=2), axis=2) == 0).any():
+            msg = f"{path}: a token selects the same expert twice in one layer"
+            raise ConfigError(msg)
+        if not np.isfinite(tr.weights).all() or (tr.weights < 0).any():
+            msg = f"{path}: gate weights must be finite and 0 or more"
+            raise ConfigError(msg)
         return tr
+
+
+MAX_EXPERTS = 1 << 16  # experts per layer a trace may name (the largest MoEs have 512)
+
+
+def _ids(a: Any, path: str | os.PathLike[str]) -> npt.NDArray[np.int32]:
+    """A trace's expert ids as int32, checked before the cast (which would wrap or truncate)."""
+    a = np.asarray(a)
+    if a.dtype.kind not in "iu":
+        msg = f"{path}: ids are {a.dtype}; expert ids are integers"
+        raise ConfigError(msg)
+    if a.size and (a.min() < 0 or a.max() >= MAX_EXPERTS):
+        msg = f"{path}: expert ids must lie in [0, n_expert)"
+        raise ConfigError(msg)
+    return np.asarray(a.astype(np.int32), dtype=np.int32)
+
+
+def _int_list(a: Any, name: str, path: str | os.PathLike[str]) -> list[int]:
+    """A 1-d integer member of a trace as a list."""
+    a = np.asarray(a)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        msg = f"{path}: {name} must be a 1-d array of integers, not {a.dtype} of shape {a.shape}"
+        raise ConfigError(msg)
+    return [int(x) for x in a]
+
+
+def _count(a: Any, name: str, path: str | os.PathLike[str]) -> int:
+    """A trace's expert count: one integer in [1, MAX_EXPERTS]."""
+    a = np.asarray(a)
+    if a.size != 1 or a.dtype.kind not in "iu" or not 1 <= int(a.reshape(())) <= MAX_EXPERTS:
+        msg = f"{path}: {name} must be one integer in [1, {MAX_EXPERTS}], not {a.tolist()!r}"
+        raise ConfigError(msg)
+    return int(a.reshape(()))
 
 
 def _shared_trace(z: Any, path: str | os.PathLike[str]) -> Trace:
     """A trace in the shared format of real routing recorded elsewhere (ids uint8 [T, L, K], seq_offsets
     [S + 1], n_experts, top_k, layers; weights optional): every token is its own step, as a decode
     replays it. Without gate weights every selected expert weighs 1/K: the order of ids is the rank."""
-    ids = np.asarray(z["ids"]).astype(np.int32)
-    n_expert = int(z["n_experts"])
-    offs = [int(x) for x in z["seq_offsets"]]
+    ids = _ids(z["ids"], path)
+    n_expert = _count(z["n_experts"], "n_experts", path)
+    offs = _int_list(z["seq_offsets"], "seq_offsets", path)
     if ids.ndim != 3:
         msg = f"{path}: ids of shape {ids.shape}, need [tokens, layers, top_k]"
         raise ConfigError(msg)
@@ -188,7 +234,7 @@ def _shared_trace(z: Any, path: str | os.PathLike[str]) -> Trace:
             raise ConfigError(msg)
     else:
         weights = np.full(ids.shape, 1.0 / ids.shape[2], dtype=np.float32)
-    layers = tuple(int(x) for x in z["layers"]) if "layers" in z.files else tuple(range(ids.shape[1]))
+    layers = tuple(_int_list(z["layers"], "layers", path)) if "layers" in z.files else tuple(range(ids.shape[1]))
     return Trace(ids, weights, layers, n_expert, tuple(offs[:-1]), tuple(range(n)), "weights" in z.files)
 
 
