@@ -13,7 +13,7 @@ import pytest
 
 from conftest import LONG_PROMPT, ModelFactory
 from moetier import CacheConfig, ConfigError, ContextConfig, Model, ModelError, _core
-from moetier.calibrate import CalibrateConfig, Trace, calibrate, choose_thresholds, record_trace, split_of
+from moetier.calibrate import CalibrateConfig, Trace, calibrate, choose_thresholds, moe_layers, record_trace, split_of
 
 
 @pytest.fixture(scope="module")
@@ -542,3 +542,62 @@ def test_calibrate_cli_joins_its_corpus_files_and_takes_an_auto_budget(
     assert np.array_equal(got.ids, want.ids)
     # the config it wrote loads as an automatic budget
     assert CacheConfig.from_file(out).budget_text == "auto"
+
+
+def test_a_trace_is_written_whole_or_not_at_all(moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails (a full disk, a size limit) leaves the trace that was there, and no temporary
+    file; a good write replaces it."""
+    good = _trace(5)
+    path = good.save(tmp_path / "t.npz")
+    before = path.read_bytes()
+
+    def full(self: Trace, p: Path) -> None:
+        p.write_bytes(b"PK\x03\x04 half")  # a partial archive
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Trace, "_write", full)
+    with pytest.raises(OSError, match="No space left"):
+        _trace(7).save(path)
+    assert path.read_bytes() == before and sorted(q.name for q in tmp_path.iterdir()) == ["t.npz"]
+    monkeypatch.undo()
+    assert _trace(7).save(path) == path and Trace.load(path).ids.shape[0] == 7
+
+
+def test_moe_layers_refuses_a_file_that_is_no_gguf_and_counts_the_router_weight_only(moe: Path, tmp_path: Path) -> None:
+    """Not a GGUF, or one gguf cannot read: a ModelError naming the file (not gguf's ValueError); a router
+    bias beside its weight (gpt-oss has one) is no second layer."""
+    junk = tmp_path / "junk.gguf"
+    junk.write_text("hello\n")
+    with pytest.raises(ModelError, match=rf"^{junk}: not a GGUF file"):
+        moe_layers(junk)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(moe.read_bytes()[:200])
+    with pytest.raises(ModelError, match=rf"^{cut}: gguf cannot read its header \("):
+        moe_layers(cut)
+    import gguf
+
+    biased = tmp_path / "biased.gguf"
+    w = gguf.GGUFWriter(biased, "qwen2moe")
+    for il in (0, 2):
+        w.add_tensor(f"blk.{il}.ffn_gate_inp.weight", np.zeros((8, 16), dtype=np.float32))
+        w.add_tensor(f"blk.{il}.ffn_gate_inp.bias", np.zeros(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert moe_layers(biased) == ([0, 2], 8)
+
+
+def test_calibrate_and_train_policy_refuse_settings_that_cannot_finish_or_be_right() -> None:
+    """A grid whose weightings no replay could finish; a learning rate or weight decay that is not finite;
+    a negative seed: ConfigErrors."""
+    from moetier.tools.train_policy import TrainPolicyConfig as TrainConfig
+
+    with pytest.raises(ConfigError, match=r"^calibrate.grid: 33 must be at most 32"):
+        CalibrateConfig(grid=33)
+    CalibrateConfig(grid=32)
+    for kw in ({"lr": float("nan")}, {"lr": float("inf")}, {"weight_decay": float("nan")}):
+        with pytest.raises(ConfigError, match=r"^train-policy: lr must be positive"):
+            TrainConfig(**kw)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^train-policy: seed -1 must be 0 or more$"):
+        TrainConfig(seed=-1)

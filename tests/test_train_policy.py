@@ -87,7 +87,7 @@ def test_config_defaults_and_limits() -> None:
     for bad_f in ({"lr": 0.0}, {"lr": -1e-3}, {"weight_decay": -1e-9}):
         with pytest.raises(ConfigError) as e:
             tp.TrainPolicyConfig(**bad_f)
-        assert str(e.value) == "train-policy: lr must be positive and weight_decay not negative"
+        assert str(e.value) == "train-policy: lr must be positive and weight_decay not negative (finite numbers both)"
 
 
 def test_network_file_layout(tmp_path: Path) -> None:

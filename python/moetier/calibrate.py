@@ -32,7 +32,7 @@ import numpy.typing as npt
 from . import _core
 from .config import AUTO, CacheConfig, ContextConfig
 from .errors import ConfigError, ModelError
-from .model import Model
+from .model import Model, check_gguf
 
 
 def read_texts(paths: list[str], flag: str) -> list[str]:
@@ -67,6 +67,9 @@ class CalibrateConfig:
             if getattr(self, name) < 1:
                 msg = f"calibrate.{name}: {getattr(self, name)} must be positive"
                 raise ConfigError(msg)
+        if self.grid > 32:  # every weighting of the 4 policies on the grid is replayed: 6545 at 32
+            msg = f"calibrate.grid: {self.grid} must be at most 32 (each weighting on the grid is one replay)"
+            raise ConfigError(msg)
         for name in ("target_low", "target_skip"):
             if not 0 <= getattr(self, name) <= 1:
                 msg = f"calibrate.{name}: {getattr(self, name)} must lie in [0, 1]"
@@ -104,7 +107,19 @@ class Trace:
     has_weights: bool = True  # False: a real trace without gate weights (each selected expert weighs 1/K)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
+        """Writes the trace as PATH(.npz): to a temporary file renamed over it, so that a failed write
+        never leaves a damaged trace where a good one was."""
         p = Path(path)
+        out = p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
+        tmp = out.with_name(out.name + ".tmp.npz")
+        try:
+            self._write(tmp)
+            tmp.replace(out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return out
+
+    def _write(self, p: Path) -> None:
         np.savez_compressed(
             p,
             ids=self.ids,
@@ -114,7 +129,6 @@ class Trace:
             seq_starts=np.asarray(self.seq_starts, dtype=np.int64),
             ubatch_starts=np.asarray(self.ubatch_starts or self.seq_starts, dtype=np.int64),
         )
-        return p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Trace:
@@ -260,18 +274,31 @@ def concat_traces(traces: list[Trace], names: list[str]) -> Trace:
     )
 
 
-def moe_layers(model_path: str | os.PathLike[str]) -> tuple[list[int], int]:
-    """Indices of the MoE layers of a GGUF (those with a router) and the expert count."""
+def moe_layers(
+    model_path: str | os.PathLike[str],
+    needs: str = "calibration needs a MoE model",
+    none: str = "no MoE layers (blk.N.ffn_gate_inp.weight)",
+) -> tuple[list[int], int]:
+    """Indices of the MoE layers of a GGUF (those with a router, blk.N.ffn_gate_inp.weight) and the
+    expert count; a ModelError naming the file if it is no GGUF or has none (none: its words, needs: why
+    the caller needs them)."""
     from gguf import GGUFReader
 
+    path = check_gguf(model_path)
+    try:
+        tensors = GGUFReader(str(path)).tensors
+    except (ValueError, OSError, IndexError, KeyError) as e:  # a header gguf cannot read: cut short, damaged
+        msg = f"{path}: gguf cannot read its header ({type(e).__name__}: {e})"
+        raise ModelError(msg) from None
     layers, n_expert = [], 0
-    for t in GGUFReader(str(model_path)).tensors:
+    for t in tensors:
         parts = t.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] == "ffn_gate_inp":
+        # the router's weight only: some architectures give it a bias too (gpt-oss), which is no second layer
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] == "ffn_gate_inp" and parts[3] == "weight":
             layers.append(int(parts[1]))
             n_expert = int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
     if not layers:
-        msg = f"{model_path}: no MoE layers (blk.N.ffn_gate_inp.weight): calibration needs a MoE model"
+        msg = f"{model_path}: {none}: {needs}"
         raise ModelError(msg)
     return sorted(layers), n_expert
 
@@ -282,7 +309,8 @@ def record_trace(
     """Runs the stock model over the first cfg.tokens tokens of text (or token ids) and records its
     routing; every cfg.seq_len tokens a new sequence starts from an empty context."""
     layers, n_expert = moe_layers(model_path)
-    ctx = ContextConfig(n_ctx=cfg.seq_len, n_batch=cfg.seq_len, n_ubatch=min(cfg.seq_len, 512))
+    seq = min(cfg.seq_len, cfg.tokens)  # no context longer than the tokens it will hold
+    ctx = ContextConfig(n_ctx=seq, n_batch=seq, n_ubatch=min(seq, 512))
     m = Model(model_path, context=ctx, n_threads=n_threads)
     tokens = (m.tokenize(text) if isinstance(text, str) else list(text))[: cfg.tokens]
     if len(tokens) < 2:

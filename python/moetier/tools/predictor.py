@@ -23,9 +23,9 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from .. import _core
+from .. import _core, calibrate
 from ..calibrate import read_texts
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError
 
 F32 = npt.NDArray[np.float32]
 ARCH = "moetier-predictor"
@@ -33,15 +33,7 @@ ARCH = "moetier-predictor"
 
 def moe_layers(model: str | os.PathLike[str]) -> list[int]:
     """The layers with a router (blk.N.ffn_gate_inp.weight), in order."""
-    out = []
-    for t in gguf.GGUFReader(model).tensors:
-        parts = t.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] == "ffn_gate_inp" and parts[3] == "weight":
-            out.append(int(parts[1]))
-    if not out:
-        msg = f"{model}: no MoE layer (no blk.N.ffn_gate_inp.weight): nothing to predict"
-        raise ModelError(msg)
-    return sorted(out)
+    return calibrate.moe_layers(model, "nothing to predict", "no MoE layer (no blk.N.ffn_gate_inp.weight)")[0]
 
 
 def ridge_fit(x: F32, y: F32, lam: float) -> tuple[F32, F32]:

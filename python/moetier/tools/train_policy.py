@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import struct
 import sys
 import time
@@ -69,8 +70,11 @@ class TrainPolicyConfig:
         if min(self.hidden, self.epochs, self.batch, self.rounds, self.max_rows) < 1 or self.hidden > 1024:
             msg = "train-policy: hidden (1-1024), epochs, batch, rounds and max_rows must be positive"
             raise ConfigError(msg)
-        if self.lr <= 0 or self.weight_decay < 0:
-            msg = "train-policy: lr must be positive and weight_decay not negative"
+        if not (0 < self.lr < math.inf and 0 <= self.weight_decay < math.inf):
+            msg = "train-policy: lr must be positive and weight_decay not negative (finite numbers both)"
+            raise ConfigError(msg)
+        if not 0 <= self.seed <= 2**63 - 1:
+            msg = f"train-policy: seed {self.seed} must be 0 or more"
             raise ConfigError(msg)
 
 
