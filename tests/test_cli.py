@@ -610,3 +610,18 @@ def test_demo_converts_once_compares_and_generates_with_a_quarter_cached(
     assert "converting" not in err2 and list(tmp_path.glob("qwen-moe-demo-*.gguf")) == [moe]
     assert out2.count("--- ") == 1 and out2.startswith("--- 'def f(x):'\n")
     assert " of 1 prompts\n" in out2 and out2.splitlines()[-1].endswith("same tokens as stock: True")
+
+
+def test_a_system_error_without_a_file_is_one_line(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An OSError that names no file (a full disk, a size limit hit while writing) is the reason in one
+    line, status 1, not a traceback."""
+    pack_module = sys.modules["moetier.pack"]  # the module (moetier.pack is also the function)
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pack_module, "pack", full)
+    rc, err = cli(capsys, "pack", str(files["moe"]), "-q")
+    assert (rc, err) == (1, "moetier: error: No space left on device\n")

@@ -1302,8 +1302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except OSError as e:
         # a file the command reads or writes: its name and the reason (missing, a directory, no permission)
-        if ns.debug or e.filename is None:
+        if ns.debug:
             raise
+        if e.filename is None:  # a write the system refused (a full disk, a size limit): the reason alone
+            sys.stderr.write(f"moetier: error: {e.strerror or e}\n")
+            return 1
         where = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
         sys.stderr.write(f"moetier: error: {where}: {e.strerror or e}\n")
         return 1
