@@ -115,6 +115,8 @@ class Trace:
         try:
             self._write(tmp)
             tmp.replace(out)
+        except OSError as e:  # named by the file asked for, not the temporary one
+            raise OSError(e.errno, e.strerror, str(out)) from None
         finally:
             tmp.unlink(missing_ok=True)
         return out
