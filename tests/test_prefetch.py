@@ -436,8 +436,14 @@ def test_fit_predictor_refuses_bad_settings(deepseek: Path, tiny_model: ModelFac
     from moetier.tools.predictor import fit_predictor
 
     dense = tiny_model("qwen2")
-    says = "fit-predictor: depth {} must be >= 1, tokens {} >= 16, ridge {} >= 0"
-    for depth, tokens, ridge in ((0, 16, 0.0), (1, 15, 0.0), (1, 16, -1e-9)):
+    says = "fit-predictor: depth {} must be >= 1, tokens {} >= 16, ridge {} a finite number >= 0"
+    for depth, tokens, ridge in (
+        (0, 16, 0.0),
+        (1, 15, 0.0),
+        (1, 16, -1e-9),
+        (1, 16, float("nan")),
+        (1, 16, float("inf")),
+    ):
         with pytest.raises(ConfigError) as e:
             fit_predictor(dense, LONG_PROMPT, depth=depth, tokens=tokens, ridge=ridge)
         assert str(e.value) == says.format(depth, tokens, ridge)
@@ -448,6 +454,9 @@ def test_fit_predictor_refuses_bad_settings(deepseek: Path, tiny_model: ModelFac
     n = len(Model(deepseek).tokenize("Sphinx of quartz"))
     assert n < 16 and str(e.value) == f"fit-predictor: the text gives {n} tokens; need at least 16"
     assert sorted(fit_predictor(deepseek, LONG_PROMPT, tokens=16)) == [(1, 1), (2, 1)]
+    one = tiny_model("qwen2moe", n_layer=1)
+    with pytest.raises(ModelError, match=r"one MoE layer \(layer 0\): a predictor maps a layer's input to a later"):
+        fit_predictor(one, LONG_PROMPT, tokens=16)
 
 
 def test_fit_predictor_maps_each_layer_to_the_next_routers(deepseek: Path) -> None:
@@ -606,3 +615,17 @@ def test_fit_predictor_cli_errors_and_help(
         "-t THREADS, --threads THREADS compute threads (default: the machine's cores, at most 8)",
     ):
         assert s in helptext, s
+
+
+def test_fit_predictor_refuses_a_store_beside_an_output(deepseek: Path, tmp_path: Path) -> None:
+    """--store only chooses where the predictor goes: with -o it would be ignored, so it is refused."""
+    from moetier.tools import predictor
+
+    text = tmp_path / "t.txt"
+    text.write_text(LONG_PROMPT)
+    with pytest.raises(ConfigError) as e:
+        predictor.main([str(deepseek), "--text", str(text), "--store", "s.experts", "-o", str(tmp_path / "p.gguf")])
+    assert (
+        str(e.value)
+        == f"--store s.experts: it only chooses where the predictor is written; -o {tmp_path / 'p.gguf'} chose already"
+    )

@@ -13,6 +13,7 @@ Prefetch changes which reads start early, never what is computed: output stays e
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -25,7 +26,7 @@ import numpy.typing as npt
 
 from .. import _core, calibrate
 from ..calibrate import read_texts
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 
 F32 = npt.NDArray[np.float32]
 ARCH = "moetier-predictor"
@@ -59,10 +60,13 @@ def fit_predictor(
     """{(layer, distance): (W [n_expert, n_embd], b [n_expert])} fitted on the first tokens of text."""
     from ..model import Model
 
-    if depth < 1 or tokens < 16 or ridge < 0:
-        msg = f"fit-predictor: depth {depth} must be >= 1, tokens {tokens} >= 16, ridge {ridge} >= 0"
+    if depth < 1 or tokens < 16 or not 0 <= ridge < math.inf:
+        msg = f"fit-predictor: depth {depth} must be >= 1, tokens {tokens} >= 16, ridge {ridge} a finite number >= 0"
         raise ConfigError(msg)
     layers = moe_layers(model)
+    if len(layers) < 2:
+        msg = f"{model}: one MoE layer (layer {layers[0]}): a predictor maps a layer's input to a later MoE layer's"
+        raise ModelError(msg)
     m = Model(model, n_ctx=512, n_threads=n_threads)
     toks = m.tokenize(text)[:tokens]
     if len(toks) < 16:
@@ -125,11 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     t0 = time.monotonic()
     text = "\n\n".join(read_texts(a.text, "--text"))
+    if a.output and a.store:
+        msg = f"--store {a.store}: it only chooses where the predictor is written; -o {a.output} chose already"
+        raise ConfigError(msg)
     maps = fit_predictor(a.model, text, depth=a.depth, tokens=a.tokens, ridge=a.ridge, n_threads=a.threads)
     out = a.output or _core.predictor_path(str(a.model), a.store or "")
     path = write_predictor(out, a.model, maps)
+    reach = min(a.depth, len(moe_layers(a.model)) - 1)  # MoE layers ahead: no further than the last one
     sys.stdout.write(
-        f"moetier: wrote {path}: {len(maps)} maps (distances 1..{a.depth}) fitted on up to {a.tokens} tokens "
+        f"moetier: wrote {path}: {len(maps)} maps (distances 1..{reach}) fitted on up to {a.tokens} tokens "
         f"in {time.monotonic() - t0:.0f} s\n"
     )
     return 0
