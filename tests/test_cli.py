@@ -370,6 +370,12 @@ USER_ERRORS = [
     (["replay", "{npz}", "--budgets", "25", "--weights=-1,0,0,0"], "--weights: '-1,0,0,0' needs 4 finite numbers"),
     (["replay", "{npz}", "--budgets", "25", "--tokens=-5"], "--tokens: -5 must be 0 (every token) or more"),
     (["replay", "{npz}", "--budgets", "25", "--policies", ","], "--policies: ',' names no policy"),
+    (["replay", "{npz}", "--budgets", "25,25"], "--budgets: 25.0 given twice; each is one replay"),
+    (["replay", "{npz}", "--budgets", "25", "--policies", "lru,lru"], "--policies: lru given twice"),
+    (
+        ["replay", "{npz}", "--budgets", "25", "--low-frac", "0.3"],
+        "--low-frac 0.3: a share in [0, 1) of a model's cache (with -m)",
+    ),
     (["sever"], "'sever' is not a command; did you mean serve?"),
     (["tool"], "name the tool to run"),
 ]

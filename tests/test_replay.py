@@ -901,12 +901,12 @@ def test_replay_command_passes_each_flag_on(
     path = shared_format(tmp_path / "real.npz", synthetic(5), [0, 120, 300])
     out = tmp_path / "r.json"
     argv = [str(path), str(path), "--budgets", "0.5,25", "--policies", "lru", "--tokens", "350"]
-    argv += ["--sequences", "1:", "--low-frac", "0.3", "-q", "-o", str(out)]
+    argv += ["--sequences", "1:", "-q", "-o", str(out)]
     assert rp.replay_main(argv) == 0
     rep = json.loads(out.read_text())
     # two traces, sequences 1 on (180 + 300 tokens), cut to 350; a budget under 1% is a budget
     assert rep["trace"] == f"{path}, {path}" and rep["sequences"] == [1, None] and rep["tokens"] == 350
-    assert [g["pct"] for g in rep["geometry"]] == [0.5, 25.0] and rep["low_frac"] == 0.3
+    assert [g["pct"] for g in rep["geometry"]] == [0.5, 25.0]
     assert (tmp_path / "r.png").is_file()
     capsys.readouterr()
     # without matplotlib: no plot, and the summary does not list one

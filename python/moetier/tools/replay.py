@@ -467,10 +467,18 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     if a.tokens < 0:
         msg = f"--tokens: {a.tokens} must be 0 (every token) or more"
         raise ConfigError(msg)
+    if a.low_frac is not None and (a.model is None or not 0 <= a.low_frac < 1):
+        msg = f"--low-frac {a.low_frac}: a share in [0, 1) of a model's cache (with -m) for low-precision slots"
+        raise ConfigError(msg)
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
     if not policies:
         msg = f"--policies: {a.policies!r} names no policy"
         raise ConfigError(msg)
+    for flag, items in (("--policies", policies), ("--budgets", _floats(a.budgets, "--budgets"))):
+        twice = sorted({str(x) for x in items if items.count(x) > 1})
+        if twice:
+            msg = f"{flag}: {', '.join(twice)} given twice; each is one replay"
+            raise ConfigError(msg)
     budgets = _floats(a.budgets, "--budgets")
     if not budgets or any(not 0 < b <= 100 for b in budgets):
         msg = f"--budgets: {a.budgets!r}: each budget is a share of the experts in (0, 100]"
