@@ -333,3 +333,16 @@ def test_cache_settings_that_cannot_act_are_in_the_warnings(tiny_model: ModelFac
     lo = int(Model(path, cache=CacheConfig(warm=False)).cache_info()["min_cache_bytes"])  # room left to grow into
     grows = CacheConfig(budget=lo, reserve="1M", grow=1, warm=False)
     assert not [w for w in Model(path, cache=grows).warnings if w.startswith("reserve=")]
+
+
+def test_generate_says_why_it_stopped(tiny_model: ModelFactory) -> None:
+    """stop: "length" after max_tokens, "context" where the context is full (its 256 positions hold the
+    prompt and every token generated), "eog" where the model ended its answer, as its last token shows."""
+    from moetier import ContextConfig
+
+    m = Model(tiny_model("qwen2"), context=ContextConfig(n_ctx=256))
+    r = m.generate("hello", max_tokens=2)
+    assert (r.stop, len(r.tokens)) == ("length", 2)
+    r = m.generate("hello", max_tokens=1000)
+    assert r.stop in ("context", "eog")
+    assert (r.stop == "context") == (r.prompt_tokens + len(r.tokens) == 256)

@@ -963,8 +963,8 @@ def test_a_pool_answer_is_the_models_own_with_its_load_and_run_times(tmp_path: P
         c = pool.counters["d"]
         assert (c.loads, c.load_seconds, c.jobs, c.failures, c.run_seconds) == (1, a.load_seconds, 1, 0, a.run_seconds)
         assert opener.loads == [("d", 1)]
-        b, _ = ask(pool, "d", "a" * 250, 16)  # 250 of the context's 256 positions: it stops after 6 tokens
-        assert (b.load_seconds, b.completion_tokens, b.finish_reason) == (0.0, 6, "stop")
+        b, _ = ask(pool, "d", "a" * 250, 16)  # 250 of the context's 256 positions: cut after 6 tokens, a length
+        assert (b.load_seconds, b.completion_tokens, b.finish_reason) == (0.0, 6, "length")
         assert b.text == alone(path, "a" * 250, 16)
         full, _ = ask(pool, "d", "a" * 250, 6)
         assert (full.completion_tokens, full.finish_reason) == (6, "length")
@@ -1388,3 +1388,13 @@ def test_requests_the_model_cannot_take_are_400s(served: tuple[OpenAI, Pool, Pat
     both = b'{"model": "d1", "prompt": "x", "max_tokens": null, "max_completion_tokens": 2}'
     status, _, raw = _raw(base, "POST", "/v1/completions", both, {"Content-Type": "application/json"})
     assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] <= 2
+
+
+def test_an_answer_cut_by_the_context_finishes_for_length(served: tuple[OpenAI, Pool, Path]) -> None:
+    """A chat with no max_tokens runs until the model stops or its context (256) is full: cut by the
+    context, OpenAI's finish_reason is "length", not "stop"."""
+    client, _, _ = served
+    r = client.chat.completions.create(model="d1", messages=[{"role": "user", "content": "x"}])
+    used = r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason == ("length" if used == 256 else "stop")
+    assert used == 256 or r.usage.completion_tokens < 256  # a random tiny model rarely ends its answer

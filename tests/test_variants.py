@@ -402,11 +402,12 @@ def test_variant_service_completion_is_the_variants_answer_with_openais_defaults
 def test_variant_service_passes_max_tokens_sampling_and_says_why_it_stopped(
     service: tuple[VariantService, Recorder],
 ) -> None:
-    """max_tokens, temperature and seed reach the variant; a context-cut answer ends in stop, a full one in length."""
+    """max_tokens, temperature and seed reach the variant; an answer cut by the context or by max_tokens ends
+    in length, as OpenAI's."""
     svc, rec = service
     out = svc.run({"model": "v0", "prompt": "a" * 250, "max_tokens": 16}, False)
     assert rec.calls[-1][0] == ("v0", "a" * 250, 16, 0.0, 0)
-    assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == (6, "stop")  # 256 positions
+    assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == (6, "length")  # 256 positions
     out = svc.run({"model": "v0", "prompt": "a" * 250, "max_tokens": 6}, False)
     assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == (6, "length")
     out = svc.run({"model": "v2", "prompt": "hi", "max_tokens": 3, "temperature": 0.8, "seed": 11}, False)

@@ -170,8 +170,9 @@ py::dict generate(py_model &                       pm,
 
     std::vector<llama_token> out;
     int64_t                  t0 = 0, t1 = 0, t2 = 0, t_cb = 0;
-    int32_t                  rc = 0;
-    bool                     ok = true;
+    int32_t                  rc  = 0;
+    bool                     ok  = true;
+    bool                     eog = false;  // the model ended its answer (else the tokens or the context ran out)
     {
         py::gil_scoped_release release;
 
@@ -199,6 +200,7 @@ py::dict generate(py_model &                       pm,
                 }
             }
             if (llama_vocab_is_eog(pm.vocab(), t)) {
+                eog = true;
                 break;
             }
             out.push_back(t);
@@ -215,6 +217,7 @@ py::dict generate(py_model &                       pm,
     d["tokens"]    = out;
     d["prefill_s"] = (t1 - t0) / 1e6;
     d["decode_s"]  = (t2 - t1 - t_cb) / 1e6;
+    d["stop"]      = eog ? "eog" : (int32_t) out.size() >= n_room ? "context" : "length";
     return d;
 }
 

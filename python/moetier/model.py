@@ -68,6 +68,9 @@ class GenerateResult:
     seconds: float
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # why generation stopped: "eog" (the model ended its answer), "length" (max_tokens were generated)
+    # or "context" (the context is full)
+    stop: str = ""
 
     @property
     def tokens_per_second(self) -> float:
@@ -385,6 +388,7 @@ class Model:
             seconds=dt,
             prefill_seconds=float(res["prefill_s"]),
             decode_seconds=float(res["decode_s"]),
+            stop=str(res["stop"]),
         )
 
     def stats(self) -> CacheStats:

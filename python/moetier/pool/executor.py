@@ -422,7 +422,7 @@ class Pool:
             text=r.text,
             prompt_tokens=r.prompt_tokens,
             completion_tokens=len(r.tokens),
-            finish_reason="length" if len(r.tokens) >= work.max_tokens else "stop",
+            finish_reason="stop" if r.stop == "eog" else "length",  # OpenAI's: a full context is a length too
             executor=q,
             queued_seconds=t - work.submitted - load_s,
             load_seconds=load_s,

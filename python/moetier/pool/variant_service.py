@@ -56,7 +56,7 @@ class VariantService:
             text=r.text,
             prompt_tokens=r.prompt_tokens,
             completion_tokens=len(r.tokens),
-            finish_reason="length" if len(r.tokens) >= max_tokens else "stop",
+            finish_reason="stop" if r.stop == "eog" else "length",  # OpenAI's: a full context is a length too
             executor=0,
             queued_seconds=max(0.0, time.perf_counter() - t0 - r.seconds),
             load_seconds=0.0,
