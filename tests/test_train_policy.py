@@ -480,16 +480,24 @@ def test_train_policy_with_the_layer_distance(traces: tuple[list[Path], list[Pat
 
 
 def test_train_policy_without_held_out_traces(traces: tuple[list[Path], list[Path]], tmp_path: Path) -> None:
-    """No held-out traces: no rows, no decision cost, agreements of 0, and the table has no summary line;
-    the budgets are 10, 25 and 50% unless given."""
+    """No held-out traces: no rows, no decision cost, no held-out agreements, and the table's first line
+    gives the training agreement and says so; held-out sequences without held-out traces are refused; the
+    budgets are 10, 25 and 50% unless given."""
     train, _ = traces
     rep = tp.train_policy(None, train[:1], [], tmp_path / "n.bin", cfg=tp.TrainPolicyConfig(hidden=2, epochs=1))
     assert rep["budgets"] == [10, 25, 50]
     assert (rep["rows"], rep["eval"], rep["decision_us"]) == ([], [], None)
-    assert (rep["eval_agreement"], rep["eval_agreement_lru"]) == (0.0, 0.0)
+    assert (rep["eval_agreement"], rep["eval_agreement_lru"]) == (None, None)
     assert [r["driver"] for r in rep["rounds"]] == ["lru", "flashmoe"]  # two rounds by default
     head = "| trace | budget | policy | hit rate | MB/token | gap closed |\n|---|---|---|---|---|---|\n"
-    assert tp.table(rep) == "\n\n" + head
+    train_pct = 100 * rep["rounds"][-1]["agreement"]
+    first = (
+        f"FlashMoE policy {tmp_path / 'n.bin'}: decisions where it evicts the candidate used again last (Belady's "
+        f"choice among those offered): train {train_pct:.1f}%; no held-out traces (--eval)"
+    )
+    assert tp.table(rep) == first + "\n\n" + head
+    with pytest.raises(ConfigError, match=r"^train-policy: eval sequences name part of the held-out traces"):
+        tp.train_policy(None, train[:1], [], tmp_path / "m.bin", eval_sequences=(0, 1))
 
 
 def test_train_policy_on_parts_of_the_traces(traces: tuple[list[Path], list[Path]], tmp_path: Path) -> None:

@@ -238,6 +238,9 @@ def train_policy(
     file), each expert counted as one byte. train_sequences, eval_sequences: only those sequences of
     each trace (first, last excluded; None: to the end), e.g. the prompts of one trace split in two."""
     cfg = cfg or TrainPolicyConfig()
+    if eval_sequences is not None and not evals:
+        msg = "train-policy: eval sequences name part of the held-out traces, and none is given (--eval)"
+        raise ConfigError(msg)
     rng = np.random.default_rng(cfg.seed)
     tr_traces = [_part(Trace.load(p), train_sequences, p) for p in train]
     ev_traces = (
@@ -312,8 +315,8 @@ def train_policy(
         "rounds": rounds,
         # held-out: how often the evicted candidate is the farthest-used of those offered (the policy's
         # own choices, from the recorder), and the same for LRU
-        "eval_agreement": chosen_agreement(ev),
-        "eval_agreement_lru": chosen_agreement(lru),
+        "eval_agreement": chosen_agreement(ev) if ev_traces else None,  # None: nothing held out
+        "eval_agreement_lru": chosen_agreement(lru) if ev_traces else None,
         "decision_us": decision_cost_us(ev_traces[0], geos[len(geos) // 2], f"flashmoe:{out}") if ev_traces else None,
         "rows": rows,
     }
@@ -321,13 +324,16 @@ def train_policy(
 
 
 def table(rep: dict[str, Any]) -> str:
-    out = [
+    head = (
         f"FlashMoE policy {rep['network']}: decisions where it evicts the candidate used again last (Belady's "
-        f"choice among those offered): train {100 * rep['rounds'][-1]['agreement']:.1f}%, held-out "
-        f"{100 * rep['eval_agreement']:.1f}% (LRU {100 * rep.get('eval_agreement_lru', float('nan')):.1f}%); "
+        f"choice among those offered): train {100 * rep['rounds'][-1]['agreement']:.1f}%"
+    )
+    out = [
+        f"{head}, held-out {100 * rep['eval_agreement']:.1f}% "
+        f"(LRU {100 * rep.get('eval_agreement_lru', float('nan')):.1f}%); "
         f"{rep['decision_us']:.1f} us per decision over LRU's"
-        if rep["decision_us"] is not None
-        else "",
+        if rep["decision_us"] is not None and rep.get("eval_agreement") is not None
+        else f"{head}; no held-out traces (--eval)",
         "",
         "| trace | budget | policy | hit rate | MB/token | gap closed |",
         "|---|---|---|---|---|---|",
