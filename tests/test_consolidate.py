@@ -303,3 +303,19 @@ def test_two_experts_have_a_cross_position_distance(tiny_model: ModelFactory) ->
         a, b = (_dequantized_rows(p, il, 2) for p in two)
         want = (np.linalg.norm(a[0] - b[1]) + np.linalg.norm(a[1] - b[0])) / 2
         assert m["cross_position_mean"][il] == pytest.approx(float(want), rel=1e-4) and want > 0
+
+
+def test_a_variant_with_a_weight_that_is_not_a_number_is_refused(variants: list[Path], tmp_path: Path) -> None:
+    """A NaN weight would make its position's distance NaN, which sorts as the closest: the broken expert
+    would be shared. It is refused, naming the file, the layer and the expert."""
+    broken = tmp_path / "broken.gguf"
+    shutil.copyfile(variants[1], broken)
+    t = next(t for t in GGUFReader(str(broken)).tensors if t.name == "blk.1.ffn_up_exps.weight")
+    w = np.asarray(t.data, dtype=np.float16).copy()
+    w[3, 0, 0] = np.nan
+    with open(broken, "r+b") as f:
+        f.seek(int(t.data_offset))
+        f.write(w.tobytes())
+    with pytest.raises(ConfigError) as e:
+        consolidate([variants[0], broken, variants[2]], 2)
+    assert str(e.value) == f"{broken}: layer 1, expert 3 holds a weight that is not a finite number"

@@ -121,6 +121,11 @@ def consolidate(paths: Sequence[str | os.PathLike[str]], capacity: int | float) 
     cross_mean: list[float] = []
     for li, il in enumerate(layers):
         rows = [np.concatenate([_experts(v.layers[il][p]) for p in PROJS], axis=1) for v in vs]
+        for v, experts in zip(vs, rows, strict=True):
+            bad = np.flatnonzero(~np.isfinite(experts).all(axis=1))
+            if len(bad):  # its distances would be NaN, which sorts as the closest: a broken expert shared
+                msg = f"{v.path}: layer {il}, expert {int(bad[0])} holds a weight that is not a finite number"
+                raise ConfigError(msg)
         for i in range(len(vs)):
             for j in range(i + 1, len(vs)):
                 # ordered pairs (i, j) and (j, i) both count, (i, i) adds nothing: twice the unordered sum
