@@ -669,3 +669,13 @@ def test_distill_layer_keeps_the_start_unless_an_epoch_is_better() -> None:
     assert (res.best_epoch, res.epochs_run) == (0, 0)
     assert res.err_before == res.err_after == dl.rel_error(start, x[4:5], y5[4:], 2, True)
     assert res.history == [(dl.rel_error(start, x[:4], y5[:4], 2, True), res.err_before)]
+
+
+def test_routing_table_names_the_models_layers(tiny_model: ModelFactory) -> None:
+    """Rows are labelled by the model's layer numbers (a MoE's first layers may be dense), not by position."""
+    from moetier.tools.routing import routing_report
+
+    rep = routing_report(tiny_model("deepseek", n_layer=3), LONG_PROMPT * 4, tokens=64, n_predict=2)
+    assert rep.layers == [1, 2]  # its first layer is dense
+    assert [line.split(" | ")[0] for line in rep.table().splitlines()[2:]] == ["| 1", "| 2"]
+    assert [line.split(" | ")[0] for line in _report().table().splitlines()[2:]] == ["| 0", "| 1"]  # type: ignore[attr-defined]

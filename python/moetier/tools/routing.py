@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +40,7 @@ class RoutingReport:
     stacked_top1: float  # distance-1 stacked-gate predictions: top-1 right (engine counters)
     stacked_allk: float  # ... the whole top-k set right
     n_pred: int  # predictions those two are over
+    layers: list[int] = field(default_factory=list)  # the model's layer number of each row (empty: 0, 1, ...)
 
     def freq_stats(self) -> tuple[float, float, float]:
         """(min, max, mean coefficient of variation across layers) of the selection frequencies."""
@@ -61,7 +62,8 @@ class RoutingReport:
 
     def table(self) -> str:
         lines = ["| layer | freq min | freq max | top-1 share |", "|---|---|---|---|"]
-        for il, (f, s) in enumerate(zip(self.freq, self.top1_share, strict=True)):
+        names = self.layers or list(range(len(self.freq)))  # a model's MoE layers need not start at 0
+        for il, f, s in zip(names, self.freq, self.top1_share, strict=True):
             lines.append(f"| {il} | {min(f):.3f} | {max(f):.3f} | {s:.3f} |")
         return "\n".join(lines)
 
@@ -106,6 +108,7 @@ def routing_report(
         stacked_top1=n_top1 / max(1, n_pred),
         stacked_allk=n_allk / max(1, n_pred),
         n_pred=n_pred,
+        layers=list(trace.layers),
     )
 
 
