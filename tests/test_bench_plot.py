@@ -238,3 +238,24 @@ def test_pyplot_draws_to_files_only() -> None:
 
     assert pyplot() is matplotlib.pyplot
     assert matplotlib.get_backend().lower() == "agg"
+
+
+def test_bench_plot_names_its_output_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An output without a suffix is written as NAME.png and said so; another suffix is refused naming the
+    output, not blamed on the result; a result of the wrong shape names the result."""
+    pytest.importorskip("matplotlib")
+    from moetier import MoetierError
+    from moetier.cli import main
+    from moetier.plot import bench_plot
+
+    src = tmp_path / "res.json"
+    src.write_text(json.dumps(_report()))
+    assert main(["bench-plot", str(src), "-o", str(tmp_path / "plot")]) == 0
+    assert capsys.readouterr().err == f"moetier: wrote {tmp_path / 'plot.png'}\n"
+    assert (tmp_path / "plot.png").read_bytes().startswith(PNG_SIGNATURE)
+    with pytest.raises(MoetierError) as e:
+        bench_plot(_report(), tmp_path / "plot.txt", source=src)
+    assert str(e.value) == f"{tmp_path / 'plot.txt'}: the plot is a PNG; give an output name ending in .png"
+    with pytest.raises(MoetierError) as e:
+        bench_plot({"runs": {"moetier-25": 5}, "expert_bytes": 1}, tmp_path / "x.png", source=src)
+    assert str(e.value).startswith(f"{src}: not a bench result (")

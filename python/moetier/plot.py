@@ -69,9 +69,25 @@ def bench_plot(report: dict[str, Any], out: str | os.PathLike[str], source: str 
     Failed runs are left out. MoetierError if REPORT is not bench/run.py's shape or matplotlib is
     missing."""
     src = str(source)
+    outp = Path(out)
+    if outp.suffix == "":
+        outp = outp.with_suffix(".png")  # as matplotlib would name it
+    elif outp.suffix.lower() != ".png":
+        msg = f"{outp}: the plot is a PNG; give an output name ending in .png"
+        raise MoetierError(msg)
     if not isinstance(report, dict) or not isinstance(report.get("runs"), dict) or "expert_bytes" not in report:
         msg = f"{src}: not a bench/run.py result (it has 'runs' and 'expert_bytes')"
         raise MoetierError(msg)
+    try:
+        return _draw(report, outp, src)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # JSON, but not shaped as bench/run.py writes
+        msg = (
+            f"{src}: not a bench result ({type(e).__name__}: {e}); give the OUT.json that bench/run.py --out OUT wrote"
+        )
+        raise MoetierError(msg) from None
+
+
+def _draw(report: dict[str, Any], outp: Path, src: str) -> Path:
     plt = pyplot()
     runs: dict[str, Any] = report["runs"]
     variants: list[str] = report.get("variants", ["moetier"])
@@ -112,7 +128,6 @@ def bench_plot(report: dict[str, Any], out: str | os.PathLike[str], source: str 
     cores = report.get("machine", {}).get("cores")
     fig.suptitle(f"{name}" + (f" ({cores} cores)" if cores else ""), fontsize=10)
     fig.tight_layout()
-    outp = Path(out)
     outp.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(outp, dpi=100)
     plt.close(fig)
