@@ -361,6 +361,8 @@ USER_ERRORS = [
     (["replay", "{npz}", "-m", "{moe}"], "{npz}: not a moetier routing trace"),
     (["replay", "{missing}", "-m", "{moe}"], "{missing}: cannot read the routing trace"),
     (["trace", "{moe}", "--text", "{missing}", "-o", "{missing}"], "--text {missing}: cannot read it"),
+    (["trace", "{moe}", "--text", "{text}", "-o", "{dir}/../t.npz", "--tokens", "0"], "--tokens: 0 must be positive"),
+    (["trace", "{moe}", "--text", "{text}", "-o", "{dir}/../t.npz", "-t", "0"], "--threads: 0 must be a positive"),
     (["moefy", "{moe}", "-o", "{missing}", "--calib", "{text}"], "moefy converts qwen2 models, this one is 'qwen2moe'"),
     (["moefy", "{dense}", "-o", "{missing}", "--calib", "{missing}"], "--calib {missing}: cannot read it"),
     (["stats", "host:port", "--once"], "host:port: not a server address"),

@@ -1235,7 +1235,7 @@ def build_parser() -> argparse.ArgumentParser:
 SIZE_FLAGS = ("--cache", "--cache-budget", "--cache-reserve", "--cache-vram", "--budget")
 
 
-def _named_flag(parser: argparse.ArgumentParser, text: str) -> str:
+def _named_flag(parser: argparse.ArgumentParser, text: str, tool: bool = False) -> str:
     """text, where it names a config field that the command sets from a flag (`calibrate.tokens: 0 ...`
     from `--tokens 0`, `context.n_threads: ...` from `-t`), naming that flag instead."""
     m = re.match(r"(context|calibrate|moefy|distill|cache|pack)\.(\w+): ", text)  # not a file name
@@ -1246,6 +1246,9 @@ def _named_flag(parser: argparse.ArgumentParser, text: str) -> str:
     own = {"n_threads": ("--threads", "--n-threads"), "n_ctx": ("--ctx-size", "--n-ctx")}.get(name, ())
     flags = parser._option_string_actions
     flag = next((f for f in (*own, f"--{dashed}", f"--{section}-{dashed}") if f in flags), None)
+    if flag is None and tool and section in ("calibrate", "context") and name != "n_ctx":
+        # a tool's own parser (trace, replay, ...) is not this one: its flags are the fields' names
+        flag = own[0] if own else f"--{dashed}"
     return text if flag is None else f"{flag}: {text[m.end() :]}"
 
 
@@ -1291,7 +1294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MoetierError as e:
         if ns.debug:
             raise
-        sys.stderr.write(f"moetier: error: {_named_flag(ns.parser, str(e))}\n")
+        sys.stderr.write(f"moetier: error: {_named_flag(ns.parser, str(e), getattr(ns, 'passthrough', False))}\n")
         return 1
     except OSError as e:
         # a file the command reads or writes: its name and the reason (missing, a directory, no permission)
