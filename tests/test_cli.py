@@ -372,6 +372,10 @@ USER_ERRORS = [
     (["replay", "{npz}", "--budgets", "25", "--weights=-1,0,0,0"], "--weights: '-1,0,0,0' needs 4 finite numbers"),
     (["replay", "{npz}", "--budgets", "25", "--tokens=-5"], "--tokens: -5 must be 0 (every token) or more"),
     (["replay", "{npz}", "--budgets", "25", "--policies", ","], "--policies: ',' names no policy"),
+    (
+        ["replay", "{npz}", "--budgets", "25", "--expert-bytes", "9223372036854775808"],
+        "--expert-bytes: '9223372036854775808' is over 1 TiB",
+    ),
     (["replay", "{npz}", "--budgets", "25,25"], "--budgets: 25.0 given twice; each is one replay"),
     (["replay", "{npz}", "--budgets", "25", "--policies", "lru,lru"], "--policies: lru given twice"),
     (

@@ -375,6 +375,9 @@ def _expert_bytes(text: str, model: str | None) -> int:
     if n is None or n < 1:
         msg = f"--expert-bytes: {text!r} is not a size of at least 1 byte"
         raise ConfigError(msg)
+    if n > 1 << 40:  # the replay's byte counters add every read: past a TiB per expert they would overflow
+        msg = f"--expert-bytes: {text!r} is over 1 TiB per expert; give the size of one expert"
+        raise ConfigError(msg)
     if model is not None and text != "1":
         msg = "--expert-bytes: the model (-m) gives the experts' sizes; give one or the other"
         raise ConfigError(msg)
