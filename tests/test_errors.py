@@ -346,3 +346,16 @@ def test_generate_says_why_it_stopped(tiny_model: ModelFactory) -> None:
     r = m.generate("hello", max_tokens=1000)
     assert r.stop in ("context", "eog")
     assert (r.stop == "context") == (r.prompt_tokens + len(r.tokens) == 256)
+
+
+def test_a_padded_context_is_reported(tiny_model: ModelFactory) -> None:
+    """llama.cpp pads the context to a multiple of 256: the model's n_ctx is the real one, a warning says
+    so, and a prompt that fits the real context is taken; a multiple of 256 is kept as asked, silently."""
+    path = tiny_model("qwen2")
+    m = Model(path, n_ctx=300)
+    assert (m.context.n_ctx, m.n_ctx) == (300, 512)
+    assert "n_ctx=300 is 512 here: llama.cpp pads the context to a multiple of 256" in m.warnings
+    prompt = list(range(1, 101)) * 4  # 400 tokens: over the 300 asked, within the 512 made
+    assert m.generate(prompt, max_tokens=2).stop in ("length", "eog")
+    exact = Model(path, n_ctx=256)
+    assert exact.n_ctx == 256 and not [w for w in exact.warnings if w.startswith("n_ctx=")]

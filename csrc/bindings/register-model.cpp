@@ -503,5 +503,7 @@ void register_model(py::module_ & m) {
             },
             py::arg("prefix") = "llamacpp:", "the cache's extra /metrics text (histogram, size, prefetch, warm start)")
         .def_property_readonly("n_vocab", [](const py_model & pm) { return llama_vocab_n_tokens(pm.vocab()); })
+        // the context llama.cpp made, which may be larger than the one asked for (it pads n_ctx)
+        .def_property_readonly("n_ctx", [](const py_model & pm) { return llama_n_ctx(pm.ctx()); })
         .def_property_readonly("has_cache", [](const py_model & pm) { return moetier_model_has_cache(pm.model()); });
 }

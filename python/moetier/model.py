@@ -251,6 +251,12 @@ class Model:
         return int(self._m.n_vocab)
 
     @property
+    def n_ctx(self) -> int:
+        """The context's length as llama.cpp made it: context.n_ctx, or more where llama.cpp pads it (to a
+        multiple of 256); prompts up to it fit."""
+        return int(self._m.n_ctx)
+
+    @property
     def has_cache(self) -> bool:
         return bool(self._m.has_cache)
 
@@ -266,7 +272,12 @@ class Model:
         """Parameters that could not take effect as given (t1 < t2 without low copies, policy weights
         on a policy without weights, prefetch with nothing to predict, io_uring or O_DIRECT refused).
         Also logged at WARN level."""
-        return tuple(self._m.warnings)
+        padded = (
+            ()
+            if self.n_ctx == self.context.n_ctx
+            else (f"n_ctx={self.context.n_ctx} is {self.n_ctx} here: llama.cpp pads the context to a multiple of 256",)
+        )
+        return (*self._m.warnings, *padded)
 
     @property
     def prefetch_source(self) -> str:
