@@ -476,24 +476,47 @@ def test_tool_without_a_tool_lists_the_tools(flag: str, capsys: pytest.CaptureFi
     assert out.endswith("\n`moetier tool TOOL --help` for the tool's flags (llama.cpp's, with --expert-*).\n")
 
 
-def test_flag_errors_name_the_flag_that_set_the_value() -> None:
-    """A config error about a field becomes one about the flag that set it; an error about anything
-    else passes through as it is."""
-    from moetier import ConfigError, ContextConfig
-    from moetier.cli import _flag_error
+@pytest.mark.parametrize(
+    ("command", "text", "want"),
+    [
+        ("run", "cache.t1: must lie in [0, 1]", "--cache-t1: must lie in [0, 1]"),
+        ("run", "cache.budget: too small", "--cache: too small"),
+        ("run", "cache: expert cache t1=2: above t2", "--cache-t1 2: above t2"),
+        ("run", "type_k: not a ggml type", "--type-k: not a ggml type"),
+        ("run", "context.n_ctx: must be positive", "--n-ctx: must be positive"),
+        ("run", "context.n_threads: 0 must be a positive integer", "--n-threads: 0 must be a positive integer"),
+        ("run", "n_gpu_layers: -2 is negative", "-ngl -2 is negative"),
+        ("run", "rpc: no port", "--rpc no port"),
+        ("run", "tensor_overrides: 'x' has no '='", "-ot 'x' has no '='"),
+        ("run", "generate: max_tokens -1 must be an integer", "-n -1 must be an integer"),
+        ("run", "generate: seed -1 must be an integer", "--seed -1 must be an integer"),
+        ("run", "generate: empty prompt", "-p: empty prompt"),
+        ("run", "dense model: drop the expert cache option for dense models", "dense model: run it with --no-cache"),
+        ("moefy", "moefy.calib_tokens: 0 must be positive", "--calib-tokens: 0 must be positive"),
+        ("moefy", "distill.epochs: -1 must be 0 or more", "--distill-epochs: -1 must be 0 or more"),
+        ("calibrate", "calibrate.tokens: 0 must be positive", "--tokens: 0 must be positive"),
+        # not a field of a config, no flag of this command, or no field named at all: unchanged
+        ("run", "cache.colour: red", "cache.colour: red"),
+        ("run", "colour: red", "colour: red"),
+        ("run", "the store is damaged", "the store is damaged"),
+        ("pack", "rpc: no port", "rpc: no port"),
+        ("pack", "generate: empty prompt", "generate: empty prompt"),
+        (
+            "pack",
+            "dense model: drop the expert cache option for dense models",
+            "dense model: drop the expert cache option for dense models",
+        ),
+        ("moefy", "generate: seed -1 must be an integer", "generate: seed -1 must be an integer"),
+    ],
+)
+def test_flag_errors_name_the_flag_that_set_the_value(command: str, text: str, want: str) -> None:
+    """An error about a value that a flag set names the flag (the command's own spelling of it); an
+    error about anything else, or about a value the command has no flag for, passes through as it is."""
+    from moetier.cli import _named_flag, build_parser
 
-    def flag(text: str, cls: type, section: str, prefix: str) -> str:
-        return str(_flag_error(ConfigError(text), cls, section, prefix))
-
-    assert flag("cache.t1: must lie in [0, 1]", CacheConfig, "cache", "cache-") == "--cache-t1: must lie in [0, 1]"
-    assert flag("cache.budget: too small", CacheConfig, "cache", "cache-") == "--cache: too small"
-    assert flag("cache: expert cache t1=2: above t2", CacheConfig, "cache", "cache-") == "--cache-t1 2: above t2"
-    assert flag("type_k: not a ggml type", ContextConfig, "context", "") == "--type-k: not a ggml type"
-    assert flag("context.n_ctx: must be positive", ContextConfig, "context", "") == "--n-ctx: must be positive"
-    # not a field of the class, or no field named at all: unchanged
-    assert flag("cache.colour: red", CacheConfig, "cache", "cache-") == "cache.colour: red"
-    assert flag("colour: red", ContextConfig, "context", "") == "colour: red"
-    assert flag("the store is damaged", CacheConfig, "cache", "cache-") == "the store is damaged"
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert _named_flag(sub.choices[command], text) == want
 
 
 def test_pack_takes_its_flags(tiny_model: ModelFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

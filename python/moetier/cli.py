@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import _log
 from .config import AUTO, CacheConfig, ContextConfig, PackConfig, format_size
-from .errors import ConfigError, ModelError, MoetierError
+from .errors import ConfigError, MoetierError
 from .tools.moefy import MoefyConfig
 
 if TYPE_CHECKING:
@@ -104,42 +104,22 @@ def _fields_of(ns: argparse.Namespace, cls: Any, prefix: str = "", skip: tuple[s
     }
 
 
-def _flag_error(e: ConfigError, cls: Any, section: str, prefix: str) -> ConfigError:
-    """e, where it names a field of cls (`cache.t1: ...`, `cache: expert cache t1=2: ...`,
-    `context.n_ctx: ...`, `type_k: ...`), naming the flag that set it instead (--cache-t1, --n-ctx)."""
-    text = str(e)
-    m = re.match(rf"(?:{section}\.(\w+)|{section}: expert cache (\w+)=(\S+?)|(\w+)): ", text)
-    name = (m.group(1) or m.group(2) or m.group(4)) if m else None
-    if m is None or name not in {f.name for f in dataclasses.fields(cls)}:
-        return e
-    flag = "--cache" if name == "budget" else f"--{prefix}{name.replace('_', '-')}"
-    value = f" {m.group(3)}" if m.group(3) else ""
-    return ConfigError(f"{flag}{value}: {text[m.end() :]}")
-
-
 def _cache_config(ns: argparse.Namespace, budget: Any = None) -> CacheConfig:
     """CacheConfig from the --cache-* flags; with --cache-config FILE, the file's values replace the
-    flags left at their defaults (a flag given explicitly with its default value counts as unset).
-    A bad value's error names its flag (or the file)."""
+    flags left at their defaults (a flag given explicitly with its default value counts as unset)."""
     skip = ("budget",) if budget is not None else ()
     values = _fields_of(ns, CacheConfig, "cache-", skip)
     if budget is not None:
         values["budget"] = budget
-    try:
-        if getattr(ns, "cache_config", None):
-            defaults = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
-            explicit = {k: v for k, v in values.items() if v != defaults.get(k)}
-            return CacheConfig.from_file(ns.cache_config, **explicit)
-        return CacheConfig(**values)
-    except ConfigError as e:
-        raise _flag_error(e, CacheConfig, "cache", "cache-") from None
+    if getattr(ns, "cache_config", None):
+        defaults = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+        explicit = {k: v for k, v in values.items() if v != defaults.get(k)}
+        return CacheConfig.from_file(ns.cache_config, **explicit)
+    return CacheConfig(**values)
 
 
 def _context_config(ns: argparse.Namespace) -> ContextConfig:
-    try:
-        return ContextConfig(**_fields_of(ns, ContextConfig))
-    except ConfigError as e:
-        raise _flag_error(e, ContextConfig, "context", "") from None
+    return ContextConfig(**_fields_of(ns, ContextConfig))
 
 
 def _port(value: str) -> int:
@@ -174,31 +154,6 @@ def _tokens(value: str) -> int:
     return n
 
 
-# what Model and generate name in their errors -> the flag of `moetier run` that set it
-_RUN_FLAGS = {
-    "n_gpu_layers: ": "-ngl ",
-    "rpc: ": "--rpc ",
-    "tensor_overrides: ": "-ot ",
-    "generate: max_tokens ": "-n ",
-    "generate: temperature ": "--temperature ",
-    "generate: seed ": "--seed ",
-    "generate: empty prompt": "-p: empty prompt",
-}
-
-
-def _run_flag_error(e: MoetierError) -> MoetierError:
-    """e with the flag of `moetier run` named where it names an argument of Model or generate."""
-    text = str(e)
-    if not isinstance(e, (ConfigError, ModelError)):  # a StoreError carries more than its text
-        return e
-    for name, flag in _RUN_FLAGS.items():
-        if text.startswith(name):
-            return type(e)(flag + text[len(name) :])
-    if text.endswith("drop the expert cache option for dense models"):
-        return type(e)(text.removesuffix("drop the expert cache option for dense models") + "run it with --no-cache")
-    return e
-
-
 def _gpu_backends() -> list[str]:
     """The GPU backends this build ships (libggml-cuda.so and alike beside the core)."""
     here = Path(__file__).parent
@@ -221,10 +176,7 @@ def _idle_flags(ns: argparse.Namespace) -> list[str]:
 def cmd_run(ns: argparse.Namespace) -> int:
     from .model import Model, check_sampling
 
-    try:  # before the model loads
-        check_sampling(ns.n_predict, ns.temperature, ns.seed)
-    except ConfigError as e:
-        raise _run_flag_error(e) from None
+    check_sampling(ns.n_predict, ns.temperature, ns.seed)  # before the model loads
     if not ns.prompt:
         msg = "-p: empty prompt"
         raise ConfigError(msg)
@@ -248,18 +200,15 @@ def cmd_run(ns: argparse.Namespace) -> int:
     cache = None if ns.no_cache else _cache_config(ns)
     ctx = _context_config(ns)
     overrides = [o for arg in ns.override_tensor for o in arg.split(",") if o]  # as -ot: comma-separated too
-    try:
-        m = Model(
-            ns.model,
-            store=ns.store,
-            cache=cache,
-            context=ctx,
-            n_gpu_layers=ns.n_gpu_layers,
-            rpc=ns.rpc,
-            tensor_overrides=overrides,
-        )
-    except MoetierError as e:
-        raise _run_flag_error(e) from None
+    m = Model(
+        ns.model,
+        store=ns.store,
+        cache=cache,
+        context=ctx,
+        n_gpu_layers=ns.n_gpu_layers,
+        rpc=ns.rpc,
+        tensor_overrides=overrides,
+    )
     for w in [*m.warnings, *_idle_flags(ns)]:
         sys.stderr.write(f"moetier: warning: {w}\n")
     if cache is not None and cache.budget_bytes == AUTO:
@@ -274,10 +223,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
                 f"moetier: note: experts are read from the GGUF; `moetier pack {ns.model}` writes an expert "
                 "store: one read per expert with no copy, checksums, low-precision copies (--store)\n"
             )
-    try:
-        r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
-    except MoetierError as e:
-        raise _run_flag_error(e) from None
+    r = m.generate(ns.prompt, max_tokens=ns.n_predict, temperature=ns.temperature, seed=ns.seed)
     sys.stdout.write(r.text + "\n")
     sys.stderr.write(_stats_line(m, r) + "\n")
     return 0
@@ -388,17 +334,10 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
 
 
 def _moefy_configs(ns: argparse.Namespace) -> tuple[MoefyConfig, Any]:
-    """The moefy and distillation configs from the flags; a bad value's error names its flag."""
+    """The moefy and distillation configs from the flags."""
     from .tools.distill import DistillConfig
 
-    try:
-        cfg = MoefyConfig(**_fields_of(ns, MoefyConfig))
-    except ConfigError as e:
-        raise _flag_error(e, MoefyConfig, "moefy", "") from None
-    try:
-        return cfg, DistillConfig(**_fields_of(ns, DistillConfig, "distill-"))
-    except ConfigError as e:
-        raise _flag_error(e, DistillConfig, "distill", "distill-") from None
+    return MoefyConfig(**_fields_of(ns, MoefyConfig)), DistillConfig(**_fields_of(ns, DistillConfig, "distill-"))
 
 
 def cmd_moefy(ns: argparse.Namespace) -> int:
@@ -757,14 +696,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     # bench/results/demo-0.5b.md (16384 tokens, ridge 0.1): 3 of 4 first answers as the dense model's,
     # where moefy's defaults (32768, ridge 1.0) gave 1 of 4 (all four correct) at held-out perplexity
     # 1.27x / 1.34x / 1.11x against 1.31x / 1.29x / 1.15x
-    try:
-        cfg = MoefyConfig(calib_tokens=ns.calib_tokens, router_ridge=0.1, refit_ridge=0.1)
-    except ConfigError as e:
-        raise _flag_error(e, MoefyConfig, "moefy", "") from None
-    try:
-        dcfg = DistillConfig(epochs=ns.distill_epochs)
-    except ConfigError as e:
-        raise _flag_error(e, DistillConfig, "distill", "distill-") from None
+    cfg = MoefyConfig(calib_tokens=ns.calib_tokens, router_ridge=0.1, refit_ridge=0.1)
+    dcfg = DistillConfig(epochs=ns.distill_epochs)
     quiet = not sys.stderr.isatty()
     src = models.fetch("qwen2.5-coder-0.5b", quiet=quiet, log=note)
     # named by what the conversion depends on (its configs and this recipe: generated prose beside the
@@ -1235,21 +1168,54 @@ def build_parser() -> argparse.ArgumentParser:
 SIZE_FLAGS = ("--cache", "--cache-budget", "--cache-reserve", "--cache-vram", "--budget")
 
 
+# names in errors that are not spelled as their flag: the flags that set them, the first the command has
+_FLAG_ALIASES = {
+    "cache.budget": ("--cache",),
+    "n_threads": ("--threads", "--n-threads"),
+    "n_ctx": ("--ctx-size", "--n-ctx"),
+    "n_gpu_layers": ("-ngl",),
+    "tensor_overrides": ("-ot",),
+    "max_tokens": ("-n",),
+}
+# Model's arguments besides its configs: errors name them bare (`rpc: ...`), as ContextConfig's fields
+_MODEL_ARGS = ("n_gpu_layers", "rpc", "tensor_overrides")
+_DENSE_HINT = "drop the expert cache option for dense models"
+
+
 def _named_flag(parser: argparse.ArgumentParser, text: str, tool: bool = False) -> str:
-    """text, where it names a config field that the command sets from a flag (`calibrate.tokens: 0 ...`
-    from `--tokens 0`, `context.n_threads: ...` from `-t`), naming that flag instead."""
-    m = re.match(r"(context|calibrate|moefy|distill|cache|pack)\.(\w+): ", text)  # not a file name
-    if m is None:
-        return text
-    section, name = m.groups()
-    dashed = name.replace("_", "-")
-    own = {"n_threads": ("--threads", "--n-threads"), "n_ctx": ("--ctx-size", "--n-ctx")}.get(name, ())
+    """text, where it names a value that the command sets from a flag, naming that flag instead:
+    a config field (`cache.t1: ...` from --cache-t1, `context.n_threads: ...` from -t, `type_k: ...`
+    from --type-k), the expert cache's own check (`cache: expert cache t1=2: ...`), an argument of
+    Model (`n_gpu_layers: ...` from -ngl) or of generate (`generate: max_tokens 9 ...` from -n).
+    Text that names no such value, or one this command has no flag for, is returned as it is."""
     flags = parser._option_string_actions
-    flag = next((f for f in (*own, f"--{dashed}", f"--{section}-{dashed}") if f in flags), None)
+    if text == "generate: empty prompt" and "-p" in flags:
+        return "-p: empty prompt"
+    if text.endswith(_DENSE_HINT) and "--no-cache" in flags:
+        return text.removesuffix(_DENSE_HINT) + "run it with --no-cache"
+    bare = "|".join((*(f.name for f in dataclasses.fields(ContextConfig)), *_MODEL_ARGS))
+    m = re.match(
+        r"(?:(context|calibrate|moefy|distill|cache|pack)\.(\w+): |cache: expert cache (\w+)=(\S+?): "
+        rf"|generate: (max_tokens|temperature|seed) |({bare}): )",
+        text,
+    )
+    if m is None or (m.group(5) and "-p" not in flags):  # generate's arguments come from a command that generates
+        return text
+    section = m.group(1) or ("cache" if m.group(3) else "")
+    name = next(g for g in (m.group(2), m.group(3), m.group(5), m.group(6)) if g)
+    dashed = name.replace("_", "-")
+    own = _FLAG_ALIASES.get(f"{section}.{name}", _FLAG_ALIASES.get(name, ()))
+    prefixed = (f"--{section}-{dashed}",) if section else ()
+    flag = next((f for f in (*own, *prefixed, f"--{dashed}") if f in flags), None)
     if flag is None and tool and section in ("calibrate", "context") and name != "n_ctx":
         # a tool's own parser (trace, replay, ...) is not this one: its flags are the fields' names
         flag = own[0] if own else f"--{dashed}"
-    return text if flag is None else f"{flag}: {text[m.end() :]}"
+    if flag is None:
+        return text
+    if m.group(5) or name in _MODEL_ARGS:  # `generate: seed 5 must ...`, `rpc: 'x' has ...`: the value follows
+        return f"{flag} {text[m.end() :]}"
+    value = f" {m.group(4)}" if m.group(4) else ""
+    return f"{flag}{value}: {text[m.end() :]}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
