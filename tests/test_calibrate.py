@@ -279,7 +279,7 @@ def test_plot_scores_draws_the_split(tmp_path: Path, monkeypatch: pytest.MonkeyP
     from moetier.calibrate import plot_scores
 
     kept: list[object] = []
-    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: kept.append(fig))
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, fname, *a, **k: (kept.append(fig), Path(fname).touch()))
     scores = np.array([0.0, 0.0, 0.1, 0.2, 0.3, 0.5, 0.9, 1.0], dtype=np.float32)
     assert plot_scores(scores, 0.25, 0.6, tmp_path / "s.png")
     (fig,) = kept

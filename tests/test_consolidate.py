@@ -319,3 +319,29 @@ def test_a_variant_with_a_weight_that_is_not_a_number_is_refused(variants: list[
     with pytest.raises(ConfigError) as e:
         consolidate([variants[0], broken, variants[2]], 2)
     assert str(e.value) == f"{broken}: layer 1, expert 3 holds a weight that is not a finite number"
+
+
+def test_a_consolidated_variant_that_fails_to_write_keeps_the_old_file(
+    variants: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while the variant is written: the file already there stays, and the temporary
+    one is closed and removed."""
+    import errno
+
+    import gguf
+
+    from moetier.tools.consolidate import write_consolidated
+
+    m = consolidate(variants, 10)
+    out = tmp_path / "out" / "v1.gguf"
+    out.parent.mkdir()
+    out.write_bytes(b"old variant")
+
+    def full_disk(self: gguf.GGUFWriter, *a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_consolidated(m, 1, out)
+    assert out.read_bytes() == b"old variant"
+    assert [f.name for f in out.parent.iterdir()] == ["v1.gguf"]

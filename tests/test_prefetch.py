@@ -521,17 +521,28 @@ def test_write_predictor_file_layout(deepseek: Path, tmp_path: Path) -> None:
             np.testing.assert_array_equal(np.asarray(t.data), b.astype(np.float32))
 
 
-def test_write_predictor_keeps_the_old_file_when_writing_fails(deepseek: Path, tmp_path: Path) -> None:
-    """The predictor is written to <name>.tmp and renamed: when that write fails, the file already there
-    is left as it was."""
+def test_write_predictor_keeps_the_old_file_when_writing_fails(
+    deepseek: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The predictor is written to a temporary name and renamed: when that write fails (the disk fills
+    half way), the file already there is left as it was, and nothing beside it."""
+    import errno
+
+    import gguf
+
     from moetier.tools.predictor import write_predictor
 
     out = tmp_path / "p.gguf"
     out.write_bytes(b"old predictor")
-    (tmp_path / "p.gguf.tmp").mkdir()  # the temporary name cannot be written
-    with pytest.raises(IsADirectoryError):
+
+    def full_disk(self: gguf.GGUFWriter, *a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
         write_predictor(out, deepseek, {(1, 1): (np.zeros((8, 64), np.float32), np.zeros(8, np.float32))})
     assert out.read_bytes() == b"old predictor"
+    assert [f.name for f in tmp_path.iterdir()] == ["p.gguf"]
 
 
 def test_fit_predictor_cli_flags(deepseek: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

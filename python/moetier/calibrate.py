@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _core
+from ._files import replacing, write_text
 from .config import AUTO, CacheConfig, ContextConfig
 from .errors import ConfigError, ModelError
 from .model import Model, check_gguf
@@ -111,14 +112,8 @@ class Trace:
         never leaves a damaged trace where a good one was."""
         p = Path(path)
         out = p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
-        tmp = out.with_name(out.name + ".tmp.npz")
-        try:
+        with replacing(out) as tmp:
             self._write(tmp)
-            tmp.replace(out)
-        except OSError as e:  # named by the file asked for, not the temporary one
-            raise OSError(e.errno, e.strerror, str(out)) from None
-        finally:
-            tmp.unlink(missing_ok=True)
         return out
 
     def _write(self, p: Path) -> None:
@@ -440,7 +435,8 @@ def plot_scores(scores: npt.NDArray[np.float32], t1: float, t2: float, out: Path
         title=f"high {100 * s['high']:.0f}% / low {100 * s['low']:.0f}% / skip {100 * s['skip']:.0f}%",
     )
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    with replacing(out) as tmp:
+        fig.savefig(tmp, dpi=100)
     return True
 
 
@@ -494,7 +490,7 @@ def calibrate(
     # an automatic budget stays "auto": it is sized again on the machine that loads the config
     budget_field: int | str = "auto" if cache.budget_bytes == AUTO else cache.budget_bytes
     config = {"budget": budget_field, "policy": best["policy"], "t1": t1, "t2": t2, "low_frac": lf, **w}
-    outp.write_text(json.dumps(config, indent=1) + "\n")
+    write_text(outp, json.dumps(config, indent=1) + "\n")
     plot = outp.with_name(outp.stem + ".scores.png")
     report = {
         "config": config,
@@ -506,5 +502,5 @@ def calibrate(
         "low_frac_search": splits,
         "policies": rows,
     }
-    outp.with_name(outp.stem + ".report.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_text(outp.with_name(outp.stem + ".report.json"), json.dumps(report, indent=1) + "\n")
     return report

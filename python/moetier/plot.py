@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ._files import replacing
 from .errors import MoetierError
 
 __all__ = ["bench_plot", "pyplot"]
@@ -129,6 +130,7 @@ def _draw(report: dict[str, Any], outp: Path, src: str) -> Path:
     fig.suptitle(f"{name}" + (f" ({cores} cores)" if cores else ""), fontsize=10)
     fig.tight_layout()
     outp.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(outp, dpi=100)
+    with replacing(outp) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return outp

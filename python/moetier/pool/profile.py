@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._files import write_text
 from ..errors import ConfigError
 from .executor import drop_page_cache, estimate_cost, footprint, open_model, rss_bytes
 from .sched import fit_line
@@ -190,6 +191,4 @@ def profile(
 
 
 def write_profile(data: Mapping[str, Any], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    write_text(path, json.dumps(data, indent=1) + "\n")

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._files import replacing, write_text
 from ..errors import ConfigError
 
 PROJS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -169,17 +170,18 @@ def _write_like(path: Path, out: Path, data: dict[str, Any]) -> None:
 
     r = gguf.GGUFReader(str(path))
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), arch)
-    _kv_copy(r, w, arch, arch)
-    for t in r.tensors:
-        a = data.get(t.name, np.asarray(t.data))
-        w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(out)
+    with replacing(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), arch)
+        try:  # closed on a failure too: the temporary file is then removed
+            _kv_copy(r, w, arch, arch)
+            for t in r.tensors:
+                a = data.get(t.name, np.asarray(t.data))
+                w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=t.tensor_type)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
 
 
 def write_consolidated(m: dict[str, Any], index: int, out: str | os.PathLike[str]) -> None:
@@ -308,8 +310,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     m = consolidate(ns.variants, ns.capacity)
     out = Path(ns.output)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(m, indent=1) + "\n")
-    tmp.replace(out)
+    write_text(out, json.dumps(m, indent=1) + "\n")
     sys.stdout.write(summary(m) + f"\nwrote {out}\n")
     return 0

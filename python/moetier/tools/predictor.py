@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _core, calibrate
+from .._files import replacing
 from ..calibrate import read_texts
 from ..errors import ConfigError, ModelError
 
@@ -91,18 +92,19 @@ def write_predictor(
     """The GGUF the prefetcher reads: blk.L.pred.D.weight [n_embd, n_expert] and .bias [n_expert]
     (F32), naming the model it was fitted on; written to a temporary name, then renamed."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(tmp, ARCH)
-    w.add_string(f"{ARCH}.model", _core.predictor_model_key(str(model)))
-    w.add_uint32(f"{ARCH}.depth", max(d for _, d in maps))
-    for (il, d), (wt, b) in sorted(maps.items()):
-        w.add_tensor(f"blk.{il}.pred.{d}.weight", np.ascontiguousarray(wt, dtype=np.float32))
-        w.add_tensor(f"blk.{il}.pred.{d}.bias", np.ascontiguousarray(b, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        w = gguf.GGUFWriter(tmp, ARCH)
+        try:  # closed on a failure too: the temporary file is then removed
+            w.add_string(f"{ARCH}.model", _core.predictor_model_key(str(model)))
+            w.add_uint32(f"{ARCH}.depth", max(d for _, d in maps))
+            for (il, d), (wt, b) in sorted(maps.items()):
+                w.add_tensor(f"blk.{il}.pred.{d}.weight", np.ascontiguousarray(wt, dtype=np.float32))
+                w.add_tensor(f"blk.{il}.pred.{d}.bias", np.ascontiguousarray(b, dtype=np.float32))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
     return path
 
 

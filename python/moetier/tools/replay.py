@@ -33,6 +33,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .. import _core
+from .._files import replacing, write_text
 from ..calibrate import CalibrateConfig, Trace, concat_traces, read_texts, record_trace
 from ..config import CacheConfig
 from ..errors import ConfigError, ModelError
@@ -326,7 +327,8 @@ def plot(rep: dict[str, Any], out: Path) -> bool:
     name = Path(rep["model"]).name if rep.get("model") else Path(rep["trace"].split(",")[0]).parent.name
     fig.suptitle(f"{name}: {rep['tokens']} traced tokens replayed", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    with replacing(out) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return True
 
@@ -507,8 +509,8 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     if a.output:
         # OUT.json -> OUT.md, OUT.png (names keep their inner dots: replay-1.5b)
         base = a.output[: -len(".json")] if a.output.endswith(".json") else a.output
-        Path(base + ".json").write_text(json.dumps(rep, indent=1) + "\n")
-        Path(base + ".md").write_text(md)
+        write_text(base + ".json", json.dumps(rep, indent=1) + "\n")
+        write_text(base + ".md", md)
         wrote = [base + ".json", base + ".md"] + ([base + ".png"] if plot(rep, Path(base + ".png")) else [])
         sys.stdout.write(f"moetier: wrote {', '.join(wrote)}\n")
     return 0

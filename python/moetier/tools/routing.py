@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._files import write_text
 from ..calibrate import CalibrateConfig, read_texts, record_trace
 from ..config import CacheConfig
 from ..model import Model
@@ -128,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = routing_report(a.model, read_texts([a.text], "--text")[0], a.tokens, (), a.n_predict, a.threads)
     sys.stdout.write(r.summary() + "\n\n" + r.table() + "\n")
     if a.json:
-        Path(a.json).write_text(json.dumps(asdict(r), indent=1))
+        write_text(a.json, json.dumps(asdict(r), indent=1) + "\n")
     return 0
 
 
