@@ -434,3 +434,26 @@ def test_balance_writes_a_selection_bias_that_stock_the_cache_and_the_prefetch_f
     assert m.generate(toks, max_tokens=24).tokens == stock.generate(toks, max_tokens=24).tokens
     p = m.prefetch_stats()
     assert p.n_pred[0] > 0 and p.n_allk[0] == p.n_pred[0], p
+
+
+def test_an_interrupted_conversion_keeps_the_old_model(
+    dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (or a full disk) while the converted model is written: the model converted before is
+    left whole and no partial file (as large as the model) stays beside it."""
+    import moetier.tools.moefy as mf
+
+    out = tmp_path / "moe.gguf"
+    out.write_bytes(b"the model converted before")
+    write_moe = mf._write_moe
+
+    def interrupted(*a: object, **k: object) -> None:
+        write_moe(*a, **k)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mf, "_write_moe", interrupted)
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=512, arch="qwen2moe")
+    with pytest.raises(KeyboardInterrupt):
+        moefy(dense, out, CALIB, cfg, progress=False)
+    assert out.read_bytes() == b"the model converted before"
+    assert [p.name for p in tmp_path.iterdir()] == ["moe.gguf"]

@@ -46,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
+from .._files import replacing
 from ..errors import ConfigError, ModelError
 from .distill import (
     DistillConfig,
@@ -759,12 +760,11 @@ def _collect(
 
 
 def _save_layer(path: Path, layer: MoeLayer, err: float, **extra: npt.NDArray[Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp.npz")
     arrays: dict[str, Any] = {"err": np.float64(err), **layer.arrays(), **extra}
     if layer.bias is not None:
         arrays["bias"] = layer.bias
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    with replacing(path) as tmp, open(tmp, "wb") as f:  # a file object: numpy adds no .npz to the name
+        np.savez(f, **arrays)
 
 
 def _load_layer(path: Path) -> tuple[MoeLayer, float]:
@@ -998,15 +998,13 @@ def moefy(
                 bar.set_postfix_str(f"err {res.err_before:.3f} -> {res.err_after:.3f} (epoch {res.best_epoch})")
             seconds[f"distill round {rnd}"] = time.monotonic() - t0
 
-    tmp = dst.with_name(dst.name + ".tmp")
-    _write_moe(reader, tensors, tmp, cfg, layers, splits, xs if dcfg is not None else None, show=show)
-    try:
-        _check_finite(tmp, tokens_all[cfg.calib_tokens :], n_threads, check_texts)
-    except ModelError as e:
-        tmp.unlink(missing_ok=True)
-        msg = f"{dst}: conversion failed: {e}"
-        raise ModelError(msg) from None
-    os.replace(tmp, dst)
+    with replacing(dst) as tmp:  # a failed or interrupted write leaves no partial model (GBs) behind
+        _write_moe(reader, tensors, tmp, cfg, layers, splits, xs if dcfg is not None else None, show=show)
+        try:
+            _check_finite(tmp, tokens_all[cfg.calib_tokens :], n_threads, check_texts)
+        except ModelError as e:
+            msg = f"{dst}: conversion failed: {e}"
+            raise ModelError(msg) from None
     seconds["total"] = time.monotonic() - t_start
     return MoefyResult(errors_plan, errors, seconds, len(tokens), errors_held, len(held), cfg.dense_lead)
 
@@ -1035,9 +1033,8 @@ def write_partition(
     for il, sp in enumerate(splits):
         if sp is not None:
             arrays[f"shared_{il}"], arrays[f"groups_{il}"] = sp
-    tmp = Path(str(path) + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    with replacing(path) as tmp, open(tmp, "wb") as f:  # a file object: numpy adds no .npz to the name
+        np.savez(f, **arrays)
 
 
 def read_partition(

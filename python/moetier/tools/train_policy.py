@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _core
+from .._files import replacing, write_text
 from ..calibrate import Trace, concat_traces
 from ..errors import ConfigError
 from .mlp import F32, MLP, FitConfig, fit
@@ -87,7 +88,7 @@ def save_net(net: MLP, path: str | Path) -> None:
     """The file policies/flashmoe.h reads."""
     w1, w2, w3 = net.weights
     b1, b2, b3 = net.biases
-    with open(path, "wb") as f:
+    with replacing(path) as tmp, open(tmp, "wb") as f:
         f.write(MAGIC + struct.pack("<II", w1.shape[1], w1.shape[0]))
         for a in (w1, b1, w2, b2, w3.reshape(-1), b3):
             f.write(np.ascontiguousarray(a, dtype="<f4").tobytes())
@@ -416,6 +417,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = table(rep)
     sys.stdout.write(md)
     base = report_base(a.output)
-    Path(base + ".json").write_text(json.dumps(rep, indent=1) + "\n")
-    Path(base + ".md").write_text(md)
+    write_text(base + ".json", json.dumps(rep, indent=1) + "\n")
+    write_text(base + ".md", md)
     return 0
