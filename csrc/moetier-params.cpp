@@ -112,7 +112,7 @@ static const moetier_param_info g_rows[] = {
             "elastic budget: the cache grows past its budget into memory the memory limit leaves free (the cgroup "
             "limit less what the group holds beside reclaimable page cache, and MemAvailable), up to every expert, "
             "and gives it back, down to its budget, when free memory runs short: it keeps between 1/32 of the "
-            "limit (64 MiB at least) plus reserve and twice that free, checked every 100 ms of decoding, as the "
+            "limit (16 MiB at least) plus reserve and twice that free, checked every 100 ms of decoding, as the "
             "page cache holds the experts of a memory-mapped model. -1: on for an auto budget, off for a given one; "
             "1: on (a given budget is the least the cache keeps); 0: off. A RAM tier under a VRAM tier and variants "
             "sharing a cache keep a fixed budget"),
