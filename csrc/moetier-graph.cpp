@@ -418,7 +418,11 @@ void moetier_hook_graph_built(const llama_model & model, ggml_cgraph * gf) noexc
 //
 
 void moetier_hook_graph_compute(const llama_model & model, ggml_backend_sched * sched) noexcept {
-    if (model.moetier == nullptr || sched == nullptr) {
+    if (model.moetier == nullptr) {
+        return;
+    }
+    model.moetier->compute_mutex().lock();  // released by moetier_hook_graph_computed, which always follows
+    if (sched == nullptr) {
         return;
     }
     for (const auto & c : model.moetier->caches) {
@@ -443,6 +447,7 @@ void moetier_hook_graph_computed(const llama_model & model) noexcept {
     for (const auto & c : model.moetier->caches) {
         c->graph_computed();
     }
+    model.moetier->compute_mutex().unlock();
 }
 
 uint32_t moetier_hook_graph_extra_nodes(const llama_model & model) noexcept {

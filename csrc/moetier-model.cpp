@@ -380,6 +380,16 @@ void moetier_model::check_served() {
             "the model has no expert tensors (blk.N.ffn_*_exps.weight): the expert cache needs a MoE model; "
             "drop the expert cache option for dense models");
     }
+    for (const auto & l : layers) {
+        // a layer computes its experts where they are: some on the RPC server and the others here
+        // would send the server slot ids, or compute here with the server's tensors missing
+        if (std::find(remote_layers.begin(), remote_layers.end(), l->il) != remote_layers.end()) {
+            throw std::runtime_error(
+                format("layer %d's expert tensors are split between the RPC server %s and this machine: the "
+                       "expert cache needs all of a layer's ffn_*_exps on one side; place them together (-ot)",
+                       l->il, remote_device.c_str()));
+        }
+    }
     if (!remote_layers.empty()) {
         std::sort(remote_layers.begin(), remote_layers.end());
         MOETIER_LOG_INFO(
@@ -424,6 +434,11 @@ void moetier_model::finish_load(const llama_model & model) {
         for (const auto & p : l->projs) {
             sig += format("%s:%s:%" PRId64 "x%" PRId64 ";", p.name.c_str(), ggml_type_name(p.meta->type), p.meta->ne[0],
                           p.meta->ne[1]);
+            if (p.store != nullptr && p.store->type_low != GGML_TYPE_COUNT) {
+                // a group's low-precision slots are sized and typed from its first layer: a store
+                // whose layers hold other low types (or sizes) gives them groups of their own
+                sig += format("low:%s:%" PRIu64 ";", ggml_type_name(p.store->type_low), p.store->bytes_low);
+            }
         }
         groups[sig].push_back(l.get());
     }

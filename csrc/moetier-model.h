@@ -85,6 +85,12 @@ struct moetier_model {
         return shared_host ? shared_host->caches : caches;
     }
 
+    // held by the thread that computes a graph on served_caches(), from moetier_hook_graph_compute
+    // to moetier_hook_graph_computed: a reader of the counters on another thread finishes the open
+    // layer passes only when it can take it, never under a running compute (recursive: the computing
+    // thread itself may read them)
+    std::recursive_mutex & compute_mutex() { return shared_host ? shared_host->compute_mu : compute_mu; }
+
     // then: starts the I/O pool (none if io_threads is 0: the compute threads read): an io_uring or
     // I/O threads, whose reads go through moetier-read
     void    init_io();
@@ -207,10 +213,11 @@ struct moetier_model {
     std::mutex                    saver_mutex;
     std::condition_variable       saver_cv;
     bool                          saver_stop = false;
-    mutable std::mutex            save_mutex;  // the saver and the C API may write the sidecar at once
+    mutable std::mutex            save_mutex;    // the saver and the C API may write the sidecar at once
 
-    moetier_model * shared_host = nullptr;     // a variant: the model whose cache serves its layers (share_cache)
-    int32_t         n_variants  = 0;           // the model whose cache variants share: how many (share_cache)
+    moetier_model *      shared_host = nullptr;  // a variant: the model whose cache serves its layers (share_cache)
+    std::recursive_mutex compute_mu;             // see compute_mutex()
+    int32_t              n_variants = 0;         // the model whose cache variants share: how many (share_cache)
 
     int32_t  n_expert         = 0;
     uint64_t expert_bytes     = 0;  // all served experts, unpadded

@@ -121,6 +121,16 @@ bool moetier_read_verify(const moetier_layer &    l,
     return ok;
 }
 
+// a failed read's message (the file, the offset, the reason) with the layer and expert it was for
+static std::string moetier_read_what(const std::string &   msg,
+                                     const moetier_layer & l,
+                                     const moetier_proj &  p,
+                                     moetier_precision     prec,
+                                     int32_t               e) {
+    return format("%s (layer %d expert %d, %s, %s precision)", msg.c_str(), l.il, p.n_local ? e % p.n_local : e,
+                  p.meta->name, prec == MOETIER_PRECISION_LOW ? "low" : "high");
+}
+
 static bool moetier_read_run_untimed(const moetier_read &     r,
                                      moetier_aligned_buffer & bb,
                                      moetier_error &          err) noexcept {
@@ -139,7 +149,7 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
         }
         const moetier_proj & first = l.projs[order[0]];
         if (!first.file_of(r.expert)->readv(iov, n, first.expert_offset(r.expert, r.prec), msg)) {
-            err.set(MOETIER_ERROR_IO, msg);
+            err.set(MOETIER_ERROR_IO, moetier_read_what(msg, l, first, r.prec, r.expert));
             return false;
         }
         moetier_read_maybe_flip(first, r.prec, r.expert, r.slot);
@@ -158,7 +168,7 @@ static bool moetier_read_run_untimed(const moetier_read &     r,
     const size_t n = p.store ? (size_t) moetier_align_up(bytes) : (size_t) bytes;
     if (!p.file_of(r.expert)->read(moetier_slot_data(p, r.prec, r.slot), p.expert_offset(r.expert, r.prec), n, bb,
                                    msg)) {
-        err.set(MOETIER_ERROR_IO, msg);
+        err.set(MOETIER_ERROR_IO, moetier_read_what(msg, l, p, r.prec, r.expert));
         return false;
     }
     moetier_read_maybe_flip(p, r.prec, r.expert, r.slot);

@@ -17,6 +17,10 @@ moetier_layer_stats moetier_replay(const moetier_replay_params &       p,
         throw std::invalid_argument(
             "replay: n_layers, n_expert, n_used and bytes_high must be positive, n_used <= n_expert");
     }
+    if ((int64_t) p.n_expert * p.n_layers > INT32_MAX) {  // the cache's keys and slot counts are int32
+        throw std::invalid_argument(format("replay: %d experts x %d layers is more experts than a cache holds (%d)",
+                                           p.n_expert, p.n_layers, INT32_MAX));
+    }
     if (p.n_slots_high < p.n_expert || p.n_slots_low < 0 || (p.n_slots_low > 0 && p.bytes_low == 0)) {
         throw std::invalid_argument(
             format("replay: %d high slots is below one layer's %d experts, or low slots without "

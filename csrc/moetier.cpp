@@ -20,8 +20,14 @@ static moetier_model * moetier_of(const llama_model * model) {
     return model ? model->moetier.get() : nullptr;
 }
 
-// the open layer passes are finished: their read times and failed reads are accounted
+// the open layer passes are finished: their read times and failed reads are accounted. Not while
+// another thread computes a graph on these caches: finishing its passes there would drop the slots
+// its next load fills; the counters are then those so far
 static void moetier_sync(moetier_model & m) {
+    std::unique_lock<std::recursive_mutex> lock(m.compute_mutex(), std::try_to_lock);
+    if (!lock.owns_lock()) {
+        return;
+    }
     for (auto & c : m.served_caches()) {
         c->sync();
     }
@@ -214,8 +220,8 @@ void moetier_model_clear_error(struct llama_model * model) {
     if (!m) {
         return;
     }
+    moetier_sync(*m);
     for (auto & c : m->served_caches()) {
-        c->sync();
         c->clear_error();
     }
 }

@@ -168,3 +168,26 @@ def test_store_of_another_model_with_the_same_shapes(
 ) -> None:
     other = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, seed=11)
     _expect_store_error(other, packed_module[1], r"manifest.json.*different model")
+
+
+def test_layers_with_other_low_types_get_pools_of_their_own(packed_module: tuple[Path, Path], tmp_path: Path) -> None:
+    """A store whose layers hold low-precision copies of different types (or sizes): each layer's low
+    copies are read into slots of its own type and size. A pool group took both from its first layer,
+    so another layer's copies ran through the wrong kernels, or overran their slots."""
+    from moetier import _core
+
+    model, packed = packed_module
+    m = json.loads((packed / "manifest.json").read_text())
+    data = (packed / "experts.bin").read_bytes()
+    for p in m["layers"][1]["projections"]:
+        assert p["type_low"] == "q4_0" and p["ne"][0] % 32 == 0
+        p["type_low"] = "q4_1"  # 20 bytes a block of 32 where q4_0 takes 18: still inside the padded range
+        p["bytes_low"] = p["ne"][0] // 32 * 20 * p["ne"][1]
+        p["checksum_low"] = [f"{_core.checksum(data[o : o + p['bytes_low']]):016x}" for o in p["offset_low"]]
+    store = _damaged(packed_module, tmp_path, json.dumps(m, indent=1).encode())
+    cache = CacheConfig(budget="16M", t1=0.0, t2=1.0)  # every miss but the top-1 read in low precision
+    mixed = Model(model, store=store, cache=cache)
+    assert mixed.cache_info()["n_groups"] == 2
+    r = mixed.generate(LONG_PROMPT, max_tokens=8)
+    assert r.stats.n_loads_low > 0 and len(r.tokens) == 8
+    assert Model(model, store=packed, cache=cache).cache_info()["n_groups"] == 1

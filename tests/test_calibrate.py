@@ -80,6 +80,10 @@ def test_replay_counts_precision_and_checks_input(moe: Path) -> None:
         _core.replay(tr.ids, tr.weights, 16, 1000, 0, 8, 0, "lru", [0.25] * 4, 1.0, 1.0)
     with pytest.raises(ValueError, match="out of range"):
         _core.replay(tr.ids + 16, tr.weights, 16, 1000, 0, 16, 0, "lru", [0.25] * 4, 1.0, 1.0)
+    # more (layer, expert) keys than an int32 holds: refused (the product wrapped to 0 and aborted)
+    wide = np.zeros((1, 65536, 1), dtype=np.int32)
+    with pytest.raises(ValueError, match="more experts than a cache holds"):
+        _core.replay(wide, None, 65536, 1000, 0, 65536, 0, "lru", [0.25] * 4, 1.0, 1.0)
 
 
 def test_choose_thresholds() -> None:

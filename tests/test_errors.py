@@ -202,6 +202,37 @@ def test_one_model_decodes_for_one_thread_at_a_time(tiny_model: ModelFactory) ->
     assert got == [alone] * 12
 
 
+@pytest.mark.parametrize("io_uring", [False, True])
+def test_counters_read_from_another_thread_leave_a_decode_alone(
+    stored_tiny: tuple[Path, Path, int], io_uring: bool
+) -> None:
+    """A monitoring thread reading the counters (stats, prefetch_stats, cache_info, reset_stats) while
+    another decodes: every answer is the one decoded alone. Reading them finishes the open layer
+    passes; under a running decode, that dropped the slots its next load was about to fill."""
+    import threading
+
+    path, store, lo = stored_tiny
+    cache = CacheConfig.exact(budget=lo, prefetch=2, io_uring=io_uring)
+    m = Model(path, store=store, cache=cache, n_threads=2)
+    alone = m.generate(LONG_PROMPT, max_tokens=32).tokens
+    stop = threading.Event()
+
+    def monitor() -> None:
+        while not stop.is_set():
+            m.stats()
+            m.prefetch_stats()
+            m.cache_info()
+
+    t = threading.Thread(target=monitor)
+    t.start()
+    try:
+        got = [m.generate(LONG_PROMPT, max_tokens=32).tokens for _ in range(6)]
+    finally:
+        stop.set()
+        t.join()
+    assert got == [alone] * 6
+
+
 def test_text_and_arguments_the_model_cannot_take_are_config_errors(tiny_model: ModelFactory) -> None:
     """Not text, a lone surrogate or a NUL; a chat message that is not a (role, content) pair; a prompt of
     bytes; a temperature that is a bool or too large for a float: each a ConfigError naming it."""

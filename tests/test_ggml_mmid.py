@@ -70,3 +70,11 @@ def test_repacked_kernels_negative_id_zero_row(qtype: str) -> None:
         raise
     plain = _core.mul_mat_id(a, b, ids, 2, qtype, False)
     _check_rows(got, ids, lambda t, u: plain[t, u], 1e-4)
+
+
+def test_an_id_past_the_last_matrix_is_refused() -> None:
+    """ggml checks ids only in debug builds: an id of E or more would write past its row counts."""
+    a = np.zeros((2, 4, 32), dtype=np.float32)
+    b = np.zeros((1, 1, 32), dtype=np.float32)
+    with pytest.raises(ValueError, match="id 2 at position 0 is not below E=2"):
+        _core.mul_mat_id(a, b, np.array([[2]], dtype=np.int32), 1)

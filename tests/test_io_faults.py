@@ -54,7 +54,10 @@ def test_transient_faults_are_read_again(
 @pytest.mark.parametrize(("io_uring", "prefetch"), PATHS)
 @pytest.mark.parametrize(
     ("faults", "error", "says"),
-    [("eio:1", MoetierError, "Input/output error"), ("flip:1", StoreError, "checksum mismatch")],
+    [
+        ("eio:1", MoetierError, r"Input/output error \(layer \d+ expert \d+, "),
+        ("flip:1", StoreError, "checksum mismatch"),
+    ],
 )
 def test_persistent_faults_fail_cleanly(
     setup: tuple[Path, Path, int],
@@ -126,7 +129,7 @@ def test_gguf_persistent_fault_fails_cleanly(
     lo = int(Model(path, cache=CacheConfig.exact(budget="64M")).cache_info()["min_cache_bytes"])
     cache = CacheConfig.exact(budget=lo, io_uring=io_uring, prefetch=prefetch, prefetch_gate=False)
     monkeypatch.setenv("MOETIER_FAULTS", "eio:1")
-    with pytest.raises(MoetierError, match=rf"{path.name}.*Input/output error"):
+    with pytest.raises(MoetierError, match=rf"{path.name}.*Input/output error \(layer \d+ expert \d+, blk\.\d+\.ffn_"):
         Model(path, cache=cache).generate(LONG_PROMPT, max_tokens=4)
     monkeypatch.delenv("MOETIER_FAULTS")
     stock = Model(path)

@@ -108,6 +108,24 @@ def test_every_layer_on_the_server_is_refused(rpc_server: str, model_and_store: 
         Model(path, store=store, cache=CacheConfig.exact(budget=budget), n_gpu_layers=99, rpc=rpc_server)
 
 
+@pytest.mark.parametrize("overrides", [["ffn_down_exps=CPU"], ["ffn_(up|gate)_exps=CPU"]])
+def test_a_layer_whose_experts_are_split_over_rpc_is_refused(
+    rpc_server: str, model_and_store: tuple[Path, Path, int], overrides: list[str]
+) -> None:
+    """Some of a layer's expert tensors on the server and the others here: the server would be sent
+    slot ids, or this machine would compute with the server's tensors missing. Refused, naming the layer."""
+    path, store, budget = model_and_store
+    with pytest.raises(ModelError, match=r"layer \d+'s expert tensors are split between the RPC server RPC\d+"):
+        Model(
+            path,
+            store=store,
+            cache=CacheConfig.exact(budget=budget),
+            n_gpu_layers=99,
+            rpc=rpc_server,
+            tensor_overrides=overrides,
+        )
+
+
 def test_vram_tier_on_an_rpc_device_is_refused(rpc_server: str, model_and_store: tuple[Path, Path, int]) -> None:
     path, store, budget = model_and_store
     cache = CacheConfig.exact(budget=budget, vram="64M")

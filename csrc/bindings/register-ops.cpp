@@ -75,6 +75,13 @@ py::array_t<float> mul_mat_id(f32_array           as,
     if (b.shape(2) != K || ids.shape(0) != T || ids.shape(1) != U) {
         throw std::invalid_argument("mul_mat_id: shapes do not agree");
     }
+    for (int64_t i = 0; i < T * U; ++i) {  // ggml asserts only in debug builds: a bad id writes past its rows
+        if (ids.data()[i] >= E) {
+            throw std::invalid_argument("mul_mat_id: id " + std::to_string(ids.data()[i]) + " at position " +
+                                        std::to_string(i) + " is not below E=" + std::to_string(E) +
+                                        " (negative ids yield zero rows)");
+        }
+    }
     const ggml_type type = type_by_name(type_name, "mul_mat_id");
     if (K % ggml_blck_size(type) != 0) {
         throw std::invalid_argument("mul_mat_id: rows of K values do not split into " + type_name + " blocks");
