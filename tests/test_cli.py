@@ -7,7 +7,7 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -342,7 +342,19 @@ USER_ERRORS = [
     ),
     (
         ["serve-variants", "{moe}", "{moe}", "--stores", "{dir}", "{dir}", "--cache", "1M"],
-        "--names (default: the files' stems, ",
+        "--names (default: the files' stems, {moe_stem}, {moe_stem}): each variant needs its own non-empty name",
+    ),
+    (
+        ["serve-variants", "{moe}", "{dense}", "--stores", "{dir}", "--cache", "1M"],
+        "--stores: 1 stores for 2 variants; give one store per variant, in order",
+    ),
+    (
+        ["serve-variants", "{moe}", "{dense}", "--stores", "{dir}", "{dir}", "--names", "a", "--cache", "1M"],
+        "--names: 1 names for 2 variants",
+    ),
+    (
+        ["serve-variants", "{moe}", "{dense}", "--stores", "{dir}", "{dir}"],
+        "--cache: give the expert cache budget the variants share (e.g. 1GiB)",
     ),
     (["pack", "{moe}", "-o", "{full}", "-q"], "{full}: holds notes.txt, so it is not a store directory"),
     (["pack", "{moe}", "-o", "{text}", "-q"], "{text}: is a file, not a directory"),
@@ -391,7 +403,10 @@ USER_ERRORS = [
 def test_user_errors_name_the_file_or_flag(
     files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str
 ) -> None:
-    names = {k: str(v) for k, v in files.items()} | {"missing": str(tmp_path / "missing")}
+    names = {k: str(v) for k, v in files.items()} | {
+        "missing": str(tmp_path / "missing"),
+        "moe_stem": files["moe"].stem,
+    }
     rc, err = cli(capsys, *(a.format(**names) for a in args))
     assert rc != 0
     assert "Traceback" not in err
@@ -608,12 +623,27 @@ def test_run_says_which_flags_cannot_act(files: dict[str, Path], capsys: pytest.
         "prefetch_waste=5",
         "--seed 5",
     ], warnings
-    from moetier.cli import _gpu_backends
+    import moetier
 
     assert main(["run", "-m", moe, "-p", "hi", "-n", "2", "-ngl", "1"]) == 0
     err = capsys.readouterr().err
     said = "moetier: warning: -ngl 1: this build has no GPU backend (CPU only); every layer runs on the CPU"
-    assert (said in err) == (not _gpu_backends())
+    gpu = [f for f in Path(moetier.__file__).parent.glob("libggml-*.so*") if "cuda" in f.name or "vulkan" in f.name]
+    assert (said in err) == (not gpu)
+
+
+def test_gpu_backends_are_the_ggml_libraries_beside_the_core(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each libggml-NAME.so* beside the package is a backend, by NAME; base, cpu and rpc are not GPUs."""
+    from moetier import cli
+
+    for f in ("libggml-base.so", "libggml-cpu.so", "libggml-rpc.so.0", "libggml-cuda.so.13.0", "libggml-vulkan.so"):
+        (tmp_path / f).touch()
+    (tmp_path / "libllama.so").touch()
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "cli.py"))
+    assert cli._gpu_backends() == ["cuda", "vulkan"]
+    (tmp_path / "libggml-cuda.so.13.0").unlink()
+    (tmp_path / "libggml-vulkan.so").unlink()
+    assert cli._gpu_backends() == []
 
 
 def test_demo_converts_once_compares_and_generates_with_a_quarter_cached(
@@ -660,3 +690,98 @@ def test_a_system_error_without_a_file_is_one_line(
     monkeypatch.setattr(pack_module, "pack", full)
     rc, err = cli(capsys, "pack", str(files["moe"]), "-q")
     assert (rc, err) == (1, "moetier: error: No space left on device\n")
+
+
+def test_profile_passes_its_flags_and_writes_beside_the_pool_file(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`moetier profile POOL`: the request weights of --usage and --max-tokens reach the measurement,
+    its notes go to stderr a line each, and without -o the profile is written beside the pool file
+    (POOL.profile.json). A usage file that is not an object of finite weights is named."""
+    from moetier import ConfigError
+    from moetier.pool import profile as prof
+
+    calls: list[tuple[int, object]] = []
+
+    def fake(spec: object, max_tokens: int, weights: object, note: Callable[[str], None]) -> dict[str, object]:
+        calls.append((max_tokens, weights))
+        note("[1/1] a")
+        note("    load 0.10 s")
+        return {"models": {}}
+
+    monkeypatch.setattr(prof, "profile", fake)
+    usage = tmp_path / "usage.json"
+    usage.write_text('{"a": 2}')
+    assert main(["profile", str(files["pool"]), "--usage", str(usage), "--max-tokens", "7"]) == 0
+    out = files["pool"].with_suffix(".profile.json")
+    assert calls == [(7, {"a": 2.0})]
+    assert json.loads(out.read_text()) == {"models": {}}
+    err = capsys.readouterr().err
+    assert err.startswith("[1/1] a\n    load 0.10 s\nwrote ")
+    assert f"wrote {out}; name it as `profile:` in {files['pool']}" in err
+    for text, why in (('{"a": NaN}', "a weight is not a finite number"), ("[1, 2]", "'list' object has no attribute")):
+        usage.write_text(text)
+        rc = main(["profile", str(files["pool"]), "--usage", str(usage)])
+        want = f"moetier: error: {usage}: expected a JSON object of model or pipeline name -> request weight ({why}"
+        assert rc == 1 and capsys.readouterr().err.startswith(want)
+
+    def refused(*a: object, **k: object) -> dict[str, object]:
+        msg = "usage: z is not a model or pipeline of the pool"
+        raise ConfigError(msg)
+
+    monkeypatch.setattr(prof, "profile", refused)
+    usage.write_text('{"z": 1}')
+    assert main(["profile", str(files["pool"]), "--usage", str(usage)]) == 1
+    assert capsys.readouterr().err == f"moetier: error: --usage {usage}: z is not a model or pipeline of the pool\n"
+    assert main(["profile", str(files["pool"])]) == 1  # no --usage: the message as it is
+    assert capsys.readouterr().err == "moetier: error: usage: z is not a model or pipeline of the pool\n"
+
+
+def test_serve_pool_flags_override_the_files_settings(
+    tmp_path: Path, files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--scheduler, --executors, --threads and --no-profile replace the pool file's values in the pool
+    that is served (and in its banner); without them the file's values stand."""
+    import moetier.pool.executor as executor
+    import moetier.pool.server as pool_server
+
+    seen: list[object] = []
+
+    class FakePool:
+        warnings = ("w1",)
+
+        def __init__(self, spec: object) -> None:
+            seen.append(spec)
+
+        def close(self) -> None:
+            pass
+
+    class FakeServer:
+        server_port = 4321
+
+        def serve_forever(self) -> None:
+            raise KeyboardInterrupt
+
+        def server_close(self) -> None:
+            pass
+
+    monkeypatch.setattr(executor, "Pool", FakePool)
+    monkeypatch.setattr(pool_server, "PoolService", lambda spec, pool: None)
+    monkeypatch.setattr(pool_server, "make_server", lambda service, host, port: FakeServer())
+    cfg = tmp_path / "pool.yaml"
+    (tmp_path / "p.json").write_text("{}")
+    cfg.write_text(
+        "budget: 1G\nexecutors: 2\nthreads: 3\nscheduler: fifo\nprofile: p.json\n"
+        f"models:\n  a: {{path: {files['dense']}}}\n"
+    )
+    assert main(["serve-pool", str(cfg), "--port", "0"]) == 0
+    spec = seen.pop()
+    assert (spec.executors, spec.threads, spec.scheduler, spec.profile) == (2, 3, "fifo", tmp_path / "p.json")  # type: ignore[attr-defined]
+    err = capsys.readouterr().err
+    assert err.startswith("moetier serve-pool: warning: w1\nmoetier serve-pool: 1 models, 0 pipelines, budget ")
+    assert "2 executors, scheduler fifo" in err and "listening on http://127.0.0.1:4321\nserving: a\n" in err
+    args = ["--scheduler", "round-robin", "--executors", "4", "--threads", "1", "--no-profile"]
+    assert main(["serve-pool", str(cfg), "--port", "0", *args]) == 0
+    spec = seen.pop()
+    assert (spec.executors, spec.threads, spec.scheduler, spec.profile) == (4, 1, "round-robin", None)  # type: ignore[attr-defined]
+    assert "4 executors, scheduler round-robin, costs from estimates (run moetier profile)" in capsys.readouterr().err
