@@ -785,3 +785,68 @@ def test_serve_pool_flags_override_the_files_settings(
     spec = seen.pop()
     assert (spec.executors, spec.threads, spec.scheduler, spec.profile) == (4, 1, "round-robin", None)  # type: ignore[attr-defined]
     assert "4 executors, scheduler round-robin, costs from estimates (run moetier profile)" in capsys.readouterr().err
+
+
+def test_moefy_passes_its_flags_and_writes_the_report(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`moetier moefy`: the calibration files joined, the end of each as a held-out check, the threads,
+    the partition files and --quiet reach the conversion; --report writes the flags, the config and
+    the result as JSON."""
+    import dataclasses
+
+    import moetier.tools.moefy as mf
+
+    @dataclasses.dataclass
+    class Result:
+        seconds: float = 1.5
+
+        def summary(self) -> str:
+            return "it went well"
+
+    got: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    monkeypatch.setattr(mf, "moefy", lambda *a, **k: (got.append((a, k)), Result())[1])
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("x" * 4500)
+    b.write_text("yz")
+    out, report = tmp_path / "moe.gguf", tmp_path / "r.json"
+    args = ["moefy", str(files["dense"]), "-o", str(out), "--calib", str(a), str(b), "--threads", "3", "--quiet"]
+    args += [
+        "--partition",
+        "p.npz",
+        "--save-partition",
+        "s.npz",
+        "--report",
+        str(report),
+        "--n-expert",
+        "4",
+        "--n-expert-used",
+        "2",
+    ]
+    assert main(args) == 0
+    ((pos, kw),) = got
+    assert pos[0] == str(files["dense"]) and pos[1] == str(out) and pos[2] == "x" * 4500 + "yz"
+    assert kw["check_texts"] == ("x" * 4000, "yz")
+    assert (kw["n_threads"], kw["progress"], kw["partition"], kw["save_partition"]) == (3, False, "p.npz", "s.npz")
+    assert capsys.readouterr().err == f"moetier: wrote {out}: 4 experts, top-2; it went well\n"
+    text = report.read_text()
+    rep = json.loads(text)
+    assert text == json.dumps(rep, indent=1) + "\n"
+    assert list(rep)[:4] == ["model", "output", "calib", "config"] and rep["seconds"] == 1.5
+    assert (rep["model"], rep["output"], rep["calib"]) == (str(files["dense"]), str(out), [str(a), str(b)])
+    assert rep["config"]["n_expert"] == 4
+    got.clear()
+    assert main(["moefy", str(files["dense"]), "-o", str(out), "--calib", str(b)]) == 0
+    ((_, kw),) = got
+    assert (kw["n_threads"], kw["progress"], kw["partition"], kw["save_partition"]) == (None, None, None, None)
+
+
+def test_rows_is_a_count_of_table_rows() -> None:
+    import argparse
+
+    from moetier.cli import _rows
+
+    assert _rows("0") == 0 and _rows("12") == 12 and isinstance(_rows("3"), int)
+    for bad in ("-1", "x", "1.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"{bad!r} is not a number of rows"):
+            _rows(bad)
