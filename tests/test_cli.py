@@ -850,3 +850,17 @@ def test_rows_is_a_count_of_table_rows() -> None:
     for bad in ("-1", "x", "1.5", ""):
         with pytest.raises(argparse.ArgumentTypeError, match=f"{bad!r} is not a number of rows"):
             _rows(bad)
+
+
+def test_pack_quiet_turns_the_progress_bar_off(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--quiet: no bar even on a terminal; without it, the bar where stderr is a terminal (progress=None)."""
+    import moetier.pack as pk
+
+    seen: list[object] = []
+    monkeypatch.setattr(pk, "pack", lambda model, out, cfg, progress: (seen.append(progress), Path(out))[1])
+    assert main(["pack", str(files["moe"]), "-o", str(tmp_path / "s"), "-q"]) == 0
+    assert main(["pack", str(files["moe"]), "-o", str(tmp_path / "s")]) == 0
+    assert seen == [False, None]
+    assert capsys.readouterr().err == f"moetier: store written to {tmp_path / 's'}\n" * 2
