@@ -856,8 +856,9 @@ def test_pack_quiet_turns_the_progress_bar_off(
     files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--quiet: no bar even on a terminal; without it, the bar where stderr is a terminal (progress=None)."""
-    import moetier.pack as pk
+    import importlib
 
+    pk = importlib.import_module("moetier.pack")  # the module: moetier.pack is also the function
     seen: list[object] = []
     monkeypatch.setattr(pk, "pack", lambda model, out, cfg, progress: (seen.append(progress), Path(out))[1])
     assert main(["pack", str(files["moe"]), "-o", str(tmp_path / "s"), "-q"]) == 0
