@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -865,3 +866,55 @@ def test_pack_quiet_turns_the_progress_bar_off(
     assert main(["pack", str(files["moe"]), "-o", str(tmp_path / "s")]) == 0
     assert seen == [False, None]
     assert capsys.readouterr().err == f"moetier: store written to {tmp_path / 's'}\n" * 2
+
+
+def test_serve_variants_passes_its_flags(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """serve-variants: one exact cache of the given budget, without prefetch or warm start (the variants
+    share it; a sidecar would be one variant's), each variant with its name, file and store in order,
+    the consolidation map, the context and the threads."""
+    import moetier.pool.server as pool_server
+    import moetier.pool.variant_service as vsvc
+    import moetier.variants as variants
+
+    got: dict[str, object] = {}
+
+    class FakeVariants:
+        consolidated = True
+        map: ClassVar[dict[str, int]] = {"capacity": 5}
+
+        def __init__(self, specs: list[object], cache: CacheConfig, **kw: object) -> None:
+            got.update(specs=specs, cache=cache, **kw)
+
+        def cache_info(self) -> dict[str, int]:
+            return {"cache_bytes": 1 << 20, "n_slots": 9}
+
+        def close(self) -> None:
+            got["closed"] = True
+
+    class FakeServer:
+        server_port = 4321
+
+        def serve_forever(self) -> None:
+            raise KeyboardInterrupt
+
+        def server_close(self) -> None:
+            pass
+
+    monkeypatch.setattr(variants, "Variants", FakeVariants)
+    monkeypatch.setattr(vsvc, "VariantService", lambda vs, n_ctx: got.update(service_ctx=n_ctx))
+    monkeypatch.setattr(pool_server, "make_server", lambda service, host, port: FakeServer())
+    moe, dense = str(files["moe"]), str(files["dense"])
+    args = ["serve-variants", moe, dense, "--stores", "s1", "s2", "--names", "a, b", "--cache", "1M"]
+    assert main([*args, "--consolidate", "map.json", "-c", "512", "-t", "3"]) == 0
+    specs = got["specs"]
+    assert [(s.name, str(s.model), str(s.store)) for s in specs] == [("a", moe, "s1"), ("b", dense, "s2")]  # type: ignore[attr-defined]
+    assert got["cache"] == CacheConfig.exact(budget="1M", prefetch=0, warm=False)
+    assert (got["consolidation"], got["n_ctx"], got["n_threads"], got["service_ctx"]) == ("map.json", 512, 3, 512)
+    assert got["closed"] is True
+    err = capsys.readouterr().err
+    assert err == (
+        "moetier serve-variants: 2 variants (a, b) share one expert cache of 1.00 MiB, 9 slots; consolidated by "
+        "map.json (5 shared positions; lossy); listening on http://127.0.0.1:4321\n"
+    )
