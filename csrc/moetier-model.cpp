@@ -100,7 +100,7 @@ moetier_model::moetier_model(const moetier_params & params, const std::vector<st
         }
         const moetier_model_identity id = moetier_model_identity_compute(paths[0]);
         try {
-            store      = std::make_shared<moetier_store>(params.store_dir, id);
+            store      = std::make_shared<moetier_store>(params.store_dir, id, paths[0]);
             store_file = std::make_shared<moetier_file>(store->data_path(), direct_io);
             store_file->set_fault_injection(true);
         } catch (const std::runtime_error & e) {

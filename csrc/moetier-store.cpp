@@ -172,6 +172,38 @@ moetier_model_identity moetier_model_identity_compute(const std::string & path) 
     return id;
 }
 
+uint64_t moetier_model_experts_sample(const std::string & path) {
+    moetier_gguf_meta      meta(path);
+    moetier_file           f(path, /*direct_io =*/false);
+    const size_t           data_off = gguf_get_data_offset(meta.gguf.get());
+    constexpr int64_t      n_pick   = 8;
+    std::vector<uint8_t>   buf;
+    std::vector<uint64_t>  sums;
+    moetier_aligned_buffer bounce;
+    std::string            err;
+    const int64_t          n = gguf_get_n_tensors(meta.gguf.get());
+    for (int64_t i = 0; i < n; ++i) {
+        int32_t      il   = -1;
+        const char * name = gguf_get_tensor_name(meta.gguf.get(), i);
+        if (moetier_expert_tensor_proj(name, &il).empty()) {
+            continue;
+        }
+        const ggml_tensor * t        = ggml_get_tensor(meta.ctx.get(), name);
+        const int64_t       n_expert = t->ne[2];
+        const size_t        n_sample = std::min<size_t>(t->nb[2], 4096);
+        buf.resize(n_sample);
+        for (int64_t k = 0; k < std::min(n_pick, n_expert); ++k) {
+            const int64_t e   = n_expert <= n_pick ? k : k * (n_expert - 1) / (n_pick - 1);  // first and last
+            const size_t  off = data_off + gguf_get_tensor_offset(meta.gguf.get(), i) + (size_t) e * t->nb[2];
+            if (!f.read(buf.data(), off, n_sample, bounce, err)) {
+                throw std::runtime_error(err);
+            }
+            sums.push_back(moetier_checksum(buf.data(), buf.size()));
+        }
+    }
+    return moetier_checksum(sums.data(), sums.size() * sizeof(uint64_t));
+}
+
 static json identity_to_json(const moetier_model_identity & id) {
     return json{
         { "file_size",       id.file_size              },
@@ -184,7 +216,10 @@ static json identity_to_json(const moetier_model_identity & id) {
 // moetier_store
 //
 
-moetier_store::moetier_store(const std::string & dir, const moetier_model_identity & model) : dir_(dir) {
+moetier_store::moetier_store(const std::string &            dir,
+                             const moetier_model_identity & model,
+                             const std::string &            model_path) :
+    dir_(dir) {
     manifest_path_ = dir + "/manifest.json";
     data_path_     = dir + "/experts.bin";
 
@@ -234,7 +269,9 @@ moetier_store::moetier_store(const std::string & dir, const moetier_model_identi
         id.file_size              = jm.at("file_size").get<uint64_t>();
         id.header_checksum        = parse_hex64(jm.at("header_checksum").get<std::string>(), "model.header_checksum");
         id.sample_checksum        = parse_hex64(jm.at("sample_checksum").get<std::string>(), "model.sample_checksum");
-        if (!(id == model)) {
+        if (!(id == model) || (jm.contains("experts_sample") &&
+                               parse_hex64(jm.at("experts_sample").get<std::string>(), "model.experts_sample") !=
+                                   moetier_model_experts_sample(model_path))) {
             throw std::runtime_error(format("the store was packed from a different model (%s, %" PRIu64 " bytes); "
                                             "re-run `moetier pack` on this model",
                                             jm.value("path", "?").c_str(), id.file_size));
@@ -791,9 +828,10 @@ static void moetier_pack_impl(const std::string &         model_path,
             { "projections", jprojs[il]        }
         });
     }
-    json jm             = identity_to_json(id);
-    jm["path"]          = model_path;
-    const json manifest = {
+    json jm              = identity_to_json(id);
+    jm["experts_sample"] = hex64(moetier_model_experts_sample(model_path));
+    jm["path"]           = model_path;
+    const json manifest  = {
         { "format",    "moetier-store"          },
         { "version",   MOETIER_STORE_VERSION    },
         { "checksum",  "crc32c"                 },

@@ -55,6 +55,13 @@ std::string moetier_expert_tensor_proj(const std::string & tensor_name, int32_t 
 // throws std::runtime_error naming the path
 moetier_model_identity moetier_model_identity_compute(const std::string & gguf_path);
 
+// A checksum over a sample of the experts of every expert tensor: the first 4 KiB of 8 experts spread
+// over each tensor. It tells apart files whose header and first expert agree but whose later experts
+// differ (a variant edited in some layers, a consolidated variant), which the identity's one sample
+// cannot; at about a thousand small reads for a 30B-class model, it is checked at load against a store
+// that holds it (stores packed before it existed do not). throws std::runtime_error naming the path
+uint64_t moetier_model_experts_sample(const std::string & gguf_path);
+
 struct moetier_store_proj {
     std::string            name;            // "gate", "up", "down" or "gate_up"
     std::string            tensor;          // GGUF tensor name
@@ -81,9 +88,10 @@ struct moetier_store_layer {
 
 class moetier_store {
   public:
-    // Opens DIR, parses and validates the manifest against experts.bin and the model identity.
+    // Opens DIR, parses and validates the manifest against experts.bin and the model identity (and,
+    // where the manifest holds it, the experts sample of the GGUF at model_path).
     // throws std::runtime_error naming the file and the problem
-    moetier_store(const std::string & dir, const moetier_model_identity & model);
+    moetier_store(const std::string & dir, const moetier_model_identity & model, const std::string & model_path);
 
     const moetier_store_proj * find(int32_t layer, const std::string & proj) const;
 

@@ -191,3 +191,28 @@ def test_layers_with_other_low_types_get_pools_of_their_own(packed_module: tuple
     r = mixed.generate(LONG_PROMPT, max_tokens=8)
     assert r.stats.n_loads_low > 0 and len(r.tokens) == 8
     assert Model(model, store=packed, cache=cache).cache_info()["n_groups"] == 1
+
+
+def test_a_model_that_differs_only_in_later_experts_is_not_the_stores(
+    packed_module: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A GGUF with the packed one's header, size and first expert, but another expert in a later layer
+    (a variant edited in some layers, a consolidated variant): the store is refused, not served with
+    the old experts. A store packed before the manifest held the experts sample still loads."""
+    import gguf
+
+    model, packed = packed_module
+    t = next(t for t in gguf.GGUFReader(model).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    edited = tmp_path / "edited.gguf"
+    data = bytearray(model.read_bytes())
+    last = int(t.data_offset) + int(t.n_bytes) * 7 // 8 + 64  # the last of 8 experts, replaced whole in a variant
+    data[last : last + 8] = bytes(8 - i for i in range(8))
+    edited.write_bytes(bytes(data))
+    cache = CacheConfig.exact(budget="16M")
+    with pytest.raises(StoreError, match="the store was packed from a different model"):
+        Model(edited, store=packed, cache=cache)
+    m = json.loads((packed / "manifest.json").read_text())
+    assert len(m["model"]["experts_sample"]) == 16
+    del m["model"]["experts_sample"]
+    older = _damaged(packed_module, tmp_path, json.dumps(m, indent=1).encode())
+    Model(edited, store=older, cache=cache)  # what the older format can tell: the same model
