@@ -17,8 +17,9 @@ scratch git worktree (WORK), never in the checkout:
   CLI would count as reached by no test.
 
 The run is resumable (mutmut keeps its state in WORK/mutants: run the same command again to go on).
-After tests are added for the survivors (and committed), `--recheck` brings HEAD's tests into the same
-WORK and runs only the mutants that survived, against every selected test (mutmut maps the new tests
+After tests are added for the survivors (and committed), `--recheck` brings HEAD's tests (with HEAD's
+other modules and the installed native core, which they may need) into the same WORK and runs only
+the mutants that survived, against every selected test (mutmut maps the new tests
 first); the mutated modules must not have changed since WORK was made, and --mutate and --tests must
 be the ones of the run it rechecks (mutmut forgets every result when its configuration changes).
 Then OUT.json and OUT.md get the counts per file: killed, survived, timed out, not reached by any
@@ -148,16 +149,21 @@ def selection(cfg: str) -> tuple[str, str]:
     return section.get("only_mutate", ""), section.get("pytest_add_cli_args_test_selection", "")
 
 
+def copy_native(dst: Path) -> None:
+    """The installed package's native core (_core, libllama, libggml-*, the tools in bin/) into dst."""
+    pkg = installed_package()
+    for f in [*pkg.glob("*.so"), *pkg.glob("*.so.*")]:
+        shutil.copy2(f, dst / f.name)
+    if (pkg / "bin").is_dir():
+        shutil.copytree(pkg / "bin", dst / "bin", symlinks=True, dirs_exist_ok=True)
+
+
 def prepare(work: Path, mutate: list[str], tests: list[str]) -> None:
     """The scratch worktree at HEAD, made once; its mutmut configuration written every time."""
     if not work.exists():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(work), "HEAD"], check=True)
         (work / "python").rename(work / "src")
-        pkg = installed_package()
-        for f in [*pkg.glob("*.so"), *pkg.glob("*.so.*")]:
-            shutil.copy2(f, work / "src" / "moetier" / f.name)
-        if (pkg / "bin").is_dir():
-            shutil.copytree(pkg / "bin", work / "src" / "moetier" / "bin", symlinks=True)
+        copy_native(work / "src" / "moetier")
     (work / "setup.cfg").write_text(setup_cfg(mutate, tests))
     (work / "path").mkdir(exist_ok=True)
     (work / "path" / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -185,6 +191,18 @@ def recheck(work: Path, mutate: list[str]) -> list[str]:
         msg = f"--recheck: a mutated module changed since {work} was made; its mutants are stale: start a new WORK"
         raise SystemExit(msg)
     subprocess.run(["git", "-C", str(work), "checkout", head.stdout.strip(), "--", "tests", "bench"], check=True)
+    # HEAD's tests run against HEAD's package: its other modules (the mutated ones are the same) and the
+    # installed native core (build and install HEAD first), in the source and in mutmut's copy of it
+    mutated = {f"moetier/{m}" for m in mutate}
+    src = ROOT / "python"
+    for f in sorted(src.rglob("*.py")):
+        rel = f.relative_to(src).as_posix()
+        if rel not in mutated:
+            for dst in (work / "src", work / "mutants" / "src"):
+                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dst / rel)
+    for dst in (work / "src" / "moetier", work / "mutants" / "src" / "moetier"):
+        copy_native(dst)
     results = subprocess.run(["mutmut", "results"], cwd=work, capture_output=True, text=True, check=True).stdout
     names = [line.strip().rpartition(": ")[0] for line in results.splitlines() if line.strip().endswith(": survived")]
     print(f"rechecking {len(names)} survivors against the tests of {head.stdout.strip()[:12]}")
