@@ -190,7 +190,23 @@ def recheck(work: Path, mutate: list[str]) -> list[str]:
     if changed.returncode != 0:
         msg = f"--recheck: a mutated module changed since {work} was made; its mutants are stale: start a new WORK"
         raise SystemExit(msg)
-    subprocess.run(["git", "-C", str(work), "checkout", head.stdout.strip(), "--", "tests", "bench"], check=True)
+    # with what the tests read (the docs they compare, the scripts they run, the README's examples)
+    subprocess.run(
+        [
+            "git",
+            "-C",
+            str(work),
+            "checkout",
+            head.stdout.strip(),
+            "--",
+            "tests",
+            "bench",
+            "scripts",
+            "docs",
+            "README.md",
+        ],
+        check=True,
+    )
     # HEAD's tests run against HEAD's package: its other modules (the mutated ones are the same) and the
     # installed native core (build and install HEAD first), in the source and in mutmut's copy of it
     mutated = {f"moetier/{m}" for m in mutate}
