@@ -918,3 +918,65 @@ def test_serve_variants_passes_its_flags(
         "moetier serve-variants: 2 variants (a, b) share one expert cache of 1.00 MiB, 9 slots; consolidated by "
         "map.json (5 shared positions; lossy); listening on http://127.0.0.1:4321\n"
     )
+
+
+def test_demo_follows_its_recipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's conversion is the recipe of its results page: 4096 tokens of the dense model's own
+    prose beside 400,000 characters of built-in text, ridge 0.1 for the router and the refit, the
+    distillation epochs asked for, named by that recipe; the dense model and the MoE answer in a
+    512-token context; the cache holds a quarter of the expert bytes (or one layer's experts)."""
+    import dataclasses
+
+    from moetier import cli
+    from moetier import model as model_module
+    from moetier.tools import models
+    from moetier.tools import moefy as mf
+    from moetier.tools.tiny import write_tiny_model
+
+    src = write_tiny_model(tmp_path / "qwen.gguf", "qwen2", n_layer=2, seed=3)
+    fetched: list[dict[str, object]] = []
+    monkeypatch.setattr(models, "fetch", lambda name, **kw: (fetched.append(kw), src)[1])
+    monkeypatch.setattr(mf, "generated_prose", lambda path, n: (path, n) == (src, 4096) and ["one.", "two."])
+    monkeypatch.setattr(mf, "builtin_calibration_text", lambda n, extra: f"{n}|{extra}")
+    converted: list[tuple[object, ...]] = []
+
+    def fake_moefy(s: Path, dst: Path, text: str, cfg: object, *, distill: object, progress: bool) -> object:
+        converted.append((s, dst, text, cfg, distill, progress))
+        write_tiny_model(dst, "qwen2moe", n_layer=6, n_expert=8, n_expert_used=2, seed=4)  # a layer: 1/6
+        return type("Res", (), {"summary": lambda self: "converted"})()
+
+    monkeypatch.setattr(mf, "moefy", fake_moefy)
+    contexts: list[object] = []
+    real_model = model_module.Model
+
+    def model(path: object, **kw: object) -> object:
+        contexts.append(kw.get("n_ctx"))
+        return real_model(path, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model_module, "Model", model)
+    budgets: list[int] = []
+    real_demo_model = cli.demo_model
+    monkeypatch.setattr(
+        cli, "demo_model", lambda moe, budget, note: (budgets.append(budget), real_demo_model(moe, budget, note))[1]
+    )
+    monkeypatch.setattr(cli, "first_answer", lambda text: "the same")
+    assert main(["demo", "--calib-tokens", "1024", "--distill-epochs", "2", "-n", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert [set(kw) for kw in fetched] == [{"quiet", "log"}] and fetched[0]["quiet"] is True
+    ((s, dst, text, cfg, dcfg, progress),) = converted
+    want_cfg = mf.MoefyConfig(calib_tokens=1024, router_ridge=0.1, refit_ridge=0.1)
+    assert (s, text, cfg, progress) == (src, "400000|one.\n\ntwo.", want_cfg, False)
+    assert dataclasses.asdict(dcfg)["epochs"] == 2  # type: ignore[call-overload]
+    key = mf.cache_key("generated prose + builtin text", mf.key_fields(want_cfg), dataclasses.asdict(dcfg))[:8]  # type: ignore[call-overload]
+    assert dst == tmp_path / f"qwen-moe-demo-{key}.gguf"
+    assert err.startswith(
+        "moetier demo: converting qwen.gguf into a MoE (16 experts, top-8, 2 distillation epochs): several minutes, "
+        "once\nmoetier demo: the dense model writes 4096 tokens of everyday prose for the calibration\n"
+        "moetier demo: converted\n"
+    )
+    assert contexts[:2] == [512, 512]
+    assert "first sentence or line as the dense model's: 4 of 4 prompts\n" in out
+    info = real_model(dst, cache=CacheConfig(budget="64M")).cache_info()
+    assert budgets == [int(info["expert_bytes"]) // 4] and budgets[0] > int(info["min_cache_bytes"])
