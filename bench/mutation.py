@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import configparser
+import fnmatch
 import json
 import os
 import shutil
@@ -209,11 +210,10 @@ def recheck(work: Path, mutate: list[str]) -> list[str]:
     )
     # HEAD's tests run against HEAD's package: its other modules (the mutated ones are the same) and the
     # installed native core (build and install HEAD first), in the source and in mutmut's copy of it
-    mutated = {f"moetier/{m}" for m in mutate}
-    src = ROOT / "python"
+    src = ROOT / "python"  # the checkout, at HEAD (the tests' commit: commit first)
     for f in sorted(src.rglob("*.py")):
         rel = f.relative_to(src).as_posix()
-        if rel not in mutated:
+        if not any(fnmatch.fnmatch(rel, f"moetier/{m}") for m in mutate):  # --mutate takes globs
             for dst in (work / "src", work / "mutants" / "src"):
                 (dst / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, dst / rel)

@@ -56,9 +56,9 @@ std::string moetier_expert_tensor_proj(const std::string & tensor_name, int32_t 
 moetier_model_identity moetier_model_identity_compute(const std::string & gguf_path);
 
 // A checksum over a sample of the experts of every expert tensor: the first 4 KiB of 8 experts spread
-// over each tensor. It tells apart files whose header and first expert agree but whose later experts
-// differ (a variant edited in some layers, a consolidated variant), which the identity's one sample
-// cannot; at about a thousand small reads for a 30B-class model, it is checked at load against a store
+// over each tensor (the first and the last among them). It tells apart most files whose header and
+// first expert agree but whose later experts differ (a variant edited in some layers, a consolidated
+// variant), which the identity's one sample cannot; a sample, not every expert: at about a thousand small reads for a 30B-class model, it is checked at load against a store
 // that holds it (stores packed before it existed do not). throws std::runtime_error naming the path
 uint64_t moetier_model_experts_sample(const std::string & gguf_path);
 

@@ -44,6 +44,15 @@ def stored_tiny(tiny_model: ModelFactory, tmp_path: Path) -> StoredModel:
     return path, store, lo
 
 
+@pytest.fixture(autouse=True, scope="module")
+def thaw_after_module() -> Iterator[None]:
+    """What cold_start froze becomes collectable again once its module ends: a module fixture's model,
+    or a failed test's frames, that turned into cyclic garbage is freed then, not kept to the end."""
+    yield
+    gc.unfreeze()
+    gc.collect()
+
+
 # per-test tmp_path folders of tests that have ended: no later test reads them, so the sidecar scan skips them
 _ENDED: set[str] = set()
 

@@ -206,7 +206,7 @@ def test_one_model_decodes_for_one_thread_at_a_time(tiny_model: ModelFactory) ->
 def test_counters_read_from_another_thread_leave_a_decode_alone(
     stored_tiny: tuple[Path, Path, int], io_uring: bool
 ) -> None:
-    """A monitoring thread reading the counters (stats, prefetch_stats, cache_info, reset_stats) while
+    """A monitoring thread reading the counters (stats, prefetch_stats, cache_info) while
     another decodes: every answer is the one decoded alone. Reading them finishes the open layer
     passes; under a running decode, that dropped the slots its next load was about to fill."""
     import threading

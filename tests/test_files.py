@@ -78,3 +78,24 @@ def test_a_plot_that_fails_to_write_keeps_the_old_one(tmp_path: Path, monkeypatc
     assert e.value.filename == str(out)
     assert out.read_bytes() == before
     assert [f.name for f in tmp_path.iterdir()] == ["plot.png"]
+
+
+def test_a_link_is_followed_and_the_mode_kept(tmp_path: Path) -> None:
+    """A config reached through a symbolic link: the file it names gets the new text, the link stays
+    a link; a file readable by its owner only stays so."""
+    real = tmp_path / "configs" / "q.json"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    real.chmod(0o600)
+    link = tmp_path / "c.json"
+    link.symlink_to(real)
+    write_text(link, "new\n")
+    assert link.is_symlink() and real.read_text() == "new\n"
+    assert real.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in real.parent.iterdir()) == ["q.json"]
+
+
+@pytest.mark.parametrize("name", [".", ""])
+def test_a_directory_name_is_refused(name: str) -> None:
+    with pytest.raises(IsADirectoryError):
+        write_text(name, "x")

@@ -243,7 +243,7 @@ class Model:
         ):
             msg = f"tensor_overrides: {tensor_overrides!r} must be a sequence of PATTERN=BUFFER_TYPE strings"
             raise ConfigError(msg)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # generate resets and reads the counters under it
         self._m = _core.Model(str(self.path), params, ctx.params(), repack, n_gpu_layers, rpc, list(tensor_overrides))
 
     @property
@@ -415,4 +415,7 @@ class Model:
         return dict(self._m.cache_info())
 
     def reset_stats(self) -> None:
-        self._m.reset_stats()
+        """Zeroes the counters; from another thread, after the decode running there (zeroing them under
+        a decode would tear its counts)."""
+        with self._lock:
+            self._m.reset_stats()
