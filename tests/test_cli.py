@@ -951,15 +951,43 @@ def test_demo_follows_its_recipe(
     contexts: list[object] = []
     real_model = model_module.Model
 
+    asked_tokens: list[int] = []
+
+    class Counted:
+        """The real model; each generate's max_tokens noted."""
+
+        def __init__(self, m: object) -> None:
+            self.m = m
+
+        def generate(self, prompt: str, max_tokens: int = 64) -> object:
+            asked_tokens.append(max_tokens)
+            return self.m.generate(prompt, max_tokens=max_tokens)  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.m, name)
+
     def model(path: object, **kw: object) -> object:
         contexts.append(kw.get("n_ctx"))
-        return real_model(path, **kw)  # type: ignore[arg-type]
+        return Counted(real_model(path, **kw))  # type: ignore[arg-type]
 
     monkeypatch.setattr(model_module, "Model", model)
     budgets: list[int] = []
+    results: list[object] = []
     real_demo_model = cli.demo_model
+
+    class Kept:
+        def __init__(self, m: object) -> None:
+            self.m = m
+
+        def generate(self, prompt: str, max_tokens: int) -> object:
+            r = self.m.generate(prompt, max_tokens=max_tokens)  # type: ignore[attr-defined]
+            results.append((prompt, r))
+            return r
+
     monkeypatch.setattr(
-        cli, "demo_model", lambda moe, budget, note: (budgets.append(budget), real_demo_model(moe, budget, note))[1]
+        cli,
+        "demo_model",
+        lambda moe, budget, note: (budgets.append(budget), Kept(real_demo_model(moe, budget, note)))[1],
     )
     monkeypatch.setattr(cli, "first_answer", lambda text: "the same")
     assert main(["demo", "--calib-tokens", "1024", "--distill-epochs", "2", "-n", "4"]) == 0
@@ -980,3 +1008,42 @@ def test_demo_follows_its_recipe(
     assert "first sentence or line as the dense model's: 4 of 4 prompts\n" in out
     info = real_model(dst, cache=CacheConfig(budget="64M")).cache_info()
     assert budgets == [int(info["expert_bytes"]) // 4] and budgets[0] > int(info["min_cache_bytes"])
+    assert asked_tokens == [4] * 10  # four prompts on the dense model and the MoE, the stock and the cached run
+    # the cached run answers the second prompt; its line gives the cache's share, hits and read rate
+    ((prompt, r),) = results
+    s = r.stats  # type: ignore[attr-defined]
+    assert prompt == cli.DEMO_PROMPTS[1] and out.splitlines()[-2] == (prompt + r.text).splitlines()[-1]  # type: ignore[attr-defined]
+    rate = s.n_bytes_read / s.read_seconds if s.read_seconds > 0 else 0.0
+    assert (
+        f"| expert cache {budgets[0] / 2**20:.0f} MiB of {int(info['expert_bytes']) / 2**20:.0f} MiB experts, hit rate "
+        f"{100 * s.hit_rate:.1f}% | read {cli.format_size(s.n_bytes_read)} from the expert store at "
+        f"{cli.format_size(rate)}/s | same tokens as stock: True\n"
+    ) in out
+    assert s.read_seconds > 0 and 0 < s.hit_rate < 1
+
+
+def test_demo_fails_when_the_cached_run_differs_from_stock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's exit status is its check: 1 where the cached run's tokens are not stock's."""
+    import dataclasses
+
+    from moetier import cli
+    from moetier.tools import models
+    from moetier.tools.tiny import write_tiny_model
+
+    src = write_tiny_model(tmp_path / "qwen.gguf", "qwen2", n_layer=2, seed=3, n_ff_exp=1024, n_ff_shexp=1024)
+    monkeypatch.setattr(models, "fetch", lambda name, **kw: src)
+    real_demo_model = cli.demo_model
+
+    class Off:
+        def __init__(self, m: object) -> None:
+            self.m = m
+
+        def generate(self, prompt: str, max_tokens: int) -> object:
+            r = self.m.generate(prompt, max_tokens=max_tokens)  # type: ignore[attr-defined]
+            return dataclasses.replace(r, tokens=[*r.tokens, 0])
+
+    monkeypatch.setattr(cli, "demo_model", lambda moe, budget, note: Off(real_demo_model(moe, budget, note)))
+    assert main(["demo", "--calib-tokens", "1024", "-n", "4", "--prompt", "x"]) == 1
+    assert capsys.readouterr().out.endswith("same tokens as stock: False\n")
