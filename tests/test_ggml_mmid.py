@@ -78,3 +78,11 @@ def test_an_id_past_the_last_matrix_is_refused() -> None:
     b = np.zeros((1, 1, 32), dtype=np.float32)
     with pytest.raises(ValueError, match="id 2 at position 0 is not below E=2"):
         _core.mul_mat_id(a, b, np.array([[2]], dtype=np.int32), 1)
+
+
+def test_an_id_past_int32_does_not_wrap_into_range() -> None:
+    """ids given as int64: 2**32 + 1 is refused, not read as 1."""
+    a = np.zeros((2, 4, 32), dtype=np.float32)
+    b = np.zeros((1, 1, 32), dtype=np.float32)
+    with pytest.raises(ValueError, match="is not below E=2"):
+        _core.mul_mat_id(a, b, np.array([[2**32 + 1]], dtype=np.int64), 1)

@@ -27,7 +27,7 @@ struct ggml_ctx_deleter {
 };
 
 using f32_array = py::array_t<float, py::array::c_style | py::array::forcecast>;
-using i32_array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using i64_array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 ggml_type type_by_name(const std::string & type_name, const char * who) {
     for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
@@ -63,7 +63,7 @@ struct buffer_deleter {
 // type first, and with repack on the repacked kernels, as the expert cache's repacked pools run them
 py::array_t<float> mul_mat_id(f32_array           as,
                               f32_array           b,
-                              i32_array           ids,
+                              i64_array           ids,
                               int                 n_threads,
                               const std::string & type_name,
                               bool                repack) {
@@ -76,7 +76,7 @@ py::array_t<float> mul_mat_id(f32_array           as,
         throw std::invalid_argument("mul_mat_id: shapes do not agree");
     }
     for (int64_t i = 0; i < T * U; ++i) {  // ggml asserts only in debug builds: a bad id writes past its rows
-        if (ids.data()[i] >= E) {
+        if (ids.data()[i] >= E || ids.data()[i] < INT32_MIN) {  // taken as int64: no id wraps into range
             throw std::invalid_argument("mul_mat_id: id " + std::to_string(ids.data()[i]) + " at position " +
                                         std::to_string(i) + " is not below E=" + std::to_string(E) +
                                         " (negative ids yield zero rows)");
@@ -115,7 +115,9 @@ py::array_t<float> mul_mat_id(f32_array           as,
         memcpy(ta->data, qa.data(), qa.size());
     }
     memcpy(tb->data, b.data(), ggml_nbytes(tb));
-    memcpy(ti->data, ids.data(), ggml_nbytes(ti));
+    for (int64_t i = 0; i < T * U; ++i) {
+        ((int32_t *) ti->data)[i] = (int32_t) ids.data()[i];
+    }
     ggml_tensor * out = ggml_mul_mat_id(ctx.get(), ta, tb, ti);  // [N, U, T]
     ggml_cgraph * gf  = ggml_new_graph(ctx.get());
     ggml_build_forward_expand(gf, out);
