@@ -137,6 +137,27 @@ struct moetier_gguf_meta {
     }
 };
 
+// a GGUF's served expert tensors, in file order, with where their data starts in the file
+struct moetier_expert_tensor {
+    const ggml_tensor * t;
+    size_t              offset;
+};
+
+static std::vector<moetier_expert_tensor> moetier_expert_tensors(const moetier_gguf_meta & meta) {
+    std::vector<moetier_expert_tensor> out;
+    const size_t                       data_off = gguf_get_data_offset(meta.gguf.get());
+    const int64_t                      n        = gguf_get_n_tensors(meta.gguf.get());
+    for (int64_t i = 0; i < n; ++i) {
+        int32_t      il   = -1;
+        const char * name = gguf_get_tensor_name(meta.gguf.get(), i);
+        if (!moetier_expert_tensor_proj(name, &il).empty()) {
+            out.push_back(
+                { ggml_get_tensor(meta.ctx.get(), name), data_off + gguf_get_tensor_offset(meta.gguf.get(), i) });
+        }
+    }
+    return out;
+}
+
 moetier_model_identity moetier_model_identity_compute(const std::string & path) {
     moetier_gguf_meta meta(path);
     moetier_file      f(path, /*direct_io =*/false);
@@ -153,21 +174,14 @@ moetier_model_identity moetier_model_identity_compute(const std::string & path) 
     }
     id.header_checksum = moetier_checksum(buf.data(), buf.size());
 
-    const int64_t n = gguf_get_n_tensors(meta.gguf.get());
-    for (int64_t i = 0; i < n; ++i) {
-        int32_t      il   = -1;
-        const char * name = gguf_get_tensor_name(meta.gguf.get(), i);
-        if (moetier_expert_tensor_proj(name, &il).empty()) {
-            continue;
-        }
-        const ggml_tensor * t        = ggml_get_tensor(meta.ctx.get(), name);
-        const size_t        n_sample = std::min<size_t>(t->nb[2], 1u << 20);
+    const std::vector<moetier_expert_tensor> experts = moetier_expert_tensors(meta);
+    if (!experts.empty()) {
+        const size_t n_sample = std::min<size_t>(experts[0].t->nb[2], 1u << 20);
         buf.resize(n_sample);
-        if (!f.read(buf.data(), data_off + gguf_get_tensor_offset(meta.gguf.get(), i), n_sample, bounce, err)) {
+        if (!f.read(buf.data(), experts[0].offset, n_sample, bounce, err)) {
             throw std::runtime_error(err);
         }
         id.sample_checksum = moetier_checksum(buf.data(), buf.size());
-        break;
     }
     return id;
 }
@@ -175,27 +189,18 @@ moetier_model_identity moetier_model_identity_compute(const std::string & path) 
 uint64_t moetier_model_experts_sample(const std::string & path) {
     moetier_gguf_meta      meta(path);
     moetier_file           f(path, /*direct_io =*/false);
-    const size_t           data_off = gguf_get_data_offset(meta.gguf.get());
-    constexpr int64_t      n_pick   = 8;
+    constexpr int64_t      n_pick = 8;
     std::vector<uint8_t>   buf;
     std::vector<uint64_t>  sums;
     moetier_aligned_buffer bounce;
     std::string            err;
-    const int64_t          n = gguf_get_n_tensors(meta.gguf.get());
-    for (int64_t i = 0; i < n; ++i) {
-        int32_t      il   = -1;
-        const char * name = gguf_get_tensor_name(meta.gguf.get(), i);
-        if (moetier_expert_tensor_proj(name, &il).empty()) {
-            continue;
-        }
-        const ggml_tensor * t        = ggml_get_tensor(meta.ctx.get(), name);
-        const int64_t       n_expert = t->ne[2];
-        const size_t        n_sample = std::min<size_t>(t->nb[2], 4096);
+    for (const moetier_expert_tensor & x : moetier_expert_tensors(meta)) {
+        const int64_t n_expert = x.t->ne[2];
+        const size_t  n_sample = std::min<size_t>(x.t->nb[2], 4096);
         buf.resize(n_sample);
         for (int64_t k = 0; k < std::min(n_pick, n_expert); ++k) {
-            const int64_t e   = n_expert <= n_pick ? k : k * (n_expert - 1) / (n_pick - 1);  // first and last
-            const size_t  off = data_off + gguf_get_tensor_offset(meta.gguf.get(), i) + (size_t) e * t->nb[2];
-            if (!f.read(buf.data(), off, n_sample, bounce, err)) {
+            const int64_t e = n_expert <= n_pick ? k : k * (n_expert - 1) / (n_pick - 1);  // first and last
+            if (!f.read(buf.data(), x.offset + (size_t) e * x.t->nb[2], n_sample, bounce, err)) {
                 throw std::runtime_error(err);
             }
             sums.push_back(moetier_checksum(buf.data(), buf.size()));

@@ -738,6 +738,18 @@ def test_profile_passes_its_flags_and_writes_beside_the_pool_file(
     assert capsys.readouterr().err == "moetier: error: usage: z is not a model or pipeline of the pool\n"
 
 
+class StoppedServer:
+    """A server on port 4321 that stops at once, as on Ctrl-C: what a serve command does before it serves."""
+
+    server_port = 4321
+
+    def serve_forever(self) -> None:
+        raise KeyboardInterrupt
+
+    def server_close(self) -> None:
+        pass
+
+
 def test_serve_pool_flags_override_the_files_settings(
     tmp_path: Path, files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -757,18 +769,9 @@ def test_serve_pool_flags_override_the_files_settings(
         def close(self) -> None:
             pass
 
-    class FakeServer:
-        server_port = 4321
-
-        def serve_forever(self) -> None:
-            raise KeyboardInterrupt
-
-        def server_close(self) -> None:
-            pass
-
     monkeypatch.setattr(executor, "Pool", FakePool)
     monkeypatch.setattr(pool_server, "PoolService", lambda spec, pool: None)
-    monkeypatch.setattr(pool_server, "make_server", lambda service, host, port: FakeServer())
+    monkeypatch.setattr(pool_server, "make_server", lambda service, host, port: StoppedServer())
     cfg = tmp_path / "pool.yaml"
     (tmp_path / "p.json").write_text("{}")
     cfg.write_text(
@@ -893,18 +896,9 @@ def test_serve_variants_passes_its_flags(
         def close(self) -> None:
             got["closed"] = True
 
-    class FakeServer:
-        server_port = 4321
-
-        def serve_forever(self) -> None:
-            raise KeyboardInterrupt
-
-        def server_close(self) -> None:
-            pass
-
     monkeypatch.setattr(variants, "Variants", FakeVariants)
     monkeypatch.setattr(vsvc, "VariantService", lambda vs, n_ctx: got.update(service_ctx=n_ctx))
-    monkeypatch.setattr(pool_server, "make_server", lambda service, host, port: FakeServer())
+    monkeypatch.setattr(pool_server, "make_server", lambda service, host, port: StoppedServer())
     moe, dense = str(files["moe"]), str(files["dense"])
     args = ["serve-variants", moe, dense, "--stores", "s1", "s2", "--names", "a, b", "--cache", "1M"]
     assert main([*args, "--consolidate", "map.json", "-c", "512", "-t", "3"]) == 0
