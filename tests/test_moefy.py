@@ -457,3 +457,194 @@ def test_an_interrupted_conversion_keeps_the_old_model(
         moefy(dense, out, CALIB, cfg, progress=False)
     assert out.read_bytes() == b"the model converted before"
     assert [p.name for p in tmp_path.iterdir()] == ["moe.gguf"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n_expert": 1, "n_expert_used": 1}, "moefy.n_expert: 1 must be >= 2"),
+        ({"shared_frac": 1.0}, "moefy.shared_frac: 1.0 must be in [0, 1)"),
+        ({"shared_frac": -0.1}, "moefy.shared_frac: -0.1 must be in [0, 1)"),
+        ({"calib_tokens": True}, "moefy.calib_tokens: True must be an integer of at least 512 (one collection window)"),
+        ({"calib_tokens": 511}, "moefy.calib_tokens: 511 must be an integer of at least 512"),
+        ({"calib_tokens": 600.0}, "moefy.calib_tokens: 600.0 must be an integer"),
+        ({"router_ridge": float("nan")}, "moefy.router_ridge: nan must be a finite number, 0 or more"),
+        ({"refit_ridge": float("inf")}, "moefy.refit_ridge: inf must be a finite number, 0 or more"),
+        ({"router_scale": -0.5}, "moefy.router_scale: -0.5 must be a finite number, 0 or more"),
+        ({"arch": "llama"}, "moefy.arch: 'llama' must be one of ernie4_5-moe, qwen2moe"),
+        ({"correct_rounds": -1}, "moefy: correct_rounds -1 must be >= 0 and correct_share"),
+        ({"correct_share": 1.5}, "moefy: correct_rounds 0 must be >= 0 and correct_share 1.5 in [0, 1]"),
+        ({"dense_lead": -1}, "moefy.dense_lead: -1 must be >= 0, and 0 for ernie4_5-moe"),
+        ({"dense_lead": 1, "arch": "qwen2moe"}, "moefy.dense_lead: 1 must be >= 0, and 0 for qwen2moe"),
+        ({"split_rounds": -1}, "moefy.split_rounds: -1 must be >= 0"),
+        ({"balance": 1.5}, "moefy.balance: 1.5 must be in [0, 1]"),
+        ({"balance": 0.25, "arch": "qwen2moe"}, "moefy.balance: must be 0 for qwen2moe"),
+        ({"balance": 0.25, "router_scale": 0.0}, "with router_scale 0.0 (the bias would pick the same experts"),
+        ({"balance": 0.25, "n_expert": 4, "n_expert_used": 4}, "needs a choice to even out: top-4 of 4"),
+        ({"down_type": "q4_0"}, "moefy.down_type: 'q4_0' must be q8_0 or f16"),
+    ],
+)
+def test_config_checks_name_the_field(kwargs: dict[str, object], message: str) -> None:
+    """Each check of MoefyConfig refuses its own bad value with the field and the value named, and the
+    limits themselves are accepted."""
+    with pytest.raises(ConfigError) as err:
+        MoefyConfig(**kwargs)  # type: ignore[arg-type]
+    assert message in str(err.value)
+
+
+def test_config_limits_accepted() -> None:
+    MoefyConfig(n_expert=2, n_expert_used=1, shared_frac=0.0, calib_tokens=512, router_ridge=0.0, refit_ridge=0.0)
+    MoefyConfig(correct_rounds=0, correct_share=0.0, split_rounds=0, balance=0.0, dense_lead=0, arch="qwen2moe")
+    MoefyConfig(correct_share=1.0, balance=1.0, down_type="f16")
+
+
+def _partition(tmp_path: Path, n_ff: int = 256, n_expert: int = 4, n_layer: int = 2) -> tuple[Path, MoefyConfig]:
+    from moetier.tools.moefy import write_partition
+
+    cfg = MoefyConfig(n_expert=n_expert, n_expert_used=2)
+    rng = np.random.default_rng(0)
+    splits: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for _ in range(n_layer):
+        perm = rng.permutation(n_ff).astype(np.int64)
+        n_sh = n_ff - n_expert * 32
+        splits.append((perm[:n_sh], perm[n_sh:].reshape(n_expert, 32)))
+    path = tmp_path / "part.npz"
+    write_partition(path, splits, n_ff, cfg, "base.gguf")  # type: ignore[arg-type]
+    return path, cfg
+
+
+def test_partition_round_trip(tmp_path: Path) -> None:
+    from moetier.tools.moefy import read_partition
+
+    path, cfg = _partition(tmp_path)
+    assert path.exists() and not (tmp_path / "part.npz.npz").exists()
+    got = read_partition(path, 2, 256, cfg)
+    assert len(got) == 2
+    for sp in got:
+        assert sp is not None
+        shared, groups = sp
+        assert groups.shape == (4, 32) and shared.shape == (128,)
+        assert sorted(np.concatenate([shared, groups.reshape(-1)]).tolist()) == list(range(256))
+
+
+def _rewrite(path: Path, drop: str = "", **replace: object) -> None:
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files if k != drop}
+    arrays.update(replace)  # type: ignore[arg-type]
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]
+
+
+def _meta(**changes: object) -> np.ndarray:
+    import json
+
+    meta = {"format": "moetier-moefy-partition-1", "source": "base.gguf", "n_layer": 2, "n_ff": 256}
+    meta |= {"n_expert": 4, "dense_lead": 0}
+    meta |= changes
+    return np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        ({"drop": "meta"}, "not a moefy partition (no meta record)"),
+        ({"meta": np.frombuffer(b"{no json", dtype=np.uint8)}, "not a moefy partition (no meta record)"),
+        ({"meta": _meta(format="other-2")}, "format 'other-2', expected moetier-moefy-partition-1"),
+        ({"meta": _meta(n_layer=3)}, "n_layer 3 in the partition (of base.gguf), 2 here"),
+        ({"meta": _meta(n_ff=512)}, "n_ff 512 in the partition (of base.gguf), 256 here"),
+        ({"meta": _meta(n_expert=8)}, "n_expert 8 in the partition (of base.gguf), 4 here"),
+        ({"meta": _meta(dense_lead=1)}, "dense_lead 1 in the partition (of base.gguf), 0 here"),
+        ({"drop": "groups_1"}, "layer 1 is missing"),
+        ({"drop": "shared_0"}, "layer 0 is missing"),
+        ({"groups_1": np.arange(128, dtype=np.int64)}, "layer 1: groups of shape (128,), need [4, a multiple of 32]"),
+        (
+            {"groups_0": np.arange(128, dtype=np.int64).reshape(2, 64)},
+            "layer 0: groups of shape (2, 64), need [4, a multiple of 32]",
+        ),
+        (
+            {"groups_0": np.arange(120, dtype=np.int64).reshape(4, 30)},
+            "layer 0: groups of shape (4, 30), need [4, a multiple of 32]",
+        ),
+        (
+            {"shared_1": np.zeros(128, dtype=np.int64)},
+            "layer 1: the shared and expert neurons are not each of the 256 neurons once",
+        ),
+    ],
+)
+def test_partition_errors_name_the_file(tmp_path: Path, damage: dict[str, object], problem: str) -> None:
+    from moetier.tools.moefy import read_partition
+
+    path, cfg = _partition(tmp_path)
+    drop = str(damage.pop("drop", ""))
+    _rewrite(path, drop, **damage)
+    with pytest.raises(ConfigError) as err:
+        read_partition(path, 2, 256, cfg)
+    assert str(err.value) == f"{path}: {problem}"
+
+
+def test_partition_unreadable_names_the_file(tmp_path: Path) -> None:
+    from moetier.tools.moefy import read_partition
+
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2)
+    with pytest.raises(ConfigError, match=r"missing\.npz: not a moefy partition \(") as err:
+        read_partition(tmp_path / "missing.npz", 2, 256, cfg)
+    assert "No such file" in str(err.value)
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a zip at all")
+    with pytest.raises(ConfigError, match=r"junk\.npz: not a moefy partition \("):
+        read_partition(junk, 2, 256, cfg)
+
+
+def test_partition_with_dense_lead_skips_those_layers(tmp_path: Path) -> None:
+    from moetier.tools.moefy import read_partition, write_partition
+
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, dense_lead=1)
+    perm = np.random.default_rng(1).permutation(256).astype(np.int64)
+    path = tmp_path / "p.npz"
+    write_partition(path, [None, (perm[:128], perm[128:].reshape(4, 32))], 256, cfg, "b.gguf")
+    got = read_partition(path, 2, 256, cfg)
+    assert got[0] is None and got[1] is not None
+    assert np.array_equal(got[1][0], perm[:128])
+
+
+def test_short_calibration_and_exclusive_modes_refused(dense: Path, tmp_path: Path) -> None:
+    """Too little calibration text, and correction rounds with distillation, are refused before any
+    activation is collected, and nothing is written."""
+    from moetier.tools.distill import DistillConfig
+
+    out = tmp_path / "moe.gguf"
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024)
+    with pytest.raises(ConfigError, match=r"^moefy: calibration text gives \d+ tokens; need at least 512$") as err:
+        moefy(dense, out, "a few words", cfg, progress=False, work_dir=tmp_path / "w")
+    assert int(str(err.value).split()[4]) < 512
+    with pytest.raises(ConfigError, match=r"^moefy: correction rounds and distillation are alternatives; ask for one$"):
+        moefy(
+            dense,
+            out,
+            CALIB,
+            MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, correct_rounds=1),
+            distill=DistillConfig(epochs=1),
+            progress=False,
+            work_dir=tmp_path / "w",
+        )
+    assert not out.exists() and not (tmp_path / "w").exists()
+
+
+def test_plan_refuses_an_ffn_too_small_for_the_experts() -> None:
+    from moetier.tools.moefy import plan_layer
+
+    rng = np.random.default_rng(0)
+    d, ff = 16, 96
+    x = rng.standard_normal((64, d)).astype(np.float32)
+    wg, wu = (rng.standard_normal((ff, d)).astype(np.float32) for _ in range(2))
+    wd = rng.standard_normal((d, ff)).astype(np.float32)
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, shared_frac=0.0)
+    msg = "moefy: FFN of 96 neurons is too small for 4 experts with shared_frac 0.0"
+    with pytest.raises(ConfigError) as err:
+        plan_layer(x, wg, wu, wd, cfg, rng)
+    assert str(err.value) == msg
+    # 128 neurons make 4 experts of 32 with nothing shared
+    wg, wu = (rng.standard_normal((128, d)).astype(np.float32) for _ in range(2))
+    wd = rng.standard_normal((d, 128)).astype(np.float32)
+    pl = plan_layer(x, wg, wu, wd, cfg, rng)
+    assert pl.groups.shape == (4, 32) and len(pl.shared) == 0

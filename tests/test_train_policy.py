@@ -4,6 +4,7 @@ the training rounds and the held-out report, each checked against the engine's o
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import asdict
 from pathlib import Path
@@ -84,10 +85,16 @@ def test_config_defaults_and_limits() -> None:
         with pytest.raises(ConfigError) as e:
             tp.TrainPolicyConfig(**bad)  # type: ignore[arg-type]
         assert str(e.value) == "train-policy: hidden (1-1024), epochs, batch, rounds and max_rows must be positive"
-    for bad_f in ({"lr": 0.0}, {"lr": -1e-3}, {"weight_decay": -1e-9}):
+    for bad_f in ({"lr": 0.0}, {"lr": -1e-3}, {"weight_decay": -1e-9}, {"lr": math.inf}, {"weight_decay": math.inf}):
         with pytest.raises(ConfigError) as e:
             tp.TrainPolicyConfig(**bad_f)
         assert str(e.value) == "train-policy: lr must be positive and weight_decay not negative (finite numbers both)"
+    tp.TrainPolicyConfig(seed=0)
+    tp.TrainPolicyConfig(seed=2**63 - 1)
+    for seed in (-1, 2**63):
+        with pytest.raises(ConfigError) as e:
+            tp.TrainPolicyConfig(seed=seed)
+        assert str(e.value) == f"train-policy: seed {seed} must be in [0, 2^63 - 1]"
 
 
 def test_network_file_layout(tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ class TrainPolicyConfig:
             msg = "train-policy: lr must be positive and weight_decay not negative (finite numbers both)"
             raise ConfigError(msg)
         if not 0 <= self.seed <= 2**63 - 1:
-            msg = f"train-policy: seed {self.seed} must be 0 or more"
+            msg = f"train-policy: seed {self.seed} must be in [0, 2^63 - 1]"
             raise ConfigError(msg)
 
 
