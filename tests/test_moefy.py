@@ -648,3 +648,63 @@ def test_plan_refuses_an_ffn_too_small_for_the_experts() -> None:
     wd = rng.standard_normal((d, 128)).astype(np.float32)
     pl = plan_layer(x, wg, wu, wd, cfg, rng)
     assert pl.groups.shape == (4, 32) and len(pl.shared) == 0
+
+
+def test_tied_output_embedding_is_written_out(dense: Path, tmp_path: Path) -> None:
+    """A dense model whose output projection is its token embedding (Qwen2.5-0.5B ties them) gets an
+    explicit output.weight, equal to the embedding, and with every expert active it answers as the dense
+    model does."""
+    from moetier.tools.moefy import _kv_copy
+
+    tied = tmp_path / "tied.gguf"
+    reader = gguf.GGUFReader(dense)
+    writer = gguf.GGUFWriter(tied, "qwen2")
+    _kv_copy(reader, writer, "qwen2", "qwen2")
+    for t in reader.tensors:
+        if t.name != "output.weight":
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = tmp_path / "moe.gguf"
+    cfg = MoefyConfig(n_expert=4, n_expert_used=4, router_scale=0.0, refit=False, down_type="f16", calib_tokens=1024)
+    moefy(tied, out, CALIB, cfg, progress=False)
+    t = {x.name: x for x in gguf.GGUFReader(out).tensors}
+    src = {x.name: x for x in gguf.GGUFReader(tied).tensors}
+    assert "output.weight" not in src
+    assert t["output.weight"].tensor_type == src["token_embd.weight"].tensor_type
+    assert np.array_equal(np.asarray(t["output.weight"].data), np.asarray(src["token_embd.weight"].data))
+    d, m = Model(tied), Model(out)
+    toks = d.tokenize(LONG_PROMPT)
+    assert d.generate(toks, max_tokens=12).tokens == m.generate(toks, max_tokens=12).tokens
+
+
+def test_quantize_like_keeps_the_source_type() -> None:
+    """Distilled gate/up weights go back to their source's type: float types as arrays of that type,
+    block types as ggml rows (q8_0 bit for bit as gguf-py quantizes it; a k-quant close to the input,
+    its rows shaped like the input's leading axes)."""
+    from moetier.tools.moefy import _ggml_type_name, _quantize_like
+
+    qt = gguf.GGMLQuantizationType
+    assert [_ggml_type_name(t) for t in (qt.Q4_K, qt.Q6_K, qt.Q8_0, qt.F16, qt.Q4_0)] == [
+        "q4_K",
+        "q6_K",
+        "q8_0",
+        "f16",
+        "q4_0",
+    ]
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 3, 256)).astype(np.float32)
+    imat = np.abs(rng.standard_normal(256)).astype(np.float32) + 0.1
+    f32 = _quantize_like(a, qt.F32, imat)
+    assert f32.dtype == np.float32 and np.array_equal(f32, a)
+    f16 = _quantize_like(a, qt.F16, imat)
+    assert f16.dtype == np.float16 and np.array_equal(f16, a.astype(np.float16))
+    q8 = _quantize_like(a, qt.Q8_0, imat)
+    assert q8.shape == (2, 3, 256 // 32 * 34)
+    assert np.array_equal(q8.reshape(6, -1), gguf.quants.quantize(a.reshape(6, 256), qt.Q8_0))
+    q4 = _quantize_like(a, qt.Q4_K, imat)
+    assert q4.shape == (2, 3, 144)
+    back = gguf.quants.dequantize(q4.reshape(6, -1), qt.Q4_K).reshape(a.shape)
+    assert 0 < np.abs(back - a).mean() < 0.15 * np.abs(a).mean()
