@@ -836,9 +836,13 @@ def test_moefy_passes_its_flags_and_writes_the_report(
     text = report.read_text()
     rep = json.loads(text)
     assert text == json.dumps(rep, indent=1) + "\n"
-    assert list(rep)[:4] == ["model", "output", "calib", "config"] and rep["seconds"] == 1.5
+    assert list(rep)[:7] == ["model", "output", "calib", "config", "distill", "partition", "save_partition"]
+    assert rep["seconds"] == 1.5
     assert (rep["model"], rep["output"], rep["calib"]) == (str(files["dense"]), str(out), [str(a), str(b)])
     assert rep["config"]["n_expert"] == 4
+    assert (rep["partition"], rep["save_partition"]) == ("p.npz", "s.npz")
+    assert rep["distill"] == dataclasses.asdict(kw["distill"])  # type: ignore[call-overload]
+    assert rep["distill"]["epochs"] == 0
     got.clear()
     assert main(["moefy", str(files["dense"]), "-o", str(out), "--calib", str(b)]) == 0
     ((_, kw),) = got

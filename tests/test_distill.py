@@ -393,7 +393,7 @@ def test_distill_config_defaults_and_every_bound() -> None:
     )
     for ok in (
         {"epochs": 0, "rounds": 1, "residual": 0.0, "batch_tokens": 1, "holdout": 1e-6, "lr": 1e-12},
-        {"residual": 1.0, "holdout": 0.499, "lr": 1},
+        {"residual": 1.0, "holdout": 0.499, "lr": 1, "seed": 2**63 - 1},
     ):
         dl.DistillConfig(**ok)  # type: ignore[arg-type]
     bad: list[tuple[dict[str, object], str]] = [
@@ -409,6 +409,9 @@ def test_distill_config_defaults_and_every_bound() -> None:
         ({"batch_tokens": 0}, "distill.batch_tokens: 0 must be >= 1"),
         ({"holdout": 0.0}, "distill.holdout: 0.0 must be in (0, 0.5)"),
         ({"holdout": 0.5}, "distill.holdout: 0.5 must be in (0, 0.5)"),
+        ({"seed": -1}, "distill.seed: -1 must be an integer in [0, 2^63 - 1]"),
+        ({"seed": 2**63}, f"distill.seed: {2**63} must be an integer in [0, 2^63 - 1]"),
+        ({"seed": 0.5}, "distill.seed: 0.5 must be an integer in [0, 2^63 - 1]"),
     ]
     for kw, says in bad:
         with pytest.raises(ConfigError) as e:

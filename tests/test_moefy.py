@@ -415,7 +415,7 @@ def test_balance_writes_a_selection_bias_that_stock_the_cache_and_the_prefetch_f
     assert "balance" not in key_fields(MoefyConfig()) and "balance" in key_fields(MoefyConfig(balance=0.5))
     with pytest.raises(ConfigError, match="balance"):
         MoefyConfig(balance=0.5, arch="qwen2moe")
-    for bad in (dict(balance=1.5), dict(balance=0.5, n_expert=4, n_expert_used=4), dict(balance=0.5, router_scale=0.0)):
+    for bad in (dict(balance=1.5), dict(balance=0.5, n_expert=4, n_expert_used=4)):
         with pytest.raises(ConfigError, match="balance"):
             MoefyConfig(**bad)
 
@@ -479,8 +479,19 @@ def test_an_interrupted_conversion_keeps_the_old_model(
         ({"split_rounds": -1}, "moefy.split_rounds: -1 must be >= 0"),
         ({"balance": 1.5}, "moefy.balance: 1.5 must be in [0, 1]"),
         ({"balance": 0.25, "arch": "qwen2moe"}, "moefy.balance: must be 0 for qwen2moe"),
-        ({"balance": 0.25, "router_scale": 0.0}, "with router_scale 0.0 (the bias would pick the same experts"),
-        ({"balance": 0.25, "n_expert": 4, "n_expert_used": 4}, "needs a choice to even out: top-4 of 4"),
+        (
+            {"balance": 0.25, "n_expert": 4, "n_expert_used": 4},
+            "moefy.balance: 0.25 needs a choice to even out: top-4 of 4 selects every expert",
+        ),
+        (
+            {"router_scale": 0.0, "n_expert": 4, "n_expert_used": 2},
+            "moefy.router_scale: 0 routes every token to "
+            "the same 2 of 4 experts (all router logits 0); it needs every expert active (n_expert_used = "
+            "n_expert), or use a small positive scale for flat weights",
+        ),
+        ({"seed": -1}, "moefy.seed: -1 must be an integer in [0, 2^63 - 1]"),
+        ({"seed": 2**63}, f"moefy.seed: {2**63} must be an integer in [0, 2^63 - 1]"),
+        ({"seed": 1.5}, "moefy.seed: 1.5 must be an integer"),
         ({"down_type": "q4_0"}, "moefy.down_type: 'q4_0' must be q8_0 or f16"),
     ],
 )
@@ -495,7 +506,8 @@ def test_config_checks_name_the_field(kwargs: dict[str, object], message: str) -
 def test_config_limits_accepted() -> None:
     MoefyConfig(n_expert=2, n_expert_used=1, shared_frac=0.0, calib_tokens=512, router_ridge=0.0, refit_ridge=0.0)
     MoefyConfig(correct_rounds=0, correct_share=0.0, split_rounds=0, balance=0.0, dense_lead=0, arch="qwen2moe")
-    MoefyConfig(correct_share=1.0, balance=1.0, down_type="f16")
+    MoefyConfig(correct_share=1.0, balance=1.0, down_type="f16", seed=2**63 - 1)
+    MoefyConfig(n_expert=4, n_expert_used=4, router_scale=0.0)
 
 
 def _partition(tmp_path: Path, n_ff: int = 256, n_expert: int = 4, n_layer: int = 2) -> tuple[Path, MoefyConfig]:
@@ -708,3 +720,163 @@ def test_quantize_like_keeps_the_source_type() -> None:
     assert q4.shape == (2, 3, 144)
     back = gguf.quants.dequantize(q4.reshape(6, -1), qt.Q4_K).reshape(a.shape)
     assert 0 < np.abs(back - a).mean() < 0.15 * np.abs(a).mean()
+
+
+@pytest.mark.parametrize(
+    ("arrays", "problem"),
+    [
+        (
+            {"meta": np.frombuffer(b"[1, 2]", dtype=np.uint8)},
+            "not a moefy partition (its meta record is not an object)",
+        ),
+        (
+            {"shared_0": np.arange(128, dtype=np.float32)},
+            "layer 0: neuron indices of type float32/int64, need integers",
+        ),
+        (
+            {"shared_0": np.arange(128, dtype=np.int64).reshape(2, 64)},
+            "layer 0: shared neurons of shape (2, 64), need one list",
+        ),
+        ({"groups_1": np.zeros((4, 0), dtype=np.int64)}, "layer 1: groups of shape (4, 0), need [4, a multiple of 32]"),
+    ],
+)
+def test_partition_malformed_arrays_refused(tmp_path: Path, arrays: dict[str, object], problem: str) -> None:
+    from moetier.tools.moefy import read_partition
+
+    path, cfg = _partition(tmp_path)
+    _rewrite(path, **arrays)
+    with pytest.raises(ConfigError) as err:
+        read_partition(path, 2, 256, cfg)
+    assert str(err.value) == f"{path}: {problem}"
+
+
+def test_partition_of_objects_or_one_array_refused(tmp_path: Path) -> None:
+    from moetier.tools.moefy import read_partition
+
+    path, cfg = _partition(tmp_path)
+    _rewrite(path, shared_1=np.array([object()], dtype=object))
+    with pytest.raises(ConfigError, match=r"part\.npz: layer 1: Object arrays cannot be loaded"):
+        read_partition(path, 2, 256, cfg)
+    npy = tmp_path / "part.npy"
+    np.save(npy, np.arange(4))
+    with pytest.raises(ConfigError) as err:
+        read_partition(npy, 2, 256, cfg)
+    assert str(err.value) == f"{npy}: not a moefy partition (a single array, not an .npz archive)"
+
+
+def test_partition_refuses_other_split_settings(tmp_path: Path) -> None:
+    """A conversion given a partition takes its split from it: asking for another shared fraction, split
+    rounds, cluster features or seed than the partition was made with is refused (the flags would do
+    nothing); the same values are fine."""
+    from moetier.tools.moefy import read_partition
+
+    path, _ = _partition(tmp_path)  # made with the defaults
+    read_partition(path, 2, 256, MoefyConfig(n_expert=4, n_expert_used=2))
+    with pytest.raises(ConfigError) as err:
+        read_partition(path, 2, 256, MoefyConfig(n_expert=4, n_expert_used=2, shared_frac=0.25, seed=3))
+    d = MoefyConfig()
+    assert str(err.value) == (
+        f"{path}: the partition decides the split, and it was made with shared_frac {d.shared_frac!r}, seed 0; "
+        "this conversion asks for shared_frac 0.25, seed 3 (leave those at the partition's values)"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"made with split_rounds 0, cluster_features 'abs'; this conversion asks "
+        r"for split_rounds 1, cluster_features",
+    ):
+        read_partition(path, 2, 256, MoefyConfig(n_expert=4, n_expert_used=2, split_rounds=1, cluster_features="token"))
+
+
+def test_partition_key_tells_shared_from_expert_neurons() -> None:
+    """Two partitions with the same neurons in the same order, split differently between the shared
+    expert and the routed ones, are different cached work."""
+    from moetier.tools.moefy import _partition_key
+
+    a = np.arange(128, dtype=np.int64)
+    one = [(a[:64], a[64:].reshape(2, 32))]
+    other = [(a[:0], a.reshape(2, 64))]
+    assert _partition_key(one) != _partition_key(other)  # type: ignore[arg-type]
+    assert _partition_key(one) == _partition_key([(a[:64].copy(), a[64:].reshape(2, 32).copy())])  # type: ignore[arg-type]
+    assert _partition_key([None, *one]) == _partition_key(one)  # type: ignore[list-item]
+
+
+def test_cached_work_of_another_partition_is_not_reused(dense: Path, tmp_path: Path) -> None:
+    """A conversion with a partition, in the work folder of one without it (balance step cached), computes
+    its own layers: the result equals the same conversion in a fresh folder, and differs from the first."""
+    from moetier.tools.moefy import write_partition
+
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, balance=0.5)
+    rng = np.random.default_rng(5)
+    splits = []
+    for _ in range(2):
+        perm = rng.permutation(512).astype(np.int64)
+        n_sh = 512 - 4 * 64
+        splits.append((perm[:n_sh], perm[n_sh:].reshape(4, 64)))
+    part = tmp_path / "p.npz"
+    write_partition(part, splits, 512, cfg, "dense.gguf")  # type: ignore[arg-type]
+    shared = tmp_path / "work"
+    a = moefy(dense, tmp_path / "a.gguf", CALIB, cfg, progress=False, work_dir=shared)
+    b = moefy(dense, tmp_path / "b.gguf", CALIB, cfg, progress=False, work_dir=shared, partition=part)
+    fresh = moefy(dense, tmp_path / "c.gguf", CALIB, cfg, progress=False, work_dir=tmp_path / "w2", partition=part)
+    assert b.errors == fresh.errors and b.errors != a.errors
+
+    def tensors(p: Path) -> dict[str, bytes]:
+        return {t.name: bytes(np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(p).tensors}
+
+    tb, tc = tensors(tmp_path / "b.gguf"), tensors(tmp_path / "c.gguf")
+    assert tb == tc
+    assert tb["blk.0.ffn_gate_inp.weight"] != tensors(tmp_path / "a.gguf")["blk.0.ffn_gate_inp.weight"]
+
+
+def test_settings_left_unused_are_refused(dense: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Distillation settings without distillation, a residual share with one distillation round, and a
+    correction share without correction rounds would do nothing: each is refused before any work, the
+    command line naming the flag."""
+    from moetier.cli import main
+    from moetier.tools.distill import DistillConfig
+
+    out = tmp_path / "moe.gguf"
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024)
+    cases: list[tuple[MoefyConfig, DistillConfig | None, str]] = [
+        (
+            cfg,
+            DistillConfig(lr=0.01, seed=2),
+            "distill.epochs: 0 (no distillation) leaves the other distill settings unused: lr 0.01, seed 2",
+        ),
+        (
+            cfg,
+            DistillConfig(epochs=1, rounds=1, residual=0.5),
+            "distill.residual: 0.5 applies from the second round on, and one round is asked for",
+        ),
+        (
+            MoefyConfig(n_expert=4, n_expert_used=2, correct_share=0.8),
+            None,
+            "moefy.correct_share: 0.8 applies to correction rounds, and none is asked for",
+        ),
+    ]
+    for c, d, says in cases:
+        with pytest.raises(ConfigError) as err:
+            moefy(dense, out, "", c, distill=d, progress=False)
+        assert str(err.value) == says
+    # allowed: the defaults, a residual share from round 2, a share with correction rounds (checked only)
+    for c, d in ((cfg, DistillConfig()), (cfg, None)):
+        with pytest.raises(ConfigError, match="calibration text gives"):
+            moefy(dense, out, "short", c, distill=d, progress=False)
+    with pytest.raises(ConfigError, match="calibration text gives"):
+        moefy(dense, out, "short", cfg, distill=DistillConfig(epochs=1, rounds=2, residual=0.5), progress=False)
+    share = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, correct_rounds=1, correct_share=0.8)
+    with pytest.raises(ConfigError, match="calibration text gives"):
+        moefy(dense, out, "short", share, progress=False, work_dir=tmp_path / "w")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    base = ["moefy", str(dense), "-o", str(out), "--calib", str(calib), "--n-expert", "4", "--n-expert-used", "2"]
+    capsys.readouterr()
+    assert main([*base, "--correct-share", "0.8"]) == 1
+    assert capsys.readouterr().err == (
+        "moetier: error: --correct-share: 0.8 applies to correction rounds, and none is asked for\n"
+    )
+    assert main([*base, "--distill-lr", "0.01"]) == 1
+    assert capsys.readouterr().err == (
+        "moetier: error: --distill-epochs: 0 (no distillation) leaves the other distill settings unused: lr 0.01\n"
+    )
+    assert not out.exists()

@@ -509,7 +509,7 @@ def test_train_policy_without_held_out_traces(traces: tuple[list[Path], list[Pat
 
 def test_train_policy_on_parts_of_the_traces(traces: tuple[list[Path], list[Path]], tmp_path: Path) -> None:
     """train_sequences cuts each training trace, eval_sequences the joined held-out traces, to sequences
-    A:B (B None: to the end); a range a trace does not have names the trace (the first held-out one)."""
+    A:B (B None: to the end); a range a trace does not have names the trace (the held-out ones joined)."""
     train, held = traces
     cfg = tp.TrainPolicyConfig(hidden=2, epochs=1, rounds=1)
     out = tmp_path / "s.bin"
@@ -528,7 +528,7 @@ def test_train_policy_on_parts_of_the_traces(traces: tuple[list[Path], list[Path
     assert str(e.value) == f"{train[0]}: sequences 2: is not a range within its 2 sequences"
     with pytest.raises(ConfigError) as e:
         tp.train_policy(None, train, held, out, [50], cfg, None, (1, 5))
-    assert str(e.value) == f"{held[0]}: sequences 1:5 is not a range within its 4 sequences"
+    assert str(e.value) == f"{held[0]}, {held[1]}: sequences 1:5 is not a range within its 4 sequences"
 
 
 def test_train_policy_refuses_traces_of_another_model(traces: tuple[list[Path], list[Path]], tmp_path: Path) -> None:
@@ -737,3 +737,55 @@ def test_main_help_is_the_documented_one(monkeypatch: pytest.MonkeyPatch, capsys
         "paper's caches are per layer; so is this cache's partition without it)",
     ):
         assert text in out, text
+
+
+def test_train_policy_refuses_training_on_what_it_holds_out(
+    traces: tuple[list[Path], list[Path]], tmp_path: Path
+) -> None:
+    """A file both trained on and held out is refused unless its trained and held-out sequences are apart;
+    the held-out range counts sequences over the held-out files joined, so the check maps it onto the file."""
+    train, held = traces  # every trace has 2 sequences
+    cfg = tp.TrainPolicyConfig(hidden=2, epochs=1, rounds=1)
+    out = tmp_path / "o.bin"
+    with pytest.raises(ConfigError) as e:
+        tp.train_policy(None, train, [train[0]], out, [50], cfg)
+    assert str(e.value) == (
+        f"{train[0]}: trained on (sequences 0:2) and held out (sequences 0:2 of it); held-out traces must be "
+        "others, or other sequences (--train-sequences, --eval-sequences)"
+    )
+    # the same file through another spelling of its path
+    alias = tmp_path / "sub" / ".." / train[1].name
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(ConfigError, match=r"b\.npz: trained on \(sequences 1:2\) and held out \(sequences 1:2"):
+        tp.train_policy(None, train, [held[0], alias], out, [50], cfg, (1, 2), (3, None))
+    assert not out.exists()
+    # apart: sequence 0 trained, 1 held out; and a held-out range that ends before the shared file
+    tp.train_policy(None, [train[0]], [train[0]], out, [50], cfg, (0, 1), (1, None))
+    tp.train_policy(None, train, [held[0], train[1]], out, [50], cfg, None, (0, 2))
+    tp.train_policy(None, train, [held[0], train[1]], out, [50], cfg, (0, 1), (3, 4))
+
+
+def test_train_policy_writes_its_network_only_on_success(
+    traces: tuple[list[Path], list[Path]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rounds and the evaluation read a network beside the output; the output is replaced when all
+    succeeded: a failure in the evaluation leaves the file that was there, and no temporary file."""
+    train, held = traces
+    cfg = tp.TrainPolicyConfig(hidden=2, epochs=1, rounds=2)
+    out = tmp_path / "net.bin"
+    out.write_bytes(b"the user's network")
+
+    def broken(*a: object, **k: object) -> dict[str, Any]:
+        msg = "evaluation failed"
+        raise RuntimeError(msg)
+
+    with monkeypatch.context() as m:
+        m.setattr(tp, "replay_one", broken)
+        with pytest.raises(RuntimeError, match="evaluation failed"):
+            tp.train_policy(None, train, held, out, [50], cfg)
+    assert out.read_bytes() == b"the user's network"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".bin") == ["net.bin"]
+    rep = tp.train_policy(None, train, held, out, [50], cfg)
+    assert rep["network"] == str(out)
+    assert out.read_bytes().startswith(tp.MAGIC)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".bin") == ["net.bin"]

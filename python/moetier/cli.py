@@ -341,8 +341,7 @@ def _moefy_configs(ns: argparse.Namespace) -> tuple[MoefyConfig, Any]:
 
 
 def cmd_moefy(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from ._files import write_text
     from .calibrate import read_texts
     from .tools.moefy import moefy
 
@@ -367,8 +366,17 @@ def cmd_moefy(ns: argparse.Namespace) -> int:
         import json
         from dataclasses import asdict
 
-        report = {"model": ns.model, "output": ns.output, "calib": ns.calib, "config": asdict(cfg), **asdict(res)}
-        Path(ns.report).write_text(json.dumps(report, indent=1) + "\n")
+        report = {
+            "model": ns.model,
+            "output": ns.output,
+            "calib": ns.calib,
+            "config": asdict(cfg),
+            "distill": asdict(dcfg),
+            "partition": ns.partition,
+            "save_partition": ns.save_partition,
+            **asdict(res),
+        }
+        write_text(ns.report, json.dumps(report, indent=1) + "\n")
     return 0
 
 

@@ -85,6 +85,9 @@ class DistillConfig:
         if not 0.0 < self.holdout < 0.5:
             msg = f"distill.holdout: {self.holdout} must be in (0, 0.5)"
             raise ConfigError(msg)
+        if not isinstance(self.seed, int) or not 0 <= self.seed <= 2**63 - 1:
+            msg = f"distill.seed: {self.seed!r} must be an integer in [0, 2^63 - 1]"
+            raise ConfigError(msg)
 
 
 @dataclass

@@ -37,7 +37,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +108,11 @@ class MoefyConfig:
     router_scale: float = field(
         default=1.0,
         metadata={
-            "help": "multiplies the router logits (inverse temperature); 0 = flat weights 1/E (no importance). "
-            "Flatter weights fit the dense FFN better (0.25 on the 1.5B: perplexity 0.9-1.7 percent lower on "
-            "six held-out texts) but are less peaked than a real MoE's (top-1 share of the selected weight 0.13 "
-            "against 0.16; flat: 0.125); HOBBIT's mixed precision cost no more on them (one text): "
+            "help": "multiplies the router logits (inverse temperature); 0 = flat weights 1/E (no importance; "
+            "only with every expert active). Flatter weights fit the dense FFN better (0.25 on the 1.5B: "
+            "perplexity 0.9-1.7 percent lower on six held-out texts) but are less peaked than a real MoE's "
+            "(top-1 share of the selected weight 0.13 against 0.16; flat: 0.125); HOBBIT's mixed precision "
+            "cost no more on them (one text): "
             "bench/results/moefy-router-scale.md"
         },
     )
@@ -212,6 +213,17 @@ class MoefyConfig:
             if not 0.0 <= v < math.inf:  # NaN too: it would only surface as non-finite logits at the end
                 msg = f"moefy.{name}: {v} must be a finite number, 0 or more"
                 raise ConfigError(msg)
+        if self.router_scale == 0.0 and self.n_expert_used < self.n_expert:
+            # the router written is all zeros: llama.cpp would give every token the same experts
+            msg = (
+                f"moefy.router_scale: 0 routes every token to the same {self.n_expert_used} of {self.n_expert} "
+                "experts (all router logits 0); it needs every expert active (n_expert_used = n_expert), or "
+                "use a small positive scale for flat weights"
+            )
+            raise ConfigError(msg)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= 2**63 - 1:
+            msg = f"moefy.seed: {self.seed!r} must be an integer in [0, 2^63 - 1]"
+            raise ConfigError(msg)
         if self.arch not in ARCHS:
             msg = f"moefy.arch: {self.arch!r} must be one of {', '.join(ARCHS)}"
             raise ConfigError(msg)
@@ -239,11 +251,10 @@ class MoefyConfig:
         if self.balance > 0 and self.arch != "ernie4_5-moe":
             msg = f"moefy.balance: must be 0 for {self.arch} (llama.cpp reads no selection bias there)"
             raise ConfigError(msg)
-        if self.balance > 0 and (self.n_expert_used == self.n_expert or self.router_scale == 0.0):
+        if self.balance > 0 and self.n_expert_used == self.n_expert:
             msg = (
                 f"moefy.balance: {self.balance} needs a choice to even out: top-{self.n_expert_used} of "
-                f"{self.n_expert} with router_scale {self.router_scale} (the bias would pick the same experts "
-                "for every token under flat probabilities)"
+                f"{self.n_expert} selects every expert"
             )
             raise ConfigError(msg)
         if self.down_type not in ("q8_0", "f16"):
@@ -441,10 +452,8 @@ def _fit_plan(
     router_unscaled = _router_fit(x, h, w_down, groups, cfg.router_ridge)
     router = router_unscaled.T * np.float32(cfg.router_scale)  # [E, d]
     logits = x @ router.T
-    # router_scale 0 (flat weights): rank by the unscaled fit so top-k routing stays real
-    logits_rank = x @ router_unscaled if cfg.router_scale == 0.0 else logits
     p = softmax(logits)
-    top = np.argsort(-logits_rank, axis=1)[:, :k]
+    top = np.argsort(-logits, axis=1)[:, :k]  # router_scale 0 only with k = E: every expert selected
     mask = np.zeros_like(p)
     np.put_along_axis(mask, top, 1.0, axis=1)
     w = p * mask  # [N, E] weight of each expert, 0 if not selected
@@ -773,6 +782,26 @@ def _load_layer(path: Path) -> tuple[MoeLayer, float]:
         return MoeLayer(**{n: np.asarray(z[n]) for n in MoeLayer.NAMES}, bias=bias), float(z["err"])
 
 
+def _check_used(cfg: MoefyConfig, distill: DistillConfig | None) -> None:
+    """Settings that the rest of the request leaves unused are refused, not ignored."""
+    if distill is not None and distill.epochs == 0 and distill != DistillConfig():
+        unused = [
+            f"{f.name} {getattr(distill, f.name)!r}" for f in fields(distill) if getattr(distill, f.name) != f.default
+        ]
+        msg = f"distill.epochs: 0 (no distillation) leaves the other distill settings unused: {', '.join(unused)}"
+        raise ConfigError(msg)
+    if distill is not None and distill.epochs > 0 and distill.rounds == 1 and distill.residual > 0:
+        msg = f"distill.residual: {distill.residual} applies from the second round on, and one round is asked for"
+        raise ConfigError(msg)
+    if distill is not None and distill.epochs > 0 and cfg.correct_rounds > 0:
+        msg = "moefy: correction rounds and distillation are alternatives; ask for one"
+        raise ConfigError(msg)
+    share = MoefyConfig.__dataclass_fields__["correct_share"].default
+    if cfg.correct_rounds == 0 and cfg.correct_share != share:
+        msg = f"moefy.correct_share: {cfg.correct_share} applies to correction rounds, and none is asked for"
+        raise ConfigError(msg)
+
+
 def moefy(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -803,6 +832,7 @@ def moefy(
     expert) means the same neurons in every variant; the routers and down projections are fitted on
     this model. save_partition: where to write this conversion's partition."""
     cfg = cfg or MoefyConfig()
+    _check_used(cfg, distill)
     dcfg = distill if distill is not None and distill.epochs > 0 else None
     src, dst = Path(src), Path(dst)
     show = sys.stderr.isatty() if progress is None else progress
@@ -821,6 +851,8 @@ def moefy(
     renorm, sh_gate = ARCHS[cfg.arch]
     n_ff = int(tensors["blk.0.ffn_gate.weight"].shape[1])
     given = read_partition(partition, n_layer, n_ff, cfg) if partition is not None else None
+    # every piece of cached layer work depends on the neurons' split: a given partition joins its key
+    part: tuple[str, ...] = (_partition_key(given),) if given is not None else ()
 
     from ..model import Model
 
@@ -843,16 +875,16 @@ def moefy(
         st = src.stat()
         work = base / cache_key(src.name, st.st_size, st.st_mtime_ns, np.asarray(tokens + held, np.int32).tobytes())
         # rounds left out: a run with more rounds resumes from a run with fewer
-        lkey = cache_key(key_fields(cfg), {k: v for k, v in asdict(dcfg).items() if k != "rounds"} if dcfg else None)
+        lkey = cache_key(
+            key_fields(cfg), {k: v for k, v in asdict(dcfg).items() if k != "rounds"} if dcfg else None, *part
+        )
         # round 1 does not depend on the residual share either
         lkey1 = cache_key(
             key_fields(cfg),
             {k: v for k, v in asdict(dcfg).items() if k not in ("rounds", "residual")} if dcfg else None,
+            *part,
         )
     t0 = time.monotonic()
-    if dcfg is not None and cfg.correct_rounds > 0:
-        msg = "moefy: correction rounds and distillation are alternatives; ask for one"
-        raise ConfigError(msg)
     residual = (dcfg is not None and dcfg.rounds > 1 and dcfg.residual > 0) or cfg.correct_rounds > 0
     dense_kinds = ("ffn_norm", "l_out") if residual else ("ffn_norm",)
     dense_acts = _collect(src, tokens + held, n_layer, n_threads, work / "dense" if work else None, dense_kinds)
@@ -875,10 +907,7 @@ def moefy(
     for il in tqdm(range(cfg.dense_lead, n_layer), desc="moefy layers", disable=not show):
         # dequantized once per layer: the plan, the balance step and the held-out error use them
         w_gate, w_up, w_down = dense_weights(il)
-        pkey = (
-            cache_key(_plan_fields(cfg), _partition_key(given)) if given is not None else cache_key(_plan_fields(cfg))
-        )
-        plan_path = work / f"plan-{pkey}" / f"layer-{il}.npz" if work else None
+        plan_path = work / f"plan-{cache_key(_plan_fields(cfg), *part)}" / f"layer-{il}.npz" if work else None
         if plan_path is not None and plan_path.exists():
             layer, err = _load_layer(plan_path)
             with np.load(plan_path) as z:
@@ -892,7 +921,7 @@ def moefy(
                 plan_path.parent.mkdir(parents=True, exist_ok=True)
                 _save_layer(plan_path, layer, err, shared=split[0], groups=split[1])
         if cfg.balance > 0:
-            bal_path = work / f"balance-{cache_key(_balance_fields(cfg))}" / f"layer-{il}.npz" if work else None
+            bal_path = work / f"balance-{cache_key(_balance_fields(cfg), *part)}" / f"layer-{il}.npz" if work else None
             if bal_path is not None and bal_path.exists():
                 layer, err = _load_layer(bal_path)
             else:
@@ -920,13 +949,13 @@ def moefy(
         assert work is not None
         t0 = time.monotonic()
         # a run with more rounds resumes from one with fewer
-        layers_dir = work / f"correct-{cache_key({**key_fields(cfg), 'correct_rounds': None})}"
+        later = cache_key({**key_fields(cfg), "correct_rounds": None}, *part)
+        layers_dir = work / f"correct-{later}"
         # round 1 runs the plan's model: its activations do not depend on the share; later rounds do
         # (with dense layers or a balance the model differs from the plan's: they join the key)
         lead: list[dict[str, Any]] = [{"dense_lead": cfg.dense_lead}] if cfg.dense_lead else []
         lead += [{"balance": cfg.balance}] if cfg.balance else []
-        later = cache_key({**key_fields(cfg), "correct_rounds": None})
-        akey = cache_key(_plan_fields(cfg), *lead) if rnd == 1 else later
+        akey = cache_key(_plan_fields(cfg), *lead, *part) if rnd == 1 else later
         acts_dir = work / f"correct-acts-{akey}-r{rnd}"
         kinds: tuple[str, ...] = ("ffn_norm", "ffn_inp")
         tmp_model = work / f"correct-acts-{akey}-r{rnd}.gguf"
@@ -1010,6 +1039,9 @@ def moefy(
 
 
 PARTITION_FORMAT = "moetier-moefy-partition-1"
+# what decides the split itself; a conversion given a partition does not use them, so it must not ask
+# for other values than the partition was made with (the flags would be ignored)
+PARTITION_FIELDS = ("shared_frac", "split_rounds", "cluster_features", "seed")
 
 
 def write_partition(
@@ -1028,6 +1060,7 @@ def write_partition(
         "n_ff": n_ff,
         "n_expert": cfg.n_expert,
         "dense_lead": cfg.dense_lead,
+        **{k: getattr(cfg, k) for k in PARTITION_FIELDS},
     }
     arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
     for il, sp in enumerate(splits):
@@ -1046,6 +1079,9 @@ def read_partition(
     except (OSError, ValueError) as e:
         msg = f"{path}: not a moefy partition ({e})"
         raise ConfigError(msg) from None
+    if not isinstance(z, np.lib.npyio.NpzFile):  # a plain .npy array
+        msg = f"{path}: not a moefy partition (a single array, not an .npz archive)"
+        raise ConfigError(msg)
     with z:
         problem = ""
         try:
@@ -1053,6 +1089,9 @@ def read_partition(
         except (KeyError, ValueError):
             meta = {}
             problem = "not a moefy partition (no meta record)"
+        if not isinstance(meta, dict):
+            meta = {}
+            problem = "not a moefy partition (its meta record is not an object)"
         if not problem and meta.get("format") != PARTITION_FORMAT:
             problem = f"format {meta.get('format')!r}, expected {PARTITION_FORMAT}"
         for key, want in (
@@ -1063,6 +1102,16 @@ def read_partition(
         ):
             if not problem and meta.get(key) != want:
                 problem = f"{key} {meta.get(key)} in the partition (of {meta.get('source')}), {want} here"
+        # written since this check: older partitions say nothing of how they were split
+        differ = [k for k in PARTITION_FIELDS if k in meta and meta[k] != getattr(cfg, k)]
+        if not problem and differ:
+            problem = (
+                "the partition decides the split, and it was made with "
+                + ", ".join(f"{k} {meta[k]!r}" for k in differ)
+                + "; this conversion asks for "
+                + ", ".join(f"{k} {getattr(cfg, k)!r}" for k in differ)
+                + " (leave those at the partition's values)"
+            )
         out: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None] = [None] * cfg.dense_lead
         for il in range(cfg.dense_lead, n_layer):
             if problem:
@@ -1070,13 +1119,20 @@ def read_partition(
             if f"shared_{il}" not in z.files or f"groups_{il}" not in z.files:
                 problem = f"layer {il} is missing"
                 break
-            shared = np.asarray(z[f"shared_{il}"], dtype=np.int64)
-            groups = np.asarray(z[f"groups_{il}"], dtype=np.int64)
-            if groups.ndim != 2 or groups.shape[0] != cfg.n_expert or groups.shape[1] % 32:
+            try:
+                shared, groups = np.asarray(z[f"shared_{il}"]), np.asarray(z[f"groups_{il}"])
+            except ValueError as e:  # object arrays (pickles) are not loaded
+                problem = f"layer {il}: {e}"
+                break
+            if not (np.issubdtype(shared.dtype, np.integer) and np.issubdtype(groups.dtype, np.integer)):
+                problem = f"layer {il}: neuron indices of type {shared.dtype}/{groups.dtype}, need integers"
+            elif shared.ndim != 1:
+                problem = f"layer {il}: shared neurons of shape {shared.shape}, need one list"
+            elif groups.ndim != 2 or groups.shape[0] != cfg.n_expert or groups.shape[1] % 32 or not groups.shape[1]:
                 problem = f"layer {il}: groups of shape {groups.shape}, need [{cfg.n_expert}, a multiple of 32]"
             elif not np.array_equal(np.sort(np.concatenate([shared, groups.reshape(-1)])), np.arange(n_ff)):
                 problem = f"layer {il}: the shared and expert neurons are not each of the {n_ff} neurons once"
-            out.append((shared, groups))
+            out.append((shared.astype(np.int64), groups.astype(np.int64)))
     if problem:
         msg = f"{path}: {problem}"
         raise ConfigError(msg)
@@ -1086,7 +1142,10 @@ def read_partition(
 def _partition_key(
     given: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None],
 ) -> str:
-    return cache_key(*(np.concatenate([sp[0], sp[1].reshape(-1)]).tobytes() for sp in given if sp is not None))
+    """The partition's neurons, layer by layer, with the shapes that say which are shared."""
+    return cache_key(
+        *(p for sp in given if sp is not None for p in (list(sp[1].shape), sp[0].tobytes(), sp[1].tobytes()))
+    )
 
 
 def _default_cache() -> Path:

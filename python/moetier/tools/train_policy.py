@@ -236,20 +236,70 @@ def train_policy(
     eval_sequences: tuple[int, int | None] | None = None,
 ) -> dict[str, Any]:
     """model None: the geometry is the first training trace's (a trace of real routing with no model
-    file), each expert counted as one byte. train_sequences, eval_sequences: only those sequences of
-    each trace (first, last excluded; None: to the end), e.g. the prompts of one trace split in two."""
+    file), each expert counted as one byte. train_sequences: only those sequences of each training trace
+    (first, last excluded; None: to the end); eval_sequences: those of the held-out traces joined in
+    order; e.g. the prompts of one trace split in two. A file both trained on and held out must have
+    its two parts apart. out is written when the training and the evaluation have succeeded."""
     cfg = cfg or TrainPolicyConfig()
     if eval_sequences is not None and not evals:
         msg = "train-policy: eval sequences name part of the held-out traces, and none is given (--eval)"
         raise ConfigError(msg)
-    rng = np.random.default_rng(cfg.seed)
     tr_traces = [_part(Trace.load(p), train_sequences, p) for p in train]
-    ev_traces = (
-        [_part(concat_traces([Trace.load(p) for p in evals], [str(p) for p in evals]), eval_sequences, evals[0])]
-        if evals
-        else []
-    )
-    evals = [", ".join(str(p) for p in evals)] if evals else []
+    ev_raw = [Trace.load(p) for p in evals]
+    _check_apart(train, train_sequences, evals, eval_sequences, [len(t.seq_starts) for t in ev_raw])
+    joined = ", ".join(str(p) for p in evals)
+    ev_traces = [_part(concat_traces(ev_raw, [str(p) for p in evals]), eval_sequences, joined)] if evals else []
+    ev_names = [joined] if evals else []
+    with replacing(out) as tmp:
+        # the network goes to a temp file beside out, which the flashmoe policy of the later rounds and
+        # of the evaluation reads: a failure leaves what was at out untouched
+        return _train(
+            model, train, ev_names, tr_traces, ev_traces, Path(out), tmp, budgets, cfg, train_sequences, eval_sequences
+        )
+
+
+def _check_apart(
+    train: Sequence[str | Path],
+    train_sequences: tuple[int, int | None] | None,
+    evals: Sequence[str | Path],
+    eval_sequences: tuple[int, int | None] | None,
+    ev_counts: list[int],
+) -> None:
+    """Held out means held out: sequences of one file both trained on and evaluated are refused."""
+    where = {Path(p).resolve(): i for i, p in enumerate(evals)}
+    total = sum(ev_counts)
+    c, d = eval_sequences if eval_sequences is not None else (0, None)
+    d = total if d is None else d
+    for p in train:
+        j = where.get(Path(p).resolve())
+        if j is None:
+            continue
+        off, n = sum(ev_counts[:j]), ev_counts[j]
+        lo_e, hi_e = max(c - off, 0), min(d - off, n)  # the held-out sequences of this file
+        a, b = train_sequences if train_sequences is not None else (0, None)
+        b = n if b is None else min(b, n)
+        if max(a, lo_e) < min(b, hi_e):
+            msg = (
+                f"{p}: trained on (sequences {a}:{b}) and held out (sequences {lo_e}:{hi_e} of it); "
+                "held-out traces must be others, or other sequences (--train-sequences, --eval-sequences)"
+            )
+            raise ConfigError(msg)
+
+
+def _train(
+    model: str | Path | None,
+    train: Sequence[str | Path],
+    evals: list[str],
+    tr_traces: list[Trace],
+    ev_traces: list[Trace],
+    out: Path,
+    work: Path,
+    budgets: Sequence[float],
+    cfg: TrainPolicyConfig,
+    train_sequences: tuple[int, int | None] | None,
+    eval_sequences: tuple[int, int | None] | None,
+) -> dict[str, Any]:
+    rng = np.random.default_rng(cfg.seed)
     if model is None:
         geos = [geometry_of(tr_traces[0].ids.shape[1], tr_traces[0].n_expert, b, 1) for b in budgets]
     else:
@@ -265,10 +315,9 @@ def train_policy(
     xs: list[F32] = []
     ys: list[F32] = []
     rounds = []
-    out = Path(out)
     for r in range(cfg.rounds):
         # round 1: a policy that offers the candidates this one will choose among (one layer's, or all)
-        driver = ("multi" if cfg.layer_distance else "lru") if r == 0 else f"flashmoe:{out}"
+        driver = ("multi" if cfg.layer_distance else "lru") if r == 0 else f"flashmoe:{work}"
         dec = collect(tr_traces, geos, driver, cfg.max_rows, rng, cfg.layer_distance)
         if dec.n_decisions == 0:
             msg = f"train-policy: no eviction decisions at budgets {list(budgets)}: a budget that holds every expert?"
@@ -279,7 +328,7 @@ def train_policy(
         xs.append(x)
         ys.append(y)
         losses = fit(net, np.concatenate(xs), np.concatenate(ys)[:, None], "mse", fit_cfg, rng, f"round {r + 1}")
-        save_net(net, out)
+        save_net(net, work)
         rounds.append(
             {
                 "driver": driver.split(":")[0],
@@ -296,13 +345,13 @@ def train_policy(
     rows = []
     for path, t in zip([str(p) for p in evals], ev_traces, strict=True):
         for g in geos:
-            at = {p: replay_one(t, g, p, 1.0, 1.0, (0.25,) * 4) for p in ("lru", "multi", f"flashmoe:{out}", "belady")}
+            at = {p: replay_one(t, g, p, 1.0, 1.0, (0.25,) * 4) for p in ("lru", "multi", f"flashmoe:{work}", "belady")}
             gap = at["lru"]["n_bytes_read"] - at["belady"]["n_bytes_read"]
             for p, row in at.items():
                 row["policy"] = p.split(":")[0]
                 row["gap_closed"] = (at["lru"]["n_bytes_read"] - row["n_bytes_read"]) / gap if gap > 0 else None
                 rows.append({"trace": str(path), "trace_label": _held_out_label(len(path.split(", "))), **row})
-    ev = collect(ev_traces, geos, f"flashmoe:{out}", cfg.max_rows, rng, cfg.layer_distance)
+    ev = collect(ev_traces, geos, f"flashmoe:{work}", cfg.max_rows, rng, cfg.layer_distance)
     lru = collect(ev_traces, geos, "lru", cfg.max_rows, rng)
     report = {
         "model": str(model) if model is not None else None,
@@ -318,7 +367,7 @@ def train_policy(
         # own choices, from the recorder), and the same for LRU
         "eval_agreement": chosen_agreement(ev) if ev_traces else None,  # None: nothing held out
         "eval_agreement_lru": chosen_agreement(lru) if ev_traces else None,
-        "decision_us": decision_cost_us(ev_traces[0], geos[len(geos) // 2], f"flashmoe:{out}") if ev_traces else None,
+        "decision_us": decision_cost_us(ev_traces[0], geos[len(geos) // 2], f"flashmoe:{work}") if ev_traces else None,
         "rows": rows,
     }
     return report
