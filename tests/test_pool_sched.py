@@ -59,6 +59,39 @@ def test_arranging_places_a_job_behind_its_models_group() -> None:
         assert models_of(s, 0) == want
 
 
+def test_arranging_passes_a_waiting_job_a_bounded_number_of_times() -> None:
+    """A model whose requests keep coming faster than its batches drain cannot hold another model's job
+    back forever: after max_overtake jobs have been placed ahead of it, later ones queue behind it."""
+    s = Scheduler(costs(a=c(max_batch=2), b=c()), 1000 * MB, 1, Mechanisms(max_overtake=3))
+    s.submit(Job(0, "a", 0.0), 0.0)
+    s.submit(Job(1, "b", 0.0), 0.0)
+    for i in range(2, 5):
+        s.submit(Job(i, "a", 0.0), 0.0)
+    assert models_of(s, 0) == ["a", "a", "a", "a", "b"]
+    assert [j.passed for j in s.executors[0].queue] == [0, 0, 0, 0, 3]
+    s.submit(Job(5, "a", 0.0), 0.0)  # b has been passed 3 times: behind it
+    assert models_of(s, 0) == ["a", "a", "a", "a", "b", "a"]
+    s.submit(Job(6, "a", 0.0), 0.0)  # behind the last a, passing nobody
+    assert models_of(s, 0) == ["a", "a", "a", "a", "b", "a", "a"]
+    assert s.executors[0].queue[4].passed == 3
+    # as the scheduler runs: a's keep arriving, two per batch of two; b still runs
+    s = Scheduler(costs(a=c(max_batch=2), b=c()), 1000 * MB, 1, Mechanisms(max_overtake=8))
+    s.submit(Job(0, "a", 0.0), 0.0)
+    s.submit(Job(1, "b", 0.0), 0.0)
+    ran: list[str] = []
+    for t in range(40):
+        for i in range(3):
+            s.submit(Job(100 + 3 * t + i, "a", 0.0), 0.0)
+        batch = s.next_batch(0, 0.0)
+        assert batch is not None
+        ran.append(batch.model)
+        s.finish(batch)
+        if "b" in ran:
+            break
+    assert "b" in ran and len(ran) <= 6
+    assert Mechanisms().max_overtake == 64
+
+
 def test_makespan_assignment_prefers_the_executor_holding_the_model() -> None:
     s = Scheduler(costs(a=c(load=10, k=1, b=0), b=c(load=10, k=1, b=0)), 1000 * MB, 2, Mechanisms())
     s.executors[1].resident["a"] = 100 * MB

@@ -225,6 +225,55 @@ def test_serve_pool_command(tmp_path: Path, tiny_model: ModelFactory) -> None:
         proc.communicate(timeout=30)
 
 
+def test_serve_pool_stopped_answers_every_request(tmp_path: Path, tiny_model: ModelFactory) -> None:
+    """SIGTERM (a service manager's stop) ends serve-pool with status 0 after the running batch; every
+    request it holds gets an answer, the queued ones a 503 saying the pool is stopping, none a dropped
+    connection (the process used to exit before its handler threads wrote those answers)."""
+    cfg = pool_yaml(tmp_path, tiny_model, budget_models=1.5, scheduler="fcfs-lru")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moetier.cli", "serve-pool", str(cfg), "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = [proc.stderr.readline() for _ in range(2)][1]
+        port = int(line.rsplit(":", 1)[1])
+
+        def ask(i: int) -> tuple[int, str]:
+            body = json.dumps({"model": f"d{1 + i % 3}", "prompt": "the cat sat on", "max_tokens": 200}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body)
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    return resp.status, ""
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+            except OSError as e:  # a dropped connection
+                return -1, repr(e)
+
+        def received() -> int:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as resp:
+                m = re.search(r"^moetier_pool_requests_total (\d+)$", resp.read().decode(), re.M)
+            assert m is not None
+            return int(m.group(1))
+
+        with ThreadPoolExecutor(30) as tp:
+            futures = [tp.submit(ask, i) for i in range(30)]
+            while received() < 30 and not all(f.done() for f in futures):  # every request is in the pool
+                time.sleep(0.01)
+            assert not all(f.done() for f in futures), [f.result() for f in futures]
+            proc.terminate()
+            got = [f.result() for f in futures]
+        assert proc.wait(timeout=60) == 0
+        assert all(status in (200, 503) for status, _ in got), got
+        stopped = [text for status, text in got if status == 503]
+        assert stopped and all("the pool is shutting down; the request was not run" in t for t in stopped)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
 def test_profile_command_measures_each_shape_once(tmp_path: Path, tiny_model: ModelFactory) -> None:
     cfg = pool_yaml(tmp_path, tiny_model, budget_models=2.5)
     data = json.loads(cfg.read_text())

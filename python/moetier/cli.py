@@ -481,6 +481,28 @@ def _listen(make: Callable[[], Any], host: str, port: int, close: Callable[[], N
         raise ConfigError(msg) from None
 
 
+def _serve_until_stopped(server: Any, close: Callable[[], None], drain_s: float = 10.0) -> None:
+    """Serves until Ctrl-C or SIGTERM (a service manager's stop); then close() answers what is queued
+    (an error saying the server is stopping) and the answers are written before the process exits."""
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        close()
+        left = server.drain(drain_s)
+        if left:
+            sys.stderr.write(f"moetier: {left} answers not written after {drain_s:g} s; closing their connections\n")
+        server.server_close()
+
+
 def cmd_serve_pool(ns: argparse.Namespace) -> int:
     from .pool.executor import Pool
     from .pool.sched import Mechanisms
@@ -516,13 +538,7 @@ def cmd_serve_pool(ns: argparse.Namespace) -> int:
         f"{spec.profile or 'estimates (run moetier profile)'}; listening on http://{ns.host}:{server.server_port}\n"
         f"serving: {names}\n"
     )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        pool.close()
+    _serve_until_stopped(server, pool.close)
     return 0
 
 
@@ -562,13 +578,7 @@ def cmd_serve_variants(ns: argparse.Namespace) -> int:
         f"{format_size(int(info['cache_bytes']))}, {info['n_slots']} slots; {lossy}; "
         f"listening on http://{ns.host}:{server.server_port}\n"
     )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        vs.close()
+    _serve_until_stopped(server, vs.close)
     return 0
 
 

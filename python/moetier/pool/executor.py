@@ -30,6 +30,13 @@ from .spec import ModelSpec, PoolSpec
 DISK_BYTES_PER_SECOND = 300e6  # a cold read's rate when no profile has measured it
 
 
+class Stopping(ModelError):
+    """The pool is shutting down: the request was not run (a server answers 503, try again later)."""
+
+    def __init__(self) -> None:
+        super().__init__("the pool is shutting down; the request was not run")
+
+
 @dataclass
 class Work:
     """What one job asks of its model: a rendered prompt, or chat messages the model's template
@@ -280,8 +287,7 @@ class Pool:
             raise ConfigError(msg)
         with self._cv:
             if self._stop:
-                msg = "the pool is shutting down; the request was not run"
-                raise ModelError(msg)
+                raise Stopping
             t = time.perf_counter()
             self.sched.submit(Job(self._next_id, model, t, work), t)
             self.sched_seconds += time.perf_counter() - t
@@ -301,7 +307,7 @@ class Pool:
             for ex in self.sched.executors:
                 ex.queue = []
         for job in queued:
-            _deliver(job.payload, None, ModelError("the pool is shutting down; the request was not run"))
+            _deliver(job.payload, None, Stopping())
         for loaded in self._loaded:
             for m in list(loaded):
                 loaded.pop(m).close()

@@ -49,6 +49,9 @@ class Mechanisms:
     evict: Evict = "two_stage"  # two-stage dependency- and probability-aware eviction, or lru / fifo
     split: bool = True  # groups run in batches of up to the best batch that fits; off: one job per batch
     preload: bool = True  # models dealt to the executors by usage probability before the first job
+    # arranging's bound: a queued job is passed by at most this many later jobs, so that a model whose
+    # requests keep coming cannot hold the jobs of another model back forever
+    max_overtake: int = 64
 
     @staticmethod
     def baseline(name: str) -> Mechanisms:
@@ -78,6 +81,7 @@ class Job:
     model: str
     arrival: float
     payload: Any = None
+    passed: int = 0  # later jobs placed ahead of this one by arranging
 
 
 @dataclass
@@ -216,6 +220,10 @@ class Scheduler:
                 if queue[i].model == job.model:
                     pos = i + 1
                     break
+            if any(j.passed >= self.mech.max_overtake for j in queue[pos:]):
+                pos = len(queue)  # one behind has waited long enough: to the tail
+            for j in queue[pos:]:
+                j.passed += 1
         queue.insert(pos, job)
         return q
 

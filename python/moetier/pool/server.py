@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError, MoetierError
 from ..model import check_text
-from .executor import Answer, ModelCounters, Pool, Work, rss_bytes
+from .executor import Answer, ModelCounters, Pool, Stopping, Work, rss_bytes
 from .spec import Pipeline, PoolSpec
 
 
@@ -229,6 +229,8 @@ class PoolService:
             # the request was checked above, but only the model knows that its prompt does not fit
             if isinstance(run.error, ConfigError) and prompt_refused(run.error):
                 raise RequestError(400, str(run.error))
+            if isinstance(run.error, Stopping):  # not run at all: the client may try again
+                raise RequestError(503, str(run.error))
             # what fails now (a load, a model) is the server's
             if isinstance(run.error, MoetierError):
                 raise RequestError(500, str(run.error))
@@ -334,7 +336,36 @@ class PoolService:
 MAX_BODY = 64 << 20  # bytes of one request body: prompts, not uploads
 
 
-def make_server(service: Service, host: str, port: int) -> ThreadingHTTPServer:
+class Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer that counts the requests it is answering, so that a shutdown can wait until
+    the answers (errors included) of the requests it stopped are written before the process exits."""
+
+    # socketserver's default backlog of 5 reset or delayed (SYN retries, 1 s and more) a burst of clients
+    request_queue_size = 1024
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._busy = 0
+        self._idle = threading.Condition()
+
+    def enter(self) -> None:
+        with self._idle:
+            self._busy += 1
+
+    def leave(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            self._idle.notify_all()
+
+    def drain(self, timeout: float) -> int:
+        """Waits up to timeout seconds for every request being answered to be answered; returns how
+        many still are (a client that does not read its answer)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy == 0, timeout)
+            return self._busy
+
+
+def make_server(service: Service, host: str, port: int) -> Server:
     """A threaded HTTP server (one thread per connection) over the service; serve_forever() runs it."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -374,6 +405,14 @@ def make_server(service: Service, host: str, port: int) -> ThreadingHTTPServer:
             self._error(status, message)
 
         def do_POST(self) -> None:
+            assert isinstance(self.server, Server)
+            self.server.enter()
+            try:
+                self._post()
+            finally:
+                self.server.leave()
+
+        def _post(self) -> None:
             path = self.path.split("?")[0]
             if self.headers.get("Transfer-Encoding"):
                 self._refuse(411, "Transfer-Encoding: send the body with a Content-Length instead")
@@ -411,4 +450,4 @@ def make_server(service: Service, host: str, port: int) -> ThreadingHTTPServer:
 
         do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _no_method
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return Server((host, port), Handler)
