@@ -679,7 +679,16 @@ def test_gguf_sizes_split_dense_and_expert_tensors_and_read_the_hyperparameters(
     expert = sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
     total = sum(int(t.n_bytes) for t in tensors)
     assert 0 < expert < total
-    hp = {"arch": "qwen2moe", "n_layer": 3, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_vocab": 128}
+    hp = {
+        "arch": "qwen2moe",
+        "n_layer": 3,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_head_kv": 2,
+        "k_dim": 16,
+        "v_dim": 16,
+        "n_vocab": 128,
+    }
     assert gguf_bytes(ModelSpec("m", moe)) == (total - expert, expert, hp)
     path = tmp_path / "m.gguf"
     path.write_bytes(tiny_model("qwen2", seed=1).read_bytes())
@@ -717,11 +726,45 @@ def test_a_gguf_without_hyperparameters_is_sized_with_their_defaults(tmp_path: P
         return path
 
     bare = ModelSpec("m", write("bare.gguf", None), n_ctx=64)
-    hp = {"arch": "bare", "n_layer": 0, "n_embd": 0, "n_head": 1, "n_head_kv": 1, "n_vocab": 5}
+    hp = {"arch": "bare", "n_layer": 0, "n_embd": 0, "n_head": 1, "n_head_kv": 1, "k_dim": 0, "v_dim": 0, "n_vocab": 5}
     assert gguf_bytes(bare) == (5 * 4 * 4, 2 * 3 * 4 * 2, hp)
-    assert footprint(bare) == (80 + 48, 0, 4 * 64 * 5 + 4 * 64 * 64 * 1)
+    assert footprint(bare) == (80 + 48, 0, 4 * 64 * 5 + 4 * 64 * 256 * 1)  # 64 positions make 256 KV cells
     assert gguf_bytes(ModelSpec("m", write("heads.gguf", 4)))[2] == {**hp, "n_head": 4, "n_head_kv": 4}
     assert gguf_bytes(ModelSpec("m", write("anon.gguf", None, arch=False)))[2] == {**hp, "arch": ""}
+
+
+def test_footprint_reads_head_sizes_and_per_layer_counts(tmp_path: Path) -> None:
+    """Heads wider than n_embd / n_head (Qwen3-30B-A3B: key_length 128 against 2048 / 32) size the KV
+    cache; a count given per layer (an array) counts at its largest."""
+    import numpy as np
+    from gguf import GGUFValueType, GGUFWriter
+
+    def write(name: str, **keys: int | list[int]) -> Path:
+        path = tmp_path / name
+        w = GGUFWriter(str(path), "qwen3moe")
+        w.add_uint32("qwen3moe.block_count", 2)
+        w.add_uint32("qwen3moe.embedding_length", 2048)
+        w.add_uint32("qwen3moe.attention.head_count", 32)
+        for k, v in keys.items():
+            if isinstance(v, list):
+                w.add_key_value(f"qwen3moe.attention.{k}", v, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+            else:
+                w.add_uint32(f"qwen3moe.attention.{k}", v)
+        w.add_tensor("token_embd.weight", np.zeros((5, 4), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    plain = gguf_bytes(ModelSpec("m", write("plain.gguf", head_count_kv=4)))[2]
+    assert (plain["n_head_kv"], plain["k_dim"], plain["v_dim"]) == (4, 64, 64)
+    wide = ModelSpec("m", write("wide.gguf", head_count_kv=4, key_length=128, value_length=96), n_ctx=256)
+    hp = gguf_bytes(wide)[2]
+    assert (hp["k_dim"], hp["v_dim"]) == (128, 96)
+    assert footprint(wide)[1] == 2 * 256 * 4 * (128 + 96) * 2  # layers, cells, KV heads, K + V widths, f16
+    per_layer = gguf_bytes(ModelSpec("m", write("layers.gguf", head_count_kv=[2, 8])))[2]
+    assert per_layer["n_head_kv"] == 8 and per_layer["n_head"] == 32
 
 
 def test_footprint_and_estimate_follow_the_context_and_the_cache(tiny_model: ModelFactory, tmp_path: Path) -> None:
@@ -737,6 +780,9 @@ def test_footprint_and_estimate_follow_the_context_and_the_cache(tiny_model: Mod
     assert DISK_BYTES_PER_SECOND == 300e6
     big = ModelSpec("d", dense, n_ctx=1024)
     assert footprint(big) == (d_bytes, 4 * kv, 4 * 512 * (128 + 8 * 64) + 4 * 512 * 1024 * 4)  # ubatch capped at 512
+    # llama.cpp makes a multiple of 256 KV cells: a context of 300 takes 512
+    odd = ModelSpec("d", dense, n_ctx=300)
+    assert footprint(odd) == (d_bytes, 2 * kv, 4 * 300 * (128 + 8 * 64) + 4 * 300 * 512 * 4)
     moe = tiny_model("qwen2moe", n_expert=8, n_expert_used=2, n_layer=3, seed=4)
     store = tmp_path / "moe.experts"
     store.mkdir()

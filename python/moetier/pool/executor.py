@@ -102,16 +102,34 @@ def _gguf_bytes(path: str, size: int, mtime_ns: int) -> tuple[int, int, dict[str
             n_vocab = shape[1]
     kv = layout.kv
     arch = str(kv.get("general.architecture", ""))
-    n_head = int(kv.get(f"{arch}.attention.head_count") or 1)
+
+    def most(key: str, default: int) -> int:
+        """A hyperparameter that some architectures give per layer (an array): its largest value."""
+        v = kv.get(f"{arch}.{key}")
+        if isinstance(v, (list, tuple)):
+            v = max((int(x) for x in v), default=0)
+        return int(v) if v else default
+
+    n_embd = most("embedding_length", 0)
+    n_head = most("attention.head_count", 1)
+    head_dim = n_embd // max(1, n_head)
     hp = {
         "arch": arch,
-        "n_layer": int(kv.get(f"{arch}.block_count") or 0),
-        "n_embd": int(kv.get(f"{arch}.embedding_length") or 0),
+        "n_layer": most("block_count", 0),
+        "n_embd": n_embd,
         "n_head": n_head,
-        "n_head_kv": int(kv.get(f"{arch}.attention.head_count_kv") or n_head),
+        "n_head_kv": most("attention.head_count_kv", n_head),
+        # heads wider than n_embd / n_head (Qwen3: 128 against 2048 / 32 = 64) say so here
+        "k_dim": most("attention.key_length", head_dim),
+        "v_dim": most("attention.value_length", head_dim),
         "n_vocab": n_vocab,
     }
     return total - expert, expert, hp
+
+
+def ctx_cells(n_ctx: int) -> int:
+    """The KV cells llama.cpp makes for a context of n_ctx: a multiple of 256 (300 -> 512)."""
+    return -(-n_ctx // 256) * 256
 
 
 def cache_bytes(spec: ModelSpec, expert_bytes: int) -> int:
@@ -136,16 +154,17 @@ def footprint(spec: ModelSpec) -> tuple[int, int, int]:
     weights are a dense model's tensors, or a MoE's dense tensors plus its expert cache."""
     dense, expert, hp = gguf_bytes(spec)
     weights = dense + (cache_bytes(spec, expert) if spec.store is not None else expert)
-    head_dim = hp["n_embd"] // max(1, hp["n_head"])
-    kv = 2 * hp["n_layer"] * spec.n_ctx * hp["n_head_kv"] * head_dim * 2  # K and V in f16
-    ubatch = min(512, spec.n_ctx)
-    compute = 4 * ubatch * (hp["n_vocab"] + 8 * hp["n_embd"]) + 4 * ubatch * spec.n_ctx * hp["n_head"]
+    cells = ctx_cells(spec.n_ctx)
+    kv = hp["n_layer"] * cells * hp["n_head_kv"] * (hp["k_dim"] + hp["v_dim"]) * 2  # K and V in f16
+    ubatch = min(512, spec.n_ctx)  # the model is opened with this ubatch
+    compute = 4 * ubatch * (hp["n_vocab"] + 8 * hp["n_embd"]) + 4 * ubatch * cells * hp["n_head"]
     return weights, kv, compute
 
 
 def estimate_cost(spec: ModelSpec) -> Cost:
     """What a model costs without a profile: its resident bytes (footprint(), the compute allowance
-    included: an upper bound), a load at DISK_BYTES_PER_SECOND and a guessed 50 ms per job.
+    included: an estimate, which leaves out the repacked copies llama.cpp makes of some quantized
+    weights on some CPUs), a load at DISK_BYTES_PER_SECOND and a guessed 50 ms per job.
     `moetier profile` measures all of these."""
     weights, kv, compute = footprint(spec)
     return Cost(
