@@ -321,6 +321,11 @@ USER_ERRORS = [
         "-o {missing}/t.npz: {missing} is not a directory",
     ),
     (["serve-pool", "{pool}", "--scheduler", "foo"], "--scheduler: unknown scheduler 'foo'; one of coserve"),
+    (["serve-pool", "{pool}", "--threads", "513"], "--threads: 513 must be from 1 to 512 (0 keeps the file's)"),
+    (
+        ["serve-pool", "{pool}", "--executors", "-1"],
+        "--executors: -1 must be from 1 to 2147483647 (0 keeps the file's)",
+    ),
     (["profile", "{pool}", "-o", "{missing}/p.json"], "-o {missing}/p.json: {missing} is not a directory"),
     (
         ["profile", "{pool}", "--usage", "{neg_usage}", "-o", "{dir}/p.json"],
@@ -748,6 +753,9 @@ class StoppedServer:
 
     def server_close(self) -> None:
         pass
+
+    def drain(self, timeout: float) -> int:
+        return 0
 
 
 def test_serve_pool_flags_override_the_files_settings(

@@ -196,9 +196,13 @@ def test_unknown_models_failed_loads_and_metrics(served: tuple[OpenAI, Pool, Pat
 
 
 def test_budget_and_config_errors(tmp_path: Path, tiny_model: ModelFactory) -> None:
-    spec = load_spec(pool_yaml(tmp_path, tiny_model, budget_models=0.5))
-    with pytest.raises(ConfigError, match=r"model d1: needs \d+ bytes resident, more than"):
+    cfg = pool_yaml(tmp_path, tiny_model, budget_models=0.5)
+    spec = load_spec(cfg)
+    with pytest.raises(ConfigError) as e:
         Pool(spec)
+    # the file and the line of the model (one JSON line holds the whole file)
+    assert str(e.value).startswith(f"{cfg}:1: model d1: needs ")
+    assert "bytes resident, more than one executor's share of the budget" in str(e.value)
 
 
 def test_serve_pool_command(tmp_path: Path, tiny_model: ModelFactory) -> None:

@@ -60,6 +60,7 @@ def test_every_field_is_read(tmp_path: Path) -> None:
     assert s.deps() == {"m": {"a"}, "s": {"m"}}
     assert p.stages["two"].next_stage("no") is None and p.stages["two"].next_stage("maybe") == "three"
     assert s.models["a"].shape() == [4, False, "", 1024]
+    assert [m.line for m in s.models.values()] == [7, 8, 9]  # where each is written, for errors found later
 
 
 def test_defaults(tmp_path: Path) -> None:
@@ -96,6 +97,8 @@ PIPE = BASE + "pipelines:\n  p:\n    stages:\n      one: {model: a}\n"
         (BASE + "executors: true\n", 4, "executors: expected an integer >= 1, got True"),
         (BASE + "threads: 0\n", 4, "threads: expected an integer >= 1, got 0"),
         (BASE + "threads: 1.5\n", 4, "threads: expected an integer >= 1, got 1.5"),
+        (BASE + "threads: 513\n", 4, "threads: expected an integer <= 512, got 513"),
+        (BASE + "executors: 2147483648\n", 4, "executors: expected an integer <= 2147483647, got 2147483648"),
         (
             BASE + "scheduler: lifo\n",
             4,
@@ -117,6 +120,11 @@ PIPE = BASE + "pipelines:\n  p:\n    stages:\n      one: {model: a}\n"
         ),
         (BASE.replace("a.gguf}", "a.gguf, n_ctx: 32}"), 3, "models.a.n_ctx: expected an integer >= 64, got 32"),
         (BASE.replace("a.gguf}", "a.gguf, max_batch: 0}"), 3, "models.a.max_batch: expected an integer >= 1, got 0"),
+        (
+            BASE.replace("a.gguf}", "a.gguf, n_ctx: 9999999999}"),
+            3,
+            "models.a.n_ctx: expected an integer <= 2147483647, got 9999999999",
+        ),
         (
             BASE.replace("a.gguf}", "moe.gguf, store: moe.experts}"),
             3,

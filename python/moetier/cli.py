@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import _log
-from .config import AUTO, CacheConfig, ContextConfig, PackConfig, format_size
+from .config import AUTO, INT32_MAX, MAX_THREADS, CacheConfig, ContextConfig, PackConfig, format_size
 from .errors import ConfigError, MoetierError
 from .tools.moefy import MoefyConfig
 
@@ -517,9 +517,9 @@ def cmd_serve_pool(ns: argparse.Namespace) -> int:
             msg = f"--scheduler: {e}"
             raise ConfigError(msg) from None
         spec = dataclasses.replace(spec, scheduler=ns.scheduler)
-    for flag, v in (("--executors", ns.executors), ("--threads", ns.threads)):
-        if v < 0:
-            msg = f"{flag}: {v} must be at least 1 (0 keeps the file's)"
+    for flag, v, hi in (("--executors", ns.executors, INT32_MAX), ("--threads", ns.threads, MAX_THREADS)):
+        if not 0 <= v <= hi:
+            msg = f"{flag}: {v} must be from 1 to {hi} (0 keeps the file's)"
             raise ConfigError(msg)
     if ns.executors:
         spec = dataclasses.replace(spec, executors=ns.executors)

@@ -24,7 +24,7 @@ from typing import Any
 from ..config import CacheConfig, ContextConfig, parse_size
 from ..errors import ConfigError, ModelError
 from ..model import Model
-from .sched import Batch, Cost, Job, Scheduler
+from .sched import Batch, Cost, Job, ModelTooBig, Scheduler
 from .spec import ModelSpec, PoolSpec
 
 DISK_BYTES_PER_SECOND = 300e6  # a cold read's rate when no profile has measured it
@@ -271,7 +271,12 @@ class Pool:
         if costs is None:
             costs = read_profile(spec.profile, spec) if spec.profile else self._estimates()
         self.costs = costs
-        self.sched = Scheduler(costs, spec.budget, spec.executors, spec.mechanisms, spec.deps())
+        try:
+            self.sched = Scheduler(costs, spec.budget, spec.executors, spec.mechanisms, spec.deps())
+        except ModelTooBig as e:
+            line = spec.models[e.model].line
+            msg = f"{spec.path}:{line}: {e}" if line else f"{spec.path}: {e}"
+            raise ConfigError(msg) from None
         self._opener = opener
         self._cv = threading.Condition()
         self._loaded: list[dict[str, Model]] = [{} for _ in range(spec.executors)]

@@ -23,6 +23,15 @@ Assign = Literal["makespan", "round_robin"]
 Evict = Literal["two_stage", "lru", "fifo"]
 
 
+class ModelTooBig(ConfigError):
+    """A model that does not fit one executor's share of the budget (names it, for the caller to say
+    where it is configured)."""
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
 @dataclass(frozen=True)
 class Cost:
     """What the scheduler knows of a model, from the profiler (`moetier profile`): a batch of n of its
@@ -152,7 +161,7 @@ class Scheduler:
                     f"budget ({share} of {budget} bytes over {n_executors} executors); raise the budget or use "
                     "fewer executors"
                 )
-                raise ConfigError(msg)
+                raise ModelTooBig(name, msg)
         self.executors = [ExecutorState(budget=share) for _ in range(n_executors)]
         self.stats = SchedStats()
         self._rr = 0

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from ..config import parse_size
+from ..config import INT32_MAX, MAX_THREADS, parse_size
 from ..errors import ConfigError
 from .sched import Mechanisms
 
@@ -43,6 +43,7 @@ class ModelSpec:
     cache: str = ""  # expert cache for a MoE: bytes ("256M") or a share of its expert bytes ("25%")
     n_ctx: int = 512
     max_batch: int = 4  # the most jobs of this model one batch runs
+    line: int = field(default=0, compare=False)  # where the configuration file defines it (0: not from a file)
 
     def shape(self) -> list[Any]:
         """What a model's costs depend on: models of one shape cost the same (the profile measures one
@@ -133,10 +134,12 @@ class _Doc:
             raise self.error(node, f"{what}: expected a non-empty string, got {v!r}")
         return v
 
-    def integer(self, node: yaml.Node, what: str, lo: int) -> int:
+    def integer(self, node: yaml.Node, what: str, lo: int, hi: int = INT32_MAX) -> int:
         v = self.scalar(node, what)
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise self.error(node, f"{what}: expected an integer >= {lo}, got {v!r}")
+        if v > hi:
+            raise self.error(node, f"{what}: expected an integer <= {hi}, got {v}")
         return v
 
     def unknown(self, m: dict[str, tuple[yaml.Node, yaml.Node]], known: set[str], what: str) -> None:
@@ -183,7 +186,7 @@ def load_spec(path: str | os.PathLike[str]) -> PoolSpec:
     if budget <= 0:
         raise doc.error(vb, "budget: must be positive")
     executors = doc.integer(top["executors"][1], "executors", 1) if "executors" in top else 1
-    threads = doc.integer(top["threads"][1], "threads", 1) if "threads" in top else 1
+    threads = doc.integer(top["threads"][1], "threads", 1, MAX_THREADS) if "threads" in top else 1
     scheduler = doc.string(top["scheduler"][1], "scheduler") if "scheduler" in top else "coserve"
     try:
         Mechanisms.baseline(scheduler)
@@ -225,7 +228,7 @@ def load_spec(path: str | os.PathLike[str]) -> PoolSpec:
             raise doc.error(vn, f"{what}: a store needs a cache (bytes or a share of the expert bytes, e.g. 25%)")
         n_ctx = doc.integer(m["n_ctx"][1], f"{what}.n_ctx", 64) if "n_ctx" in m else 512
         max_batch = doc.integer(m["max_batch"][1], f"{what}.max_batch", 1) if "max_batch" in m else 4
-        models[name] = ModelSpec(name, mpath, store, cache, n_ctx, max_batch)
+        models[name] = ModelSpec(name, mpath, store, cache, n_ctx, max_batch, vn.start_mark.line + 1)
     if not models:
         raise doc.error(top["models"][1], "models: at least one model is needed")
 
