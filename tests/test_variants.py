@@ -332,6 +332,35 @@ def test_variants_take_the_default_prefetch_and_the_context(seeded: list[Variant
     vs.close()
 
 
+def test_cache_info_does_not_wait_for_a_running_decode(seeded: list[VariantSpec]) -> None:
+    """A /metrics scrape reads the shared cache's pools while a long answer is being decoded (it hung
+    behind it); after close() the variants say they are closed."""
+    import threading
+
+    vs = Variants(seeded, CacheConfig.exact(budget="1M"))
+    started, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        started.set()
+        release.wait(30)
+
+    decode = threading.Thread(target=lambda: vs.generate(vs.names[0], "hi", 8, on_first_token=first))
+    decode.start()
+    try:
+        assert started.wait(30)
+        got: list[dict[str, int | bool]] = []
+        reader = threading.Thread(target=lambda: got.append(vs.cache_info()))
+        reader.start()
+        reader.join(10)
+        assert got and got[0]["n_slots"] > 0, "cache_info waited for the decode"
+    finally:
+        release.set()
+        decode.join(30)
+    vs.close()
+    with pytest.raises(ConfigError, match=r"^variants: closed$"):
+        vs.cache_info()
+
+
 class Recorder:
     """Variants.generate as it is, with each call's arguments and result kept."""
 

@@ -126,7 +126,8 @@ class Variants:
         self.specs = tuple(variants)
         self.cache = dataclasses.replace(cache, prefetch=0, warm=False)
         self.map: dict[str, Any] | None = read_map(consolidation, variants) if consolidation is not None else None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one decode at a time (the variants share one cache)
+        self._life = threading.Lock()  # the models' lifetime: readers of the counters need not wait for a decode
         self._models: list[Model] = []
         for v in variants:
             self._models.append(Model(v.model, store=v.store, cache=self.cache, n_ctx=n_ctx, n_threads=n_threads))
@@ -203,13 +204,15 @@ class Variants:
             return self._model(name).chat_prompt(messages)
 
     def cache_info(self) -> dict[str, int | bool]:
-        """The shared cache's pools (the first variant's cache_info)."""
-        with self._lock:
+        """The shared cache's pools (the first variant's cache_info). It does not wait for a running
+        decode (a /metrics scrape would hang behind a long answer): the counters are read safely from
+        another thread."""
+        with self._life:
             return self._model(self.names[0]).cache_info()
 
     def close(self) -> None:
         """Frees the variants, the first (whose cache the others use) last."""
-        with self._lock:
+        with self._lock, self._life:
             for m in reversed(self._models):
                 m.close()
             self._models = []
