@@ -331,6 +331,50 @@ def test_profile_command_measures_each_shape_once(tmp_path: Path, tiny_model: Mo
         Pool(load_spec(cfg))
 
 
+def test_a_model_that_failed_to_load_does_not_evict_others_again(
+    tmp_path: Path, tiny_model: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests for a model whose load just failed fail at once with that error, without evicting the
+    resident models for a load that would fail the same way; when its file changes, or RETRY_LOAD_S after
+    the failure, the next request tries the load again."""
+    import dataclasses
+
+    spec = load_spec(pool_yaml(tmp_path, tiny_model, budget_models=1.5))  # one model at a time
+    pool = Pool(spec)
+    with pool._cv:  # sized by its file (a header only), it would fit beside d1: make it as large as d1
+        pool.sched.costs["broken"] = dataclasses.replace(pool.sched.costs["broken"], nbytes=pool.costs["d1"].nbytes)
+
+    def ask(model: str) -> tuple[object, BaseException | None]:
+        got: list[tuple[object, BaseException | None]] = []
+        done = threading.Event()
+        pool.submit(model, Work("x", None, 2, lambda a, e: (got.append((a, e)), done.set())))
+        assert done.wait(60)
+        return got[0]
+
+    try:
+        assert ask("d1")[1] is None
+        _, e1 = ask("broken")  # loading it evicts d1, and fails
+        assert e1 is not None and "broken.gguf" in str(e1)
+        assert ask("d1")[1] is None
+        loads = pool.counters["d1"].loads
+        _, e2 = ask("broken")  # fails at once: d1 stays
+        assert str(e2).startswith(f"{e1} (its load failed ")
+        assert str(e2).endswith(" s ago; it is tried again 30 s after that, or as soon as its files change)")
+        assert ask("d1")[1] is None and pool.counters["d1"].loads == loads
+        assert pool.counters["d1"].unloads == 1  # by the first failed load only
+        b = pool.counters["broken"]
+        assert (b.load_failures, b.jobs, b.failures) == (1, 2, 2)
+        broken = spec.models["broken"].path
+        broken.write_bytes(broken.read_bytes() + b"x")  # the file changed: tried again
+        _, e3 = ask("broken")
+        assert e3 is not None and "its load failed" not in str(e3) and b.load_failures == 2
+        monkeypatch.setattr(executor, "RETRY_LOAD_S", 0.0)  # and again once the wait is over
+        ask("broken")
+        assert b.load_failures == 3
+    finally:
+        pool.close()
+
+
 def test_close_answers_what_is_still_queued(tmp_path: Path, tiny_model: ModelFactory) -> None:
     spec = load_spec(pool_yaml(tmp_path, tiny_model, budget_models=2.5))
     gate, loading = threading.Event(), threading.Event()
@@ -1110,9 +1154,12 @@ def test_pool_answers_name_the_executor_that_ran_them(tmp_path: Path, tiny_model
         pool.close()
 
 
-def test_a_failed_load_fails_its_jobs_and_the_next_job_loads_again(tmp_path: Path, tiny_model: ModelFactory) -> None:
+def test_a_failed_load_fails_its_jobs_and_the_next_job_loads_again(
+    tmp_path: Path, tiny_model: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A failed load fails only its batch, is counted each time, and leaves the model unloaded so the next job
-    loads it."""
+    loads it (here at once: the wait before a failed model is tried again is tested on its own)."""
+    monkeypatch.setattr(executor, "RETRY_LOAD_S", 0.0)
     opener = Opener()
     opener.fail = 2
     pool = small_pool(tmp_path, tiny_model, opener=opener)
@@ -1140,9 +1187,11 @@ def wait_for(cond: Any, timeout: float = 30.0) -> None:
 
 
 def test_the_preload_loads_used_models_before_any_job_and_survives_a_failed_one(
-    tmp_path: Path, tiny_model: ModelFactory
+    tmp_path: Path, tiny_model: ModelFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Used models are preloaded so the first job pays no load; a failed preload is counted and a job loads it."""
+    """Used models are preloaded so the first job pays no load; a failed preload is counted and a job loads it
+    (once the wait before a failed model is tried again is over: none here)."""
+    monkeypatch.setattr(executor, "RETRY_LOAD_S", 0.0)
     costs = {"d": Cost(k=0.05, b=0.01, load=0.01, nbytes=1000, max_batch=4, p=0.5)}
     opener = Opener()
     pool = small_pool(tmp_path, tiny_model, costs=costs, opener=opener)

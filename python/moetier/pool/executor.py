@@ -28,6 +28,7 @@ from .sched import Batch, Cost, Job, ModelTooBig, Scheduler
 from .spec import ModelSpec, PoolSpec
 
 DISK_BYTES_PER_SECOND = 300e6  # a cold read's rate when no profile has measured it
+RETRY_LOAD_S = 30.0  # a model whose load failed fails its requests at once this long, unless its files change
 
 
 class Stopping(ModelError):
@@ -248,6 +249,25 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
+def _files_of(m: ModelSpec) -> object:
+    """What a model's load reads, as (path, size, mtime) of its GGUF and of its store's files: a change
+    (the file fixed or replaced) makes a failed load worth trying again."""
+    paths = [m.path]
+    if m.store is not None:
+        try:
+            paths += sorted(m.store.iterdir()) if m.store.is_dir() else [m.store]
+        except OSError:
+            paths.append(m.store)
+    out = []
+    for p in paths:
+        try:
+            st = p.stat()
+            out.append((str(p), st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append((str(p), -1, -1))
+    return tuple(out)
+
+
 def _deliver(work: Work, answer: Answer | None, error: BaseException | None) -> None:
     """Calls the job's callback; an error in it must not stop the executor that runs the others."""
     try:
@@ -285,6 +305,8 @@ class Pool:
         self.busy_seconds = [0.0] * spec.executors
         self._next_id = 0
         self._stop = False
+        # model -> (its files when its load failed, when, the error): see submit
+        self._failed: dict[str, tuple[object, float, BaseException]] = {}
         self._plan = self.sched.preload_plan()
         self._threads = [
             threading.Thread(target=self._run, args=(q,), name=f"moetier-executor-{q}", daemon=True)
@@ -305,18 +327,42 @@ class Pool:
         return out
 
     def submit(self, model: str, work: Work) -> None:
-        """Queues one job of `model` (ConfigError if the pool has no such model)."""
+        """Queues one job of `model` (ConfigError if the pool has no such model). A model whose load
+        failed less than RETRY_LOAD_S ago, its files unchanged since, fails the job at once: loading it
+        again would evict other models for the same failure."""
         if model not in self.costs:
             msg = f"unknown model {model!r}"
             raise ConfigError(msg)
         with self._cv:
             if self._stop:
                 raise Stopping
-            t = time.perf_counter()
-            self.sched.submit(Job(self._next_id, model, t, work), t)
-            self.sched_seconds += time.perf_counter() - t
-            self._next_id += 1
-            self._cv.notify_all()
+            error = self._recent_failure(model)
+            if error is None:
+                t = time.perf_counter()
+                self.sched.submit(Job(self._next_id, model, t, work), t)
+                self.sched_seconds += time.perf_counter() - t
+                self._next_id += 1
+                self._cv.notify_all()
+        if error is not None:
+            c = self.counters[model]
+            c.jobs += 1
+            c.failures += 1
+            _deliver(work, None, error)
+
+    def _recent_failure(self, model: str) -> ModelError | None:
+        """The error to answer a job of model with, if its last load failed recently (call with the
+        lock held)."""
+        failed = self._failed.get(model)
+        if failed is None:
+            return None
+        files, when, e = failed
+        age = time.monotonic() - when
+        if age >= RETRY_LOAD_S or files != _files_of(self.spec.models[model]):
+            return None
+        return ModelError(
+            f"{e} (its load failed {age:.0f} s ago; it is tried again {RETRY_LOAD_S:g} s after that, "
+            "or as soon as its files change)"
+        )
 
     def close(self) -> None:
         """Stops the executors after their running batch and frees every model."""
@@ -351,7 +397,15 @@ class Pool:
 
     def _load(self, q: int, model: str) -> float:
         t = time.perf_counter()
-        self._loaded[q][model] = self._opener(self.spec.models[model], self.spec.threads)
+        try:
+            self._loaded[q][model] = self._opener(self.spec.models[model], self.spec.threads)
+        except Exception as e:
+            self.counters[model].load_failures += 1
+            with self._cv:
+                self._failed[model] = (_files_of(self.spec.models[model]), time.monotonic(), e)
+            raise
+        with self._cv:
+            self._failed.pop(model, None)
         dt = time.perf_counter() - t
         c = self.counters[model]
         c.loads += 1
@@ -377,7 +431,6 @@ class Pool:
             try:
                 self._load(q, model)
             except Exception:
-                self.counters[model].load_failures += 1
                 with self._cv:
                     self.sched.unloaded(q, model)
         while True:
@@ -415,7 +468,6 @@ class Pool:
             try:
                 load_s = self._load(q, batch.model)
             except Exception as e:  # a failed load fails only this batch's jobs
-                self.counters[batch.model].load_failures += 1
                 error = e
                 with self._cv:
                     self.sched.unloaded(q, batch.model)
