@@ -880,3 +880,29 @@ def test_settings_left_unused_are_refused(dense: Path, tmp_path: Path, capsys: p
         "moetier: error: --distill-epochs: 0 (no distillation) leaves the other distill settings unused: lr 0.01\n"
     )
     assert not out.exists()
+
+
+def test_a_failed_correction_round_leaves_no_model_sized_file(
+    dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The converted model a correction round runs is written into the work folder; a failure while it
+    runs removes it (a model-sized file was left behind)."""
+    import moetier.tools.moefy as mf
+
+    real = mf._collect
+    calls: list[Path] = []
+
+    def failing(model: Path, *a: object, **k: object) -> object:
+        calls.append(Path(model))
+        if len(calls) == 2:  # the first is the dense model's; the second the round's temporary model
+            assert Path(model).exists()
+            msg = "collection failed"
+            raise RuntimeError(msg)
+        return real(model, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mf, "_collect", failing)
+    cfg = MoefyConfig(n_expert=4, n_expert_used=2, calib_tokens=1024, correct_rounds=1)
+    with pytest.raises(RuntimeError, match="collection failed"):
+        moefy(dense, tmp_path / "moe.gguf", CALIB, cfg, progress=False, work_dir=tmp_path / "w")
+    assert len(calls) == 2 and calls[1].suffix == ".gguf"
+    assert not list((tmp_path / "w").rglob("*.gguf")) and not (tmp_path / "moe.gguf").exists()

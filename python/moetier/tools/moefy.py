@@ -959,10 +959,12 @@ def moefy(
         acts_dir = work / f"correct-acts-{akey}-r{rnd}"
         kinds: tuple[str, ...] = ("ffn_norm", "ffn_inp")
         tmp_model = work / f"correct-acts-{akey}-r{rnd}.gguf"
-        if not all((acts_dir / f"{k}-{il}.npy").exists() for k in kinds for il in range(n_layer)):
-            _write_moe(reader, tensors, tmp_model, cfg, layers, splits, None)
-        acts = _collect(tmp_model, tokens + held, n_layer, n_threads, acts_dir, kinds)
-        tmp_model.unlink(missing_ok=True)
+        try:  # the temporary model is as large as the output: never left behind
+            if not all((acts_dir / f"{k}-{il}.npy").exists() for k in kinds for il in range(n_layer)):
+                _write_moe(reader, tensors, tmp_model, cfg, layers, splits, None)
+            acts = _collect(tmp_model, tokens + held, n_layer, n_threads, acts_dir, kinds)
+        finally:
+            tmp_model.unlink(missing_ok=True)
         bar = tqdm(
             range(cfg.dense_lead, n_layer), desc=f"correction round {rnd}/{cfg.correct_rounds}", disable=not show
         )
@@ -1000,10 +1002,12 @@ def moefy(
                 key = lkey1 if rnd == 2 else lkey
                 tmp_model = work / f"round-{rnd}-{key}.gguf"
                 acts_dir = work / f"moe-{key}-r{rnd}"
-                if not all((acts_dir / f"{k}-{il}.npy").exists() for k in kinds for il in range(n_layer)):
-                    _write_moe(reader, tensors, tmp_model, cfg, layers, splits, xs)
-                acts = _collect(tmp_model, tokens, n_layer, n_threads, acts_dir, kinds)
-                tmp_model.unlink(missing_ok=True)
+                try:
+                    if not all((acts_dir / f"{k}-{il}.npy").exists() for k in kinds for il in range(n_layer)):
+                        _write_moe(reader, tensors, tmp_model, cfg, layers, splits, xs)
+                    acts = _collect(tmp_model, tokens, n_layer, n_threads, acts_dir, kinds)
+                finally:
+                    tmp_model.unlink(missing_ok=True)
                 xs = acts["ffn_norm"]
             bar = tqdm(range(cfg.dense_lead, n_layer), desc=f"distill round {rnd}/{dcfg.rounds}", disable=not show)
             for il in bar:
