@@ -864,6 +864,16 @@ def test_read_profile_takes_each_models_costs_and_the_pools_max_batch(tmp_path: 
     rows["b"]["p"] = 0
     path.write_text(json.dumps({"models": rows}))
     assert read_profile(path, spec)["b"].p == 0.0
+    # measured with the pool's threads (1), or not saying: taken; with other threads: stale
+    path.write_text(json.dumps({"threads": 1, "models": rows}))
+    assert read_profile(path, spec)["a"].k == 0.1
+    path.write_text(json.dumps({"threads": 4, "models": rows}))
+    with pytest.raises(ConfigError) as e:
+        read_profile(path, spec)
+    assert str(e.value) == (
+        f"{path}: measured with 4 threads per executor, the pool runs 1; its times do not hold: run "
+        f"`moetier profile {spec.path}` again (or serve without the profile)"
+    )
 
 
 def test_read_profile_refuses_costs_out_of_range_with_the_model_and_its_costs(tmp_path: Path) -> None:

@@ -178,6 +178,13 @@ def read_profile(path: Path, spec: PoolSpec) -> dict[str, Cost]:
     try:
         data = json.loads(path.read_text())
         rows = data["models"]
+        threads = data.get("threads", spec.threads)  # older profiles do not say
+        if threads != spec.threads:
+            msg = (
+                f"{path}: measured with {threads} threads per executor, the pool runs {spec.threads}; its times "
+                f"do not hold: run `moetier profile {spec.path}` again (or serve without the profile)"
+            )
+            raise ConfigError(msg)
         out = {}
         for name, r in rows.items():
             m = spec.models.get(name)
