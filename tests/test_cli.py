@@ -799,6 +799,150 @@ def test_serve_pool_flags_override_the_files_settings(
     assert "4 executors, scheduler round-robin, costs from estimates (run moetier profile)" in capsys.readouterr().err
 
 
+def _calibration_report(plot: str | None) -> dict[str, object]:
+    """A report as moetier.calibrate.calibrate returns it (the command prints it)."""
+    pol = {"n_hits": 30, "n_lookups": 40, "penalty_vs_random": 0.8125, "n_bytes_read": 3 << 20}
+    return {
+        "split": {"high": 0.5, "low": 0.375, "skip": 0.125},
+        "config": {"t1": 0.25, "t2": 0.0625, "low_frac": 0.5},
+        "tokens": 700,
+        "policies": [
+            {**pol, "policy": "multi", "weights": [0.5, 0.25, 0.125, 2.0]},
+            {**pol, "policy": "lru", "weights": [1.0, 0.0, 0.0, 0.0], "n_lookups": 0, "penalty_vs_random": 1.5},
+            {**pol, "policy": "lfu", "weights": [0.0, 1.0, 0.0, 0.0]},
+        ],
+        "low_frac_search": [
+            {
+                "low_frac": 0.0,
+                "n_slots": 10,
+                "n_slots_low": 0,
+                "policy": "multi",
+                "weights": [1, 0, 0, 0],
+                "n_bytes_read": 5 << 20,
+            },
+            {
+                "low_frac": 0.5,
+                "n_slots": 6,
+                "n_slots_low": 8,
+                "policy": "lru",
+                "weights": [0.25, 0.5, 0, 0],
+                "n_bytes_read": 1 << 20,
+            },
+        ],
+        "config_path": "out.json",
+        "trace_path": "out.trace.npz",
+        "plot_path": plot,
+    }
+
+
+def test_calibrate_passes_its_flags_and_prints_its_report(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`moetier calibrate`: the corpus files joined, the budget, store, low_frac, output (by default beside
+    the model) and the calibration flags reach calibrate(); the split, the first --show policies (hit rate
+    0 where nothing was looked up; weights only for multi), the low_frac search and the files written are
+    printed as they are; a progress bar only on a terminal and not with --quiet."""
+    import moetier.calibrate as cal
+
+    calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    plot: list[str | None] = ["out.png"]
+
+    def fake(*a: object, **k: object) -> dict[str, object]:
+        calls.append((a, k))
+        progress = k["progress"]
+        assert callable(progress)
+        progress(1, 4)
+        progress(4, 4)
+        return _calibration_report(plot[0])
+
+    monkeypatch.setattr(cal, "calibrate", fake)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("first ")
+    b.write_text("second")
+    model = str(files["moe"])
+    args = ["calibrate", model, "--corpus", str(a), str(b), "--budget", "2M", "--store", "s.experts"]
+    args += ["--low-frac", "0.25", "-o", str(tmp_path / "c.json"), "--show", "2", "--tokens", "1024"]
+    assert main(args) == 0
+    ((pos, kw),) = calls
+    assert pos[:4] == (model, "first second", "2M", str(tmp_path / "c.json"))
+    assert pos[4] == cal.CalibrateConfig(tokens=1024)
+    assert (kw["store"], kw["low_frac"]) == ("s.experts", 0.25)
+    out, err = capsys.readouterr()
+    assert out == (
+        "thresholds t1=0.25 t2=0.0625 on 700 tokens: high 50.0% / low 37.5% / skip 12.5% of selections\n"
+        "| policy | weights (lru, lfu, lhu, fld) | bytes read | vs random | hit rate |\n|---|---|---|---|---|\n"
+        "| multi | 0.50, 0.25, 0.12, 2.00 | 3.00 MiB | 0.812 | 75.0% |\n"
+        "| lru | - | 3.00 MiB | 1.500 | 0.0% |\n"
+        "\nlow_frac 0.5 (the policy table is at it):\n"
+        "| low_frac | slots high / low | best policy | bytes read |\n|---|---|---|---|\n"
+        "| 0.0 | 10 / 0 | multi 1.00, 0.00, 0.00, 0.00 | 5.00 MiB |\n"
+        "| 0.5 | 6 / 8 | lru 0.25, 0.50, 0.00, 0.00 | 1.00 MiB |\n"
+    )
+    assert err == "moetier: wrote out.json (trace out.trace.npz, plot out.png)\n"
+    # the defaults: the config beside the model, no store, low_frac searched; without matplotlib no plot
+    calls.clear()
+    plot[0] = None
+    assert main(["calibrate", model, "--corpus", str(b), "--budget", "auto"]) == 0
+    ((pos, kw),) = calls
+    assert pos[1:4] == ("second", "auto", str(files["moe"].with_suffix(".cache.json")))
+    assert (kw["store"], kw["low_frac"]) == (None, None)
+    out, err = capsys.readouterr()
+    assert out.count("\n| ") == 1 + 3 + 1 + 2  # headers and rows: all three policies (--show 12), two low_frac rows
+    assert err == "moetier: wrote out.json (trace out.trace.npz, no plot: matplotlib is not installed)\n"
+    # one low_frac (given, not searched): no search table
+    monkeypatch.setattr(
+        cal, "calibrate", lambda *a, **k: {**_calibration_report(None), "low_frac_search": [{"low_frac": 0.5}]}
+    )
+    assert main(["calibrate", model, "--corpus", str(b), "--budget", "auto"]) == 0
+    assert "low_frac 0.5 (the policy table" not in capsys.readouterr().out
+
+
+def test_calibrate_shows_progress_on_a_terminal_unless_quiet(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tqdm
+
+    import moetier.calibrate as cal
+
+    bars: list[dict[str, object]] = []
+
+    class Bar:
+        def __init__(self, **kw: object) -> None:
+            bars.append(kw)
+            self.total, self.n, self.closed = kw["total"], 0, False
+            kw["bar"] = self
+
+        def update(self, n: int) -> None:
+            self.n += n
+
+        def close(self) -> None:
+            self.closed = True
+
+    def fake(*a: object, **k: object) -> dict[str, object]:
+        progress = k["progress"]
+        assert callable(progress)
+        progress(1, 4)
+        progress(3, 4)
+        return _calibration_report(None)
+
+    monkeypatch.setattr(cal, "calibrate", fake)
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    text = tmp_path / "t.txt"
+    text.write_text("words")
+    args = ["calibrate", str(files["moe"]), "--corpus", str(text), "--budget", "1M"]
+    assert main(args) == 0
+    ((kw,),) = [(b,) for b in bars]
+    assert (kw["total"], kw["desc"], kw["unit"]) == (0, "replaying policies", "policy")
+    bar = kw["bar"]
+    assert isinstance(bar, Bar) and (bar.total, bar.n, bar.closed) == (4, 3, True)
+    assert main([*args, "--quiet"]) == 0
+    assert len(bars) == 1
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert main(args) == 0
+    assert len(bars) == 1
+
+
 def test_moefy_passes_its_flags_and_writes_the_report(
     files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
