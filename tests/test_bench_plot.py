@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import run
+from moetier import MoetierError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MiB = 1 << 20
@@ -82,6 +84,13 @@ def test_bench_plot_draws_the_harness_png(tmp_path: Path) -> None:
     assert png.startswith(PNG_SIGNATURE) and len(png) > 20_000
     # one drawing function: the CLI's picture is the harness's, byte for byte
     assert png == (tmp_path / "res.png").read_bytes()
+    assert r.stderr == f"moetier: wrote {tmp_path / 'again.png'}\n"
+    # without -o: beside the result, as RESULT.png
+    (tmp_path / "res.png").unlink()
+    from moetier.cli import main
+
+    assert main(["bench-plot", str(src)]) == 0
+    assert (tmp_path / "res.png").read_bytes() == png
 
 
 def test_bench_plot_errors(tmp_path: Path) -> None:
@@ -102,6 +111,16 @@ def test_bench_plot_errors(tmp_path: Path) -> None:
         [sys.executable, "-m", "moetier.cli", "bench-plot", str(other)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 1 and r.stderr.startswith(f"moetier: error: {other}: not a bench/run.py result")
+    # no such file: its name and why, one line
+    from moetier.cli import main
+
+    gone = tmp_path / "gone.json"
+    from moetier.cli import cmd_bench_plot
+
+    with pytest.raises(MoetierError) as e:
+        cmd_bench_plot(argparse.Namespace(result=str(gone), output=None))
+    assert str(e.value) == f"{gone}: cannot read the bench result: No such file or directory"
+    assert main(["bench-plot", str(gone)]) == 1
 
 
 def _drawn(monkeypatch: pytest.MonkeyPatch, report: dict[str, Any], out: Path) -> Any:

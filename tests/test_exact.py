@@ -79,7 +79,7 @@ def test_cli_says_the_mode_and_the_warnings(model_and_store: tuple[Path, Path]) 
     base = [sys.executable, "-m", "moetier.cli", "run", "-m", str(path), "-p", LONG_PROMPT, "-n", "8"]
     exact = subprocess.run([*base, "--store", str(store), "--cache", budget], capture_output=True, text=True)
     assert exact.returncode == 0, exact.stderr
-    assert "exact (every expert in high precision)" in exact.stderr
+    assert " | exact (every expert in high precision) | " in exact.stderr
     mixed = subprocess.run(
         [*base, "--store", str(store), "--cache", budget, "--cache-t1", "0.3", "--cache-t2", "0.9"],
         capture_output=True,
