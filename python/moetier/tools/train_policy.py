@@ -426,8 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--eval-sequences",
         default=None,
-        help="evaluate on sequences A:B of the held-out traces only, e.g. the prompts of the training trace "
-        "not trained on (default: all)",
+        help="evaluate on sequences A:B of the held-out traces only (numbered over them joined in order), e.g. "
+        "the prompts of the training trace not trained on; a file both trained on and held out must have its "
+        "two parts apart (default: all)",
     )
     p.add_argument("--budgets", default="10,25,50", help="budgets in %% of the experts' bytes (default: 10,25,50)")
     p.add_argument(
