@@ -508,7 +508,10 @@ def test_variant_service_errors_and_metrics(service: tuple[VariantService, Recor
         body = {"model": "v0", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
         with pytest.raises(RequestError) as e:
             svc.run(body, chat)
-        assert (e.value.status, str(e.value)) == (500, "variants: closed")
+        assert (e.value.status, str(e.value)) == (
+            503,
+            "the server is shutting down; the request was not run (variants: closed)",
+        )
     assert svc.failed == 2
 
 

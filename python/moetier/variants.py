@@ -88,6 +88,13 @@ def read_map(path: str | os.PathLike[str], variants: Sequence[VariantSpec]) -> d
     return m
 
 
+class Closed(ConfigError):
+    """The variants were closed (a server stopping): the request was not run."""
+
+    def __init__(self) -> None:
+        super().__init__("variants: closed")
+
+
 class Variants:
     """Fine-tuned variants of one MoE architecture and shape served from one expert cache (see the
     module's docstring). cache: the one budget and policy (exact; prefetch, warm start and the elastic
@@ -174,8 +181,7 @@ class Variants:
     def _model(self, name: str) -> Model:
         """The variant's model; call with the lock held (the models share one cache)."""
         if not self._models:
-            msg = "variants: closed"
-            raise ConfigError(msg)
+            raise Closed
         try:
             return self._models[self.names.index(name)]
         except ValueError:

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from ..errors import ConfigError, MoetierError
-from ..variants import Variants
+from ..variants import Closed, Variants
 from .executor import Answer
 from .server import RequestError, completion, parse_request, prompt_refused
 
@@ -45,6 +45,8 @@ class VariantService:
                 self.failed += 1
             if isinstance(e, ConfigError) and prompt_refused(e):  # the prompt: the request's
                 raise RequestError(400, str(e)) from None
+            if isinstance(e, Closed):  # the server is stopping: not run, the client may try again
+                raise RequestError(503, f"the server is shutting down; the request was not run ({e})") from None
             why = str(e) if isinstance(e, MoetierError) else f"{type(e).__name__}: {e}"
             raise RequestError(500, why) from None
         with self._lock:
