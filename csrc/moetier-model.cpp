@@ -346,6 +346,20 @@ ggml_tensor * moetier_model::create_tensor(const std::string &                  
 
 // the device a VRAM tier serving layer il lives on: the GPU the layer runs on (the CPU device with
 // vram_host); nullptr where the layer runs on the CPU or no tier is asked for
+// The CUDA kernels (mmvq, mmq) find a slot of a pool in 32-bit counts of quant blocks: in a pool of
+// 2^31 blocks or more, a slot's offset wraps into another slot's weights or outside the buffer. Stock
+// tensors hold one layer and never get there; a pool holds a whole group's slots. The most slots (zero
+// slots apart) each projection's pool of this precision can hold.
+static int64_t moetier_vram_slot_cap(const std::vector<moetier_proj> & projs, moetier_precision prec, int64_t n_zero) {
+    int64_t cap = INT64_MAX;
+    for (const auto & p : projs) {
+        const ggml_type type   = prec == MOETIER_PRECISION_LOW ? p.store->type_low : p.meta->type;
+        const int64_t   blocks = std::max<int64_t>(1, (int64_t) (p.expert_bytes(prec) / ggml_type_size(type)));
+        cap                    = std::min(cap, (int64_t) INT32_MAX / blocks - n_zero);
+    }
+    return cap;
+}
+
 static ggml_backend_dev_t moetier_vram_device(const llama_model & model, int32_t il, uint64_t vram, bool host) {
     if (vram == 0) {
         return nullptr;
@@ -644,6 +658,27 @@ void moetier_model::finish_load(const llama_model & model) {
             pl.n_vram = std::min<int64_t>(max_slots, n_expert + (int64_t) ((share - low) / (double) pl.vram_bytes));
             if (pl.vram_bytes_low > 0 && pl.n_vram < max_slots) {
                 pl.n_vram_low = std::min<int64_t>(max_slots, n_expert + (int64_t) (low / (double) pl.vram_bytes_low));
+            }
+            const std::vector<moetier_proj> & projs = pl.layers[0]->projs;
+            for (const moetier_precision prec : { MOETIER_PRECISION_HIGH, MOETIER_PRECISION_LOW }) {
+                int64_t & n = prec == MOETIER_PRECISION_HIGH ? pl.n_vram : pl.n_vram_low;
+                if (n == 0) {
+                    continue;
+                }
+                const int64_t cap = moetier_vram_slot_cap(projs, prec, pl.n_used);
+                if (cap < n_expert) {  // one layer's experts are the least the tier works with
+                    throw moetier_exception(MOETIER_ERROR_CONFIG,
+                                            format("the VRAM tier cannot hold one layer's %d experts of layer %d in "
+                                                   "one tensor (ggml's CUDA kernels index it in 32 bits); use vram=0",
+                                                   n_expert, pl.layers.front()->il));
+                }
+                if (n > cap) {
+                    MOETIER_LOG_WARN("%s: VRAM tier: %" PRId64 " %s-precision slots of layers %d-%d capped at %" PRId64
+                                     ": ggml's CUDA kernels index one tensor's quant blocks in 32 bits\n",
+                                     __func__, n, prec == MOETIER_PRECISION_HIGH ? "high" : "low",
+                                     pl.layers.front()->il, pl.layers.back()->il, cap);
+                    n = std::max<int64_t>(cap, 0);
+                }
             }
         }
         if (auto_vram) {

@@ -166,6 +166,16 @@ void moetier_slots::alloc(const std::vector<moetier_proj> & shapes,
                 throw std::runtime_error(format("failed to allocate the expert cache's %s of pinned memory (%s)",
                                                 moetier_format_bytes(total).c_str(), ggml_backend_buft_name(buft)));
             }
+            if (ggml_backend_buffer_get_type(buf.get()) != buft) {
+                // ggml's CUDA host buffer falls back to plain memory when cudaMallocHost fails (a memlock
+                // limit, GGML_CUDA_NO_PINNED) and says so only at debug level: copies then run at pageable
+                // speed and block the host
+                MOETIER_LOG_WARN(
+                    "%s: the expert cache's %s could not be pinned (%s gave %s): copies to the GPU run "
+                    "at pageable-memory speed\n",
+                    __func__, moetier_format_bytes(total).c_str(), ggml_backend_buft_name(buft),
+                    ggml_backend_buffer_name(buf.get()));
+            }
             base = (uint8_t *) moetier_align_up((uint64_t) (uintptr_t) ggml_backend_buffer_get_base(buf.get()));
         } else {
             // not touched here: pages become resident as slots fill (and the memory-fit pass of
