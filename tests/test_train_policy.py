@@ -720,8 +720,9 @@ def test_main_help_is_the_documented_one(monkeypatch: pytest.MonkeyPatch, capsys
         "--eval [EVAL ...] held-out traces to evaluate on",
         "--train-sequences TRAIN_SEQUENCES train on sequences A:B of each training trace only (B excluded; A: to the "
         "end; default: all)",
-        "--eval-sequences EVAL_SEQUENCES evaluate on sequences A:B of the held-out traces only, e.g. the prompts of "
-        "the training trace not trained on (default: all)",
+        "--eval-sequences EVAL_SEQUENCES evaluate on sequences A:B of the held-out traces only (numbered over them "
+        "joined in order), e.g. the prompts of the training trace not trained on; a file both trained on and held "
+        "out must have its two parts apart (default: all)",
         "--budgets BUDGETS budgets in % of the experts' bytes (default: 10,25,50)",
         "-o OUTPUT, --output OUTPUT network file to write, e.g. MODEL.flashmoe.bin; its report beside it as "
         "MODEL.flashmoe.json and .md",
