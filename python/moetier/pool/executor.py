@@ -74,6 +74,13 @@ class ModelCounters:
     jobs: int = 0
     failures: int = 0
     run_seconds: float = 0.0
+    # executors and HTTP threads count into one model's counters: += alone could lose a count
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, v in deltas.items():
+                setattr(self, name, getattr(self, name) + v)
 
 
 def gguf_bytes(spec: ModelSpec) -> tuple[int, int, dict[str, Any]]:
@@ -351,9 +358,7 @@ class Pool:
                 self._next_id += 1
                 self._cv.notify_all()
         if error is not None:
-            c = self.counters[model]
-            c.jobs += 1
-            c.failures += 1
+            self.counters[model].add(jobs=1, failures=1)
             _deliver(work, None, error)
 
     def _recent_failure(self, model: str) -> ModelError | None:
@@ -407,16 +412,14 @@ class Pool:
         try:
             self._loaded[q][model] = self._opener(self.spec.models[model], self.spec.threads)
         except Exception as e:
-            self.counters[model].load_failures += 1
+            self.counters[model].add(load_failures=1)
             with self._cv:
                 self._failed[model] = (_files_of(self.spec.models[model]), time.monotonic(), e)
             raise
         with self._cv:
             self._failed.pop(model, None)
         dt = time.perf_counter() - t
-        c = self.counters[model]
-        c.loads += 1
-        c.load_seconds += dt
+        self.counters[model].add(loads=1, load_seconds=dt)
         return dt
 
     def _unload(self, q: int, model: str) -> None:
@@ -427,7 +430,7 @@ class Pool:
             except Exception as e:  # it is out of the pool either way; the batch that evicted it goes on
                 sys.stderr.write(f"moetier pool: closing {model} failed ({e}); it left the pool\n")
             del m
-            self.counters[model].unloads += 1
+            self.counters[model].add(unloads=1)
         try:
             drop_page_cache(self.spec.models[model].path)
         except OSError:  # the file is gone or unreadable: nothing of it to drop
@@ -490,9 +493,9 @@ class Pool:
     def _run_job(self, q: int, model: str, job: Job, load_s: float, error: BaseException | None) -> None:
         work: Work = job.payload
         c = self.counters[model]
-        c.jobs += 1
+        c.add(jobs=1)
         if error is not None:
-            c.failures += 1
+            c.add(failures=1)
             _deliver(work, None, error)
             return
         t = time.perf_counter()
@@ -501,11 +504,11 @@ class Pool:
             prompt = work.prompt if work.messages is None else m.chat_prompt(work.messages)
             r = m.generate(prompt or "", max_tokens=work.max_tokens, temperature=work.temperature, seed=work.seed)
         except Exception as e:
-            c.failures += 1
+            c.add(failures=1)
             _deliver(work, None, e)
             return
         run_s = time.perf_counter() - t
-        c.run_seconds += run_s
+        c.add(run_seconds=run_s)
         answer = Answer(
             model=model,
             text=r.text,
