@@ -412,7 +412,6 @@ class Pool:
         try:
             self._loaded[q][model] = self._opener(self.spec.models[model], self.spec.threads)
         except Exception as e:
-            self.counters[model].add(load_failures=1)
             with self._cv:
                 self._failed[model] = (_files_of(self.spec.models[model]), time.monotonic(), e)
             raise
@@ -443,6 +442,7 @@ class Pool:
             except Exception:
                 with self._cv:
                     self.sched.unloaded(q, model)
+                self.counters[model].add(load_failures=1)  # after: whoever sees the count sees it unloaded
         while True:
             with self._cv:
                 while True:
@@ -481,6 +481,7 @@ class Pool:
                 error = e
                 with self._cv:
                     self.sched.unloaded(q, batch.model)
+                self.counters[batch.model].add(load_failures=1)
         for i, job in enumerate(batch.jobs):
             try:
                 self._run_job(q, batch.model, job, load_s, error)
