@@ -603,5 +603,5 @@ def test_calibrate_and_train_policy_refuse_settings_that_cannot_finish_or_be_rig
     for kw in ({"lr": float("nan")}, {"lr": float("inf")}, {"weight_decay": float("nan")}):
         with pytest.raises(ConfigError, match=r"^train-policy: lr must be positive"):
             TrainConfig(**kw)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"^train-policy: seed -1 must be 0 or more$"):
+    with pytest.raises(ConfigError, match=r"^train-policy: seed -1 must be in \[0, 2\^63 - 1\]$"):
         TrainConfig(seed=-1)
