@@ -13,7 +13,7 @@ from gguf import GGUFReader
 from conftest import ModelFactory
 from moetier import ConfigError
 from moetier.cli import main
-from moetier.tools.consolidate import consolidate
+from moetier.tools.consolidate import consolidate, experts_digest
 
 N_LAYER, N_EXPERT = 3, 8
 
@@ -178,7 +178,27 @@ def test_quantized_variants_distances_map_and_average(tiny_model: ModelFactory, 
     for v, p in zip(m["variants"], vs, strict=True):
         h = hashlib.sha256(p.read_bytes()[: 1 << 20])
         h.update(str(p.stat().st_size).encode())
-        assert v == {"path": str(p), "bytes": p.stat().st_size, "sha256_head": h.hexdigest()}
+        assert v == {
+            "path": str(p),
+            "bytes": p.stat().st_size,
+            "sha256_head": h.hexdigest(),
+            "sha256_experts": experts_digest(p),
+        }
+    # the experts' digest: the first 4 KiB of 8 experts of every expert tensor (here 4 experts: all)
+    want = hashlib.sha256()
+    for t in sorted(
+        (t for t in GGUFReader(str(vs[0])).tensors if "_exps." in t.name),
+        key=lambda t: (
+            int(t.name.split(".")[1]),
+            ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"].index(t.name.split(".")[2]),
+        ),
+    ):
+        data = np.asarray(t.data).reshape(-1).view(np.uint8)
+        per = data.size // n_expert
+        for e in range(n_expert):
+            want.update(f"{t.name.split('.')[1]}.{t.name.split('.')[2]}.{e}".encode())
+            want.update(data[e * per : e * per + min(per, 4096)].tobytes())
+    assert m["variants"][0]["sha256_experts"] == want.hexdigest()
     for il in range(2):
         a, b = (_dequantized_rows(p, il, n_expert) for p in vs)
         np.testing.assert_allclose(m["distance"][il], 2 * np.linalg.norm(a - b, axis=1), rtol=1e-5)
@@ -345,3 +365,76 @@ def test_a_consolidated_variant_that_fails_to_write_keeps_the_old_file(
         write_consolidated(m, 1, out)
     assert out.read_bytes() == b"old variant"
     assert [f.name for f in out.parent.iterdir()] == ["v1.gguf"]
+
+
+def test_capacity_as_a_numpy_share_or_a_bool(variants: list[Path]) -> None:
+    """A share given as a numpy float is a share (it was truncated to 0 positions); a bool is refused."""
+    assert consolidate(variants, np.float32(0.5))["capacity"] == 12
+    assert consolidate(variants, np.int64(5))["capacity"] == 5
+    with pytest.raises(ConfigError, match=r"^capacity: True is not a count or a share of the positions$"):
+        consolidate(variants, True)
+
+
+def test_a_map_tells_variants_apart_by_their_experts(
+    variants: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fine-tunes of one base share a header (tokenizer and shapes, often more than the first MiB the
+    header digest reads): the map also holds a digest of a sample of each variant's experts, so a map
+    applied to the variants in another order is refused even when their headers hash alike."""
+    import moetier.variants as vmod
+    from moetier.tools.consolidate import experts_digest
+    from moetier.variants import VariantSpec, read_map
+
+    m = consolidate(variants[:2], 4)
+    digests = [v["sha256_experts"] for v in m["variants"]]
+    assert digests == [experts_digest(p) for p in variants[:2]] and digests[0] != digests[1]
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(m))
+    specs = [VariantSpec(f"v{i}", p, tmp_path / "s") for i, p in enumerate(variants[:2])]
+    read_map(path, specs)
+    monkeypatch.setattr(vmod, "_head_digest", lambda p: "one header")  # as variants whose first MiB is alike
+    for v in m["variants"]:
+        v["sha256_head"] = "one header"
+    path.write_text(json.dumps(m))
+    read_map(path, specs)
+    with pytest.raises(ConfigError, match=r"variant 0 of the map is .*v0\.gguf, but .*v1\.gguf is served there"):
+        read_map(path, specs[::-1])
+    # a map written before the experts' digest is checked by its header digest alone
+    for v in m["variants"]:
+        del v["sha256_experts"]
+    path.write_text(json.dumps(m))
+    read_map(path, specs[::-1])
+
+
+def test_expert_biases_do_not_enter_the_distances(variants: list[Path], tmp_path: Path) -> None:
+    """Architectures with expert biases (gpt-oss: blk.N.ffn_*_exps.bias) are ranked by their weights;
+    a bias written after its weight replaced it in the ranking."""
+    from gguf import GGUFWriter
+
+    from moetier.tools.moefy import _kv_copy
+
+    def with_biases(src: Path, out: Path, value: float) -> Path:
+        r = GGUFReader(str(src))
+        w = GGUFWriter(str(out), "qwen2moe")
+        _kv_copy(r, w, "qwen2moe", "qwen2moe")
+        for t in r.tensors:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+            if "_exps." in t.name:
+                n_expert, rows = int(t.shape[-1]), int(t.shape[1])
+                w.add_tensor(t.name.replace(".weight", ".bias"), np.full((n_expert, rows), value, np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return out
+
+    plain = consolidate(variants[:2], 4)
+    biased = consolidate([with_biases(p, tmp_path / f"b{i}.gguf", 1.0 + i) for i, p in enumerate(variants[:2])], 4)
+    assert biased["distance"] == plain["distance"] and biased["map"] == plain["map"]
+
+
+def test_a_variant_cut_short_is_named(variants: list[Path], tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(variants[0].read_bytes()[:100])
+    with pytest.raises(ConfigError, match=rf"^{cut}: not a readable GGUF file \("):
+        consolidate([cut, variants[1]], 1)

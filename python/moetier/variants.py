@@ -30,7 +30,7 @@ from . import _core
 from .config import AUTO, CacheConfig
 from .errors import ConfigError
 from .model import GenerateResult, Model
-from .tools.consolidate import _head_digest
+from .tools.consolidate import _head_digest, experts_digest
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,10 @@ def read_map(path: str | os.PathLike[str], variants: Sequence[VariantSpec]) -> d
         msg = f"{p}: the map is of {len(mv)} variants, {len(variants)} are served"
         raise ConfigError(msg)
     for i, (entry, v) in enumerate(zip(mv, variants, strict=True)):
-        if entry.get("sha256_head") != _head_digest(v.model):
+        # maps written before the experts' digest carry the header's only
+        if entry.get("sha256_head") != _head_digest(v.model) or (
+            "sha256_experts" in entry and entry["sha256_experts"] != experts_digest(v.model)
+        ):
             msg = (
                 f"{p}: variant {i} of the map is {entry.get('path')}, but {v.model} is served there (another file, or "
                 "the variants in another order); write the map again with `moetier consolidate`"

@@ -52,15 +52,16 @@ def _open(path: Path) -> Variant:
     except FileNotFoundError:
         msg = f"{path}: the variant's GGUF does not exist"
         raise ConfigError(msg) from None
-    except (OSError, ValueError) as e:
-        msg = f"{path}: not a readable GGUF file ({e})"
+    except (OSError, ValueError, IndexError, KeyError) as e:  # gguf's errors on a file cut short
+        msg = f"{path}: not a readable GGUF file ({type(e).__name__}: {e})"
         raise ConfigError(msg) from None
     f = r.fields.get("general.architecture")
     arch = bytes(f.parts[f.data[0]]).decode() if f is not None else ""
     layers: dict[int, dict[str, Any]] = {}
     for t in r.tensors:
         parts = t.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in PROJS:
+        # the weights only: some architectures (gpt-oss) give their experts biases under the same name
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in PROJS and parts[3] == "weight":
             layers.setdefault(int(parts[1]), {})[parts[2]] = t
     if not layers:
         msg = f"{path}: no expert tensors (blk.N.ffn_*_exps): not a MoE model"
@@ -113,7 +114,10 @@ def consolidate(paths: Sequence[str | os.PathLike[str]], capacity: int | float) 
     layers = list(vs[0].layers)
     n_expert = int(vs[0].layers[layers[0]]["ffn_gate_exps"].shape[-1])
     n_pos = len(layers) * n_expert
-    c = round(capacity * n_pos) if isinstance(capacity, float) else int(capacity)
+    if isinstance(capacity, bool):
+        msg = f"capacity: {capacity} is not a count or a share of the positions"
+        raise ConfigError(msg)
+    c = round(float(capacity) * n_pos) if isinstance(capacity, (float, np.floating)) else int(capacity)
     if not 0 <= c <= n_pos:
         msg = f"capacity: {capacity} gives {c} positions; there are {n_pos} ({len(layers)} layers x {n_expert} experts)"
         raise ConfigError(msg)
@@ -144,7 +148,13 @@ def consolidate(paths: Sequence[str | os.PathLike[str]], capacity: int | float) 
     return {
         "format": "moetier-consolidation-1",
         "variants": [
-            {"path": str(v.path), "bytes": v.path.stat().st_size, "sha256_head": _head_digest(v.path)} for v in vs
+            {
+                "path": str(v.path),
+                "bytes": v.path.stat().st_size,
+                "sha256_head": _head_digest(v.path),
+                "sha256_experts": _experts_digest(v),
+            }
+            for v in vs
         ],
         "arch": vs[0].arch,
         "n_expert": n_expert,
@@ -254,6 +264,26 @@ def _experts_flat(t: Any) -> F32:
     qt = GGMLQuantizationType(int(t.tensor_type))
     w = data.astype(np.float32) if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else dequantize(data, qt)
     return np.asarray(w, dtype=np.float32).reshape(-1)
+
+
+def _experts_digest(v: Variant) -> str:
+    """sha256 of the first 4 KiB of 8 experts of every expert tensor: variants of one base share their
+    header (tokenizer, shapes; often more than a MiB), so only their experts tell them apart."""
+    h = hashlib.sha256()
+    for il, projs in v.layers.items():
+        for name in PROJS:
+            data = np.asarray(projs[name].data).reshape(-1).view(np.uint8)
+            n_expert = int(projs[name].shape[-1])
+            per = data.size // n_expert
+            for e in sorted({int(x) for x in np.linspace(0, n_expert - 1, 8)}):
+                h.update(f"{il}.{name}.{e}".encode())
+                h.update(data[e * per : e * per + min(per, 4096)].tobytes())
+    return h.hexdigest()
+
+
+def experts_digest(path: Path) -> str:
+    """_experts_digest of the GGUF at path (ConfigError naming it if it is no MoE GGUF)."""
+    return _experts_digest(_open(path))
 
 
 def _head_digest(path: Path) -> str:
