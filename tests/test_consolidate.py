@@ -438,3 +438,23 @@ def test_a_variant_cut_short_is_named(variants: list[Path], tmp_path: Path) -> N
     cut.write_bytes(variants[0].read_bytes()[:100])
     with pytest.raises(ConfigError, match=rf"^{cut}: not a readable GGUF file \("):
         consolidate([cut, variants[1]], 1)
+
+
+def test_average_and_splice_check_their_inputs(variants: list[Path], tmp_path: Path) -> None:
+    """write_average names a missing variant (it opened it raw first) and one whose other tensors
+    differ; write_consolidated refuses a map whose rows, layers or owners do not fit the variants."""
+    from moetier.tools.consolidate import write_average, write_consolidated
+
+    gone = tmp_path / "gone.gguf"
+    with pytest.raises(ConfigError, match=rf"^{gone}: the variant's GGUF does not exist$"):
+        write_average([variants[0], gone], tmp_path / "avg.gguf")
+    m = consolidate(variants[:2], 4)
+    for bad in ({"map": [row[:-1] for row in m["map"]]}, {"layers": [7, *m["layers"][1:]]}):
+        with pytest.raises(
+            ConfigError, match=r"^the map does not fit its variants \(2 variants, layers \[0, 1, 2\], 8 experts\)"
+        ):
+            write_consolidated({**m, **bad}, 0, tmp_path / "x.gguf")
+    owners = [[5] * N_EXPERT for _ in m["map"]]
+    with pytest.raises(ConfigError, match=r"^the map does not fit its variants"):
+        write_consolidated({**m, "map": owners}, 0, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "avg.gguf").exists()

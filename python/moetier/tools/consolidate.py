@@ -203,6 +203,18 @@ def write_consolidated(m: dict[str, Any], index: int, out: str | os.PathLike[str
     if not 0 <= index < len(vs):
         msg = f"variant {index}: the map has {len(vs)} variants"
         raise ConfigError(msg)
+    n_expert = int(next(iter(vs[0].layers.values()))["ffn_gate_exps"].shape[-1])
+    rows_ok = len(m["map"]) == len(m["layers"]) and all(len(r) == n_expert for r in m["map"])
+    if (
+        not rows_ok
+        or not set(m["layers"]) <= set(vs[0].layers)
+        or any(not -1 <= o < len(vs) for row in m["map"] for o in row)
+    ):
+        msg = (
+            f"the map does not fit its variants ({len(vs)} variants, layers {list(vs[0].layers)}, {n_expert} experts); "
+            "write it again with `moetier consolidate`"
+        )
+        raise ConfigError(msg)
     me = vs[index]
     data: dict[str, Any] = {}
     for il, row in zip(m["layers"], m["map"], strict=True):
@@ -231,12 +243,19 @@ def write_average(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLik
     from .. import _core
     from .moefy import _ggml_type_name
 
-    readers = [gguf.GGUFReader(str(p)) for p in paths]
-    vs = [_open(Path(p)) for p in paths]
+    vs = [_open(Path(p)) for p in paths]  # first: its errors name the file
     _check_same(vs)
+    readers = [gguf.GGUFReader(str(p)) for p in paths]
     data: dict[str, Any] = {}
     others = [{t.name: t for t in r.tensors} for r in readers[1:]]
     for t in readers[0].tensors:
+        for p, o in zip(paths[1:], others, strict=True):
+            if t.name not in o or o[t.name].data.shape != t.data.shape:
+                msg = (
+                    f"{p}: {t.name} is missing or of another shape than in {paths[0]}; the average needs the "
+                    "same tensors in every variant"
+                )
+                raise ConfigError(msg)
         copies = [t] + [o[t.name] for o in others]
         raws = [np.asarray(c.data).view(np.uint8) for c in copies]
         if all(np.array_equal(raws[0], r) for r in raws[1:]):
