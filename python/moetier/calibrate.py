@@ -309,12 +309,15 @@ def record_trace(
     seq = min(cfg.seq_len, cfg.tokens)  # no context longer than the tokens it will hold
     ctx = ContextConfig(n_ctx=seq, n_batch=seq, n_ubatch=min(seq, 512))
     m = Model(model_path, context=ctx, n_threads=n_threads)
-    tokens = (m.tokenize(text) if isinstance(text, str) else list(text))[: cfg.tokens]
-    if len(tokens) < 2:
-        msg = "calibration text is empty (under 2 tokens); give a file of real text"
-        raise ConfigError(msg)
-    names = [f"ffn_moe_topk-{il}" for il in layers] + [f"ffn_moe_weights-{il}" for il in layers]
-    rows = _core.trace.collect(m._m, tokens, names, cfg.seq_len)
+    try:
+        tokens = (m.tokenize(text) if isinstance(text, str) else list(text))[: cfg.tokens]
+        if len(tokens) < 2:
+            msg = "calibration text is empty (under 2 tokens); give a file of real text"
+            raise ConfigError(msg)
+        names = [f"ffn_moe_topk-{il}" for il in layers] + [f"ffn_moe_weights-{il}" for il in layers]
+        rows = _core.trace.collect(m._m, tokens, names, cfg.seq_len)
+    finally:
+        m.close()  # the model's memory goes back now, not when the collector comes by
     n = len(tokens)
     ids = np.stack([rows[f"ffn_moe_topk-{il}"].reshape(n, -1) for il in layers], axis=1).astype(np.int32)
     weights = np.stack([rows[f"ffn_moe_weights-{il}"].reshape(n, -1) for il in layers], axis=1).astype(np.float32)
@@ -470,7 +473,11 @@ def calibrate(
     lf = fracs[0]
     for i, f in enumerate(fracs):
         cache = CacheConfig(budget=budget, t1=t1, t2=t2, low_frac=f, warm=False)  # a probe: no sidecar
-        info = Model(model_path, store=store, cache=cache, n_threads=n_threads).cache_info()
+        probe = Model(model_path, store=store, cache=cache, n_threads=n_threads)
+        try:
+            info = probe.cache_info()
+        finally:
+            probe.close()  # its cache is freed now, not when the collector comes by
         step = (lambda done, total, i=i: progress(i * total + done, len(fracs) * total)) if progress else None
         r = search_policy(trace, info, t1, t2, cfg.grid, step)
         splits.append(
