@@ -906,3 +906,45 @@ def test_a_failed_correction_round_leaves_no_model_sized_file(
         moefy(dense, tmp_path / "moe.gguf", CALIB, cfg, progress=False, work_dir=tmp_path / "w")
     assert len(calls) == 2 and calls[1].suffix == ".gguf"
     assert not list((tmp_path / "w").rglob("*.gguf")) and not (tmp_path / "moe.gguf").exists()
+
+
+def test_summary_is_the_conversions_one_line_report() -> None:
+    """The line `moetier moefy` prints: means and maxima over the MoE layers (leading dense layers left
+    out and named), the training-free plan's mean, the held-out errors when there are some, the
+    calibration tokens and each step's seconds."""
+    from moetier.tools.moefy import MoefyResult
+
+    r = MoefyResult(
+        errors_plan=[0.0, 0.25, 0.5],
+        errors=[0.0, 0.125, 0.375],
+        seconds={"collect": 12.4, "plan": 3.6},
+        n_calib_tokens=4096,
+        errors_held_out=[0.0, 0.3, 0.5],
+        n_held_out_tokens=512,
+        dense_lead=1,
+    )
+    assert r.summary() == (
+        "FFN error mean 0.250, max 0.375 (training-free 0.375); held-out (512 tokens) mean 0.400, max 0.500; "
+        "4096 calibration tokens; collect 12 s, plan 4 s; layer 0 dense"
+    )
+    r2 = MoefyResult(errors_plan=[0.5, 0.25], errors=[0.5, 0.25], seconds={"plan": 1.0}, n_calib_tokens=1024)
+    assert r2.summary() == "FFN error mean 0.375, max 0.500 (training-free 0.375); 1024 calibration tokens; plan 1 s"
+    r3 = MoefyResult(errors_plan=[0, 0, 0.5], errors=[0, 0, 0.5], n_calib_tokens=512, dense_lead=2)
+    assert r3.summary().endswith("; 512 calibration tokens; layers 0-1 dense")
+
+
+def test_quantize_like_takes_any_float_input_and_weighs_by_the_importance() -> None:
+    """float64 weights are quantized as their float32 values; the importance matrix weighs the k-quant's
+    fit (another one gives other bytes), as llama.cpp's quantize does."""
+    from moetier import _core
+    from moetier.tools.moefy import _quantize_like
+
+    qt = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((3, 256)).astype(np.float32)
+    imat = np.abs(rng.standard_normal(256)).astype(np.float32) + 0.1
+    got = _quantize_like(a.astype(np.float64), qt.Q4_K, imat.astype(np.float64))
+    assert np.array_equal(got, _core.quantize(a, "q4_K", imat).reshape(3, -1))
+    other = np.ones(256, dtype=np.float32)
+    other[:128] = 100.0
+    assert not np.array_equal(got, _quantize_like(a, qt.Q4_K, other))

@@ -571,12 +571,14 @@ class MoefyResult:
     def summary(self) -> str:
         n = self.dense_lead
         e, p, h = self.errors[n:], self.errors_plan[n:], self.errors_held_out[n:]
-        t = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+        t = "".join(
+            f"; {k} {v:.0f} s" if i == 0 else f", {k} {v:.0f} s" for i, (k, v) in enumerate(self.seconds.items())
+        )
         dense = "" if n == 0 else "; layer 0 dense" if n == 1 else f"; layers 0-{n - 1} dense"
         held = f"; held-out ({self.n_held_out_tokens} tokens) mean {sum(h) / len(h):.3f}, max {max(h):.3f}" if h else ""
         return (
             f"FFN error mean {sum(e) / len(e):.3f}, max {max(e):.3f} (training-free {sum(p) / len(p):.3f}){held}; "
-            f"{self.n_calib_tokens} calibration tokens; {t}{dense}"
+            f"{self.n_calib_tokens} calibration tokens{t}{dense}"
         )
 
 
