@@ -106,6 +106,16 @@ def test_builtin_calibration_text_mixes_prose_and_code() -> None:
     text = builtin_calibration_text(60_000)
     assert len(text) == 60_000
     assert "statement" in text and "def " in text and "import " in text  # the language reference and sources
+    # slice by slice: a topic of the language reference, then one of about 60 top-level stdlib sources
+    import sysconfig
+    from pydoc_data.topics import topics
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    step = max(1, len(files) // 60)
+    names = sorted(topics)
+    want = [topics[names[0]][:3000], files[0].read_text(errors="replace")[:3000]]
+    want += [topics[names[1]][:3000], files[step].read_text(errors="replace")[:3000]]
+    assert text.startswith("\n\n".join(want) + "\n\n")
 
 
 def test_generated_prose_is_the_models_own_and_reproducible(dense: Path) -> None:
@@ -532,6 +542,11 @@ def test_partition_round_trip(tmp_path: Path) -> None:
     assert path.exists() and not (tmp_path / "part.npz.npz").exists()
     got = read_partition(path, 2, 256, cfg)
     assert len(got) == 2
+    import json
+
+    with np.load(path) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+    assert meta["source"] == "base.gguf" and meta["format"] == "moetier-moefy-partition-1"
     for sp in got:
         assert sp is not None
         shared, groups = sp
@@ -798,6 +813,8 @@ def test_partition_key_tells_shared_from_expert_neurons() -> None:
     assert _partition_key(one) != _partition_key(other)  # type: ignore[arg-type]
     assert _partition_key(one) == _partition_key([(a[:64].copy(), a[64:].reshape(2, 32).copy())])  # type: ignore[arg-type]
     assert _partition_key([None, *one]) == _partition_key(one)  # type: ignore[list-item]
+    # the shared neurons in another order: another model file (rows in another order), another key
+    assert _partition_key([(a[:64][::-1].copy(), a[64:].reshape(2, 32))]) != _partition_key(one)  # type: ignore[arg-type]
 
 
 def test_cached_work_of_another_partition_is_not_reused(dense: Path, tmp_path: Path) -> None:
