@@ -449,12 +449,13 @@ def test_average_and_splice_check_their_inputs(variants: list[Path], tmp_path: P
     with pytest.raises(ConfigError, match=rf"^{gone}: the variant's GGUF does not exist$"):
         write_average([variants[0], gone], tmp_path / "avg.gguf")
     m = consolidate(variants[:2], 4)
-    for bad in ({"map": [row[:-1] for row in m["map"]]}, {"layers": [7, *m["layers"][1:]]}):
-        with pytest.raises(
-            ConfigError, match=r"^the map does not fit its variants \(2 variants, layers \[0, 1, 2\], 8 experts\)"
-        ):
-            write_consolidated({**m, **bad}, 0, tmp_path / "x.gguf")
+    with pytest.raises(ConfigError, match=r"^the map: the map is of another shape than the variants' 3 MoE layers x 8"):
+        write_consolidated({**m, "map": [row[:-1] for row in m["map"]]}, 0, tmp_path / "x.gguf")
+    with pytest.raises(
+        ConfigError, match=r"^the map: layers \[7, 1, 2\], but its variants' MoE layers are \[0, 1, 2\]$"
+    ):
+        write_consolidated({**m, "layers": [7, *m["layers"][1:]]}, 0, tmp_path / "x.gguf")
     owners = [[5] * N_EXPERT for _ in m["map"]]
-    with pytest.raises(ConfigError, match=r"^the map does not fit its variants"):
+    with pytest.raises(ConfigError, match=r"^the map: layer 0, expert 0: 5 is neither -1 \(each variant's own\) nor a"):
         write_consolidated({**m, "map": owners}, 0, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "avg.gguf").exists()

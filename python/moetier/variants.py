@@ -30,7 +30,7 @@ from . import _core
 from .config import AUTO, CacheConfig
 from .errors import ConfigError
 from .model import GenerateResult, Model
-from .tools.consolidate import _head_digest, experts_digest
+from .tools.consolidate import _head_digest, check_rows, experts_digest
 
 
 @dataclass(frozen=True)
@@ -151,22 +151,8 @@ class Variants:
     def _apply(self, m: dict[str, Any], where: str) -> None:
         rows = m.get("map")
         E = self.n_expert
-        if (
-            not isinstance(rows, list)
-            or len(rows) != self.n_layers
-            or any(not isinstance(r, list) or len(r) != E for r in rows)
-        ):
-            msg = f"{where}: the map is of another shape than the variants' {self.n_layers} MoE layers x {E} experts"
-            raise ConfigError(msg)
-        n = len(self._models)
-        for il, row in enumerate(rows):
-            for e, o in enumerate(row):
-                if isinstance(o, bool) or not isinstance(o, int) or not -1 <= o < n:
-                    msg = (
-                        f"{where}: layer {il}, expert {e}: {o!r} is neither -1 (each variant's own) nor a variant "
-                        f"(0 to {n - 1})"
-                    )
-                    raise ConfigError(msg)
+        check_rows(rows, self.n_layers, E, len(self._models), where)
+        assert isinstance(rows, list)
         for v, model in enumerate(self._models):
             keys = [(o if o >= 0 else v) * E + e for row in rows for e, o in enumerate(row)]
             model._m.set_expert_keys(keys)

@@ -194,6 +194,26 @@ def _write_like(path: Path, out: Path, data: dict[str, Any]) -> None:
             w.close()
 
 
+def check_rows(rows: Any, n_layers: int, n_expert: int, n_variants: int, where: str) -> None:
+    """A map's rows fit its variants: one per MoE layer, one owner per expert, each -1 (every variant
+    its own) or a variant's index. ConfigError starting with `where` otherwise."""
+    if (
+        not isinstance(rows, list)
+        or len(rows) != n_layers
+        or any(not isinstance(r, list) or len(r) != n_expert for r in rows)
+    ):
+        msg = f"{where}: the map is of another shape than the variants' {n_layers} MoE layers x {n_expert} experts"
+        raise ConfigError(msg)
+    for il, row in enumerate(rows):
+        for e, o in enumerate(row):
+            if isinstance(o, bool) or not isinstance(o, int) or not -1 <= o < n_variants:
+                msg = (
+                    f"{where}: layer {il}, expert {e}: {o!r} is neither -1 (each variant's own) nor a variant "
+                    f"(0 to {n_variants - 1})"
+                )
+                raise ConfigError(msg)
+
+
 def write_consolidated(m: dict[str, Any], index: int, out: str | os.PathLike[str]) -> None:
     """Variant `index` of the map m as its requests compute under consolidation: every shared position's
     expert replaced by the copy of the variant the map gives it. What serving with the map computes,
@@ -204,17 +224,10 @@ def write_consolidated(m: dict[str, Any], index: int, out: str | os.PathLike[str
         msg = f"variant {index}: the map has {len(vs)} variants"
         raise ConfigError(msg)
     n_expert = int(next(iter(vs[0].layers.values()))["ffn_gate_exps"].shape[-1])
-    rows_ok = len(m["map"]) == len(m["layers"]) and all(len(r) == n_expert for r in m["map"])
-    if (
-        not rows_ok
-        or not set(m["layers"]) <= set(vs[0].layers)
-        or any(not -1 <= o < len(vs) for row in m["map"] for o in row)
-    ):
-        msg = (
-            f"the map does not fit its variants ({len(vs)} variants, layers {list(vs[0].layers)}, {n_expert} experts); "
-            "write it again with `moetier consolidate`"
-        )
+    if m["layers"] != list(vs[0].layers):
+        msg = f"the map: layers {m['layers']}, but its variants' MoE layers are {list(vs[0].layers)}"
         raise ConfigError(msg)
+    check_rows(m["map"], len(vs[0].layers), n_expert, len(vs), "the map")
     me = vs[index]
     data: dict[str, Any] = {}
     for il, row in zip(m["layers"], m["map"], strict=True):

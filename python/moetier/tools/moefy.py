@@ -571,9 +571,8 @@ class MoefyResult:
     def summary(self) -> str:
         n = self.dense_lead
         e, p, h = self.errors[n:], self.errors_plan[n:], self.errors_held_out[n:]
-        t = "".join(
-            f"; {k} {v:.0f} s" if i == 0 else f", {k} {v:.0f} s" for i, (k, v) in enumerate(self.seconds.items())
-        )
+        t = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+        t = f"; {t}" if t else ""
         dense = "" if n == 0 else "; layer 0 dense" if n == 1 else f"; layers 0-{n - 1} dense"
         held = f"; held-out ({self.n_held_out_tokens} tokens) mean {sum(h) / len(h):.3f}, max {max(h):.3f}" if h else ""
         return (
@@ -784,6 +783,30 @@ def _load_layer(path: Path) -> tuple[MoeLayer, float]:
         return MoeLayer(**{n: np.asarray(z[n]) for n in MoeLayer.NAMES}, bias=bias), float(z["err"])
 
 
+def _collect_converted(
+    reader: gguf.GGUFReader,
+    tensors: dict[str, Any],
+    tmp_model: Path,
+    cfg: MoefyConfig,
+    layers: list[MoeLayer | None],
+    splits: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None],
+    xs: list[Any] | None,
+    tokens: list[int],
+    n_threads: int | None,
+    acts_dir: Path,
+    kinds: tuple[str, ...],
+) -> dict[str, list[Any]]:
+    """The activations of the model converted so far: written to tmp_model unless acts_dir already
+    holds them, run, and removed whatever happens (it is as large as the output)."""
+    n_layer = len(layers)
+    try:
+        if not all((acts_dir / f"{k}-{il}.npy").exists() for k in kinds for il in range(n_layer)):
+            _write_moe(reader, tensors, tmp_model, cfg, layers, splits, xs)
+        return _collect(tmp_model, tokens, n_layer, n_threads, acts_dir, kinds)
+    finally:
+        tmp_model.unlink(missing_ok=True)
+
+
 def _check_used(cfg: MoefyConfig, distill: DistillConfig | None) -> None:
     """Settings that the rest of the request leaves unused are refused, not ignored."""
     if distill is not None and distill.epochs == 0 and distill != DistillConfig():
@@ -961,12 +984,9 @@ def moefy(
         acts_dir = work / f"correct-acts-{akey}-r{rnd}"
         kinds: tuple[str, ...] = ("ffn_norm", "ffn_inp")
         tmp_model = work / f"correct-acts-{akey}-r{rnd}.gguf"
-        try:  # the temporary model is as large as the output: never left behind
-            if not all((acts_dir / f"{k}-{il}.npy").exists() for k in kinds for il in range(n_layer)):
-                _write_moe(reader, tensors, tmp_model, cfg, layers, splits, None)
-            acts = _collect(tmp_model, tokens + held, n_layer, n_threads, acts_dir, kinds)
-        finally:
-            tmp_model.unlink(missing_ok=True)
+        acts = _collect_converted(
+            reader, tensors, tmp_model, cfg, layers, splits, None, tokens + held, n_threads, acts_dir, kinds
+        )
         bar = tqdm(
             range(cfg.dense_lead, n_layer), desc=f"correction round {rnd}/{cfg.correct_rounds}", disable=not show
         )
@@ -1004,12 +1024,9 @@ def moefy(
                 key = lkey1 if rnd == 2 else lkey
                 tmp_model = work / f"round-{rnd}-{key}.gguf"
                 acts_dir = work / f"moe-{key}-r{rnd}"
-                try:
-                    if not all((acts_dir / f"{k}-{il}.npy").exists() for k in kinds for il in range(n_layer)):
-                        _write_moe(reader, tensors, tmp_model, cfg, layers, splits, xs)
-                    acts = _collect(tmp_model, tokens, n_layer, n_threads, acts_dir, kinds)
-                finally:
-                    tmp_model.unlink(missing_ok=True)
+                acts = _collect_converted(
+                    reader, tensors, tmp_model, cfg, layers, splits, xs, tokens, n_threads, acts_dir, kinds
+                )
                 xs = acts["ffn_norm"]
             bar = tqdm(range(cfg.dense_lead, n_layer), desc=f"distill round {rnd}/{dcfg.rounds}", disable=not show)
             for il in bar:
