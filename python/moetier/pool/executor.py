@@ -411,9 +411,11 @@ class Pool:
         t = time.perf_counter()
         try:
             self._loaded[q][model] = self._opener(self.spec.models[model], self.spec.threads)
-        except Exception as e:
+        except Exception as e:  # not resident, and remembered (see submit); counted once that is so
             with self._cv:
                 self._failed[model] = (_files_of(self.spec.models[model]), time.monotonic(), e)
+                self.sched.unloaded(q, model)
+            self.counters[model].add(load_failures=1)
             raise
         with self._cv:
             self._failed.pop(model, None)
@@ -439,10 +441,8 @@ class Pool:
         for model in self._plan[q]:
             try:
                 self._load(q, model)
-            except Exception:
-                with self._cv:
-                    self.sched.unloaded(q, model)
-                self.counters[model].add(load_failures=1)  # after: whoever sees the count sees it unloaded
+            except Exception:  # _load counted it and marked it not resident; its jobs will say why
+                pass
         while True:
             with self._cv:
                 while True:
@@ -479,9 +479,6 @@ class Pool:
                 load_s = self._load(q, batch.model)
             except Exception as e:  # a failed load fails only this batch's jobs
                 error = e
-                with self._cv:
-                    self.sched.unloaded(q, batch.model)
-                self.counters[batch.model].add(load_failures=1)
         for i, job in enumerate(batch.jobs):
             try:
                 self._run_job(q, batch.model, job, load_s, error)
