@@ -281,6 +281,48 @@ def test_serve_pool_stopped_answers_every_request(tmp_path: Path, tiny_model: Mo
         proc.communicate(timeout=30)
 
 
+def test_drain_waits_for_the_answers_being_written() -> None:
+    """The server counts the requests it is answering; drain() waits for them (a stopping server
+    exits only after its last answers are written) and says how many are left when it gives up."""
+    release = threading.Event()
+
+    class Held:
+        def names(self) -> list[dict[str, Any]]:
+            return []
+
+        def metrics(self) -> str:
+            return ""
+
+        def run(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+            release.wait(30)
+            return {"ok": True}
+
+    server = make_server(Held(), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    got: list[int] = []
+
+    def post() -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{server.server_port}/v1/completions", b"{}")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            got.append(resp.status)
+
+    client = threading.Thread(target=post)
+    try:
+        assert server.drain(0.0) == 0
+        client.start()
+        wait_for(lambda: server.drain(0.0) == 1)  # the request is being answered
+        t = time.monotonic()
+        assert server.drain(0.2) == 1 and time.monotonic() - t >= 0.2
+        threading.Timer(0.2, release.set).start()
+        assert server.drain(10.0) == 0
+        client.join(10)
+        assert got == [200]
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
 def test_profile_command_measures_each_shape_once(tmp_path: Path, tiny_model: ModelFactory) -> None:
     cfg = pool_yaml(tmp_path, tiny_model, budget_models=2.5)
     data = json.loads(cfg.read_text())
